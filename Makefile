@@ -1,0 +1,37 @@
+# make run: the main job (the watchdog supervising the embedded PPO trainer).
+# make test: everything CI runs. Both create .venv and install what they need.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint bench clean deps
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: the CPU build on this machine's disk, not a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	touch $(STAMP)
+
+deps:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  echo "installing Debian's prometheus (promtool + server for the integration tests)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+
+run: $(STAMP)
+	$(BIN)/watchdog run
+
+test: $(STAMP) deps
+	$(BIN)/pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check trainer watchdog tests bench
+	$(BIN)/mypy trainer watchdog
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_rules.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
