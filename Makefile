@@ -16,12 +16,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 deps:
-	@command -v promtool >/dev/null 2>&1 || { \
+	@command -v promtool >/dev/null 2>&1 && command -v amtool >/dev/null 2>&1 || { \
 	  echo "installing Debian's prometheus (promtool + server for the integration tests)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; }
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-alertmanager >/dev/null; }
 
+# The seed's settings scaled to CPU, with a fault schedule that produces the table's
+# failures: a KL excursion (kl_coef collapse + lr spike), an OOM, and a divergence (30x lr).
 run: $(STAMP)
-	$(BIN)/watchdog run
+	$(BIN)/watchdog run --faults "kl_collapse@8:0.1,lr_spike@8:x3,oom@30,lr_spike@59:x30" \
+	  --set algorithm.kl_ctrl.kl_coef=0.001 --set data.train_size=128 --set trainer.total_training_steps=80
 
 test: $(STAMP) deps
 	$(BIN)/pytest -q

@@ -16,6 +16,7 @@ This module imports nothing heavy: the watchdog imports it without torch.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping
@@ -75,10 +76,22 @@ METRICS: tuple[Metric, ...] = (
     Metric("critic/lr", "ppo_critic_lr", "critic_lr", "Critic learning rate."),
     Metric("critic/score/mean", "ppo_score_mean", "reward", "Mean task score (reward-function output) per sequence."),
     Metric("critic/rewards/mean", "ppo_reward_mean", "rewards", "Mean sequence reward after the KL penalty."),
+    Metric("critic/score/max", "ppo_score_max", "reward_max", "Highest task score in the batch."),
+    Metric("critic/score/min", "ppo_score_min", "reward_min", "Lowest task score in the batch."),
     Metric("critic/advantages/mean", "ppo_advantage_mean", "advantages", "Mean advantage (GAE)."),
+    Metric("critic/returns/mean", "ppo_return_mean", "returns", "Mean return (GAE target of the critic)."),
+    Metric("critic/values/mean", "ppo_value_mean", "values", "Mean value estimate of the critic."),
     Metric(
         "response_length/mean", "ppo_response_length_tokens", "response_length",
         "Mean response length in tokens.", unit="short",
+    ),
+    Metric(
+        "response_length/max", "ppo_response_length_max_tokens", "response_length_max",
+        "Longest response in the batch, in tokens.", unit="short",
+    ),
+    Metric(
+        "response_length/clip_ratio", "ppo_response_clip_ratio", "response_clip_ratio",
+        "Fraction of responses cut at max_response_length.",
     ),
     Metric(
         "perf/throughput", "ppo_throughput_tokens_per_second", "throughput",
@@ -106,6 +119,7 @@ _VAL_PATTERNS = (
 )
 
 
+@functools.lru_cache(maxsize=4096)
 def canonical_key(key: str) -> str | None:
     """The catalog key for a verl key (current, aliased or per-data-source), else None."""
     if key in BY_KEY:

@@ -1,0 +1,94 @@
+"""Shared fixtures: a tiny SFT model and data, trained once per test session in a temp cache.
+
+Tests that run the trainer (in process or as ``python -m trainer``) use
+``tiny_trainer_args(run_dir, *overrides)`` for an argv that finishes a step in a
+fraction of a second, and ``trainer_env`` for a subprocess environment whose cache is
+the session's temp directory (nothing under ~/.cache is touched).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class TinySFT:
+    """A tiny SFT warm start and the synthetic data it was trained on."""
+
+    cache: Path
+    """PPO_WATCHDOG_CACHE of the session."""
+    model_dir: Path
+    """Saved model + tokenizer.json (actor_rollout_ref.model.path)."""
+    train_files: Path
+    """verl-format training parquet."""
+    val_files: Path
+    """verl-format validation parquet."""
+
+    def overrides(self, run_dir: Path | str, steps: int = 4) -> list[str]:
+        """``key=value`` overrides for a run of a few fast steps (batch 16, mini 8, micro 8)."""
+        return [
+            f"actor_rollout_ref.model.path={self.model_dir}",
+            f"data.train_files={self.train_files}",
+            f"data.val_files={self.val_files}",
+            "data.train_batch_size=16",
+            "data.val_batch_size=64",
+            "data.max_response_length=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=8",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
+            "critic.ppo_mini_batch_size=8",
+            "critic.ppo_micro_batch_size_per_gpu=8",
+            f"trainer.total_training_steps={steps}",
+            "trainer.test_freq=0",
+            "trainer.save_epoch_freq=0",
+            "trainer.progress=false",
+            f"trainer.run_dir={run_dir}",
+        ]
+
+
+@pytest.fixture(scope="session")
+def tiny_sft(tmp_path_factory: pytest.TempPathFactory) -> TinySFT:
+    """Train (a few seconds) a 1-layer d=32 SFT model on 64 synthetic problems, once per session."""
+    import torch
+
+    from trainer import data as data_mod
+    from trainer.sft import SFTSettings, train_sft
+
+    torch.set_num_threads(1)
+    cache = tmp_path_factory.mktemp("ppo-cache")
+    train, val = data_mod.write_synthetic(cache / "data", n_train=64, n_val=32, max_operand=5, seed=0)
+    settings = SFTSettings(str(train), n_layer=1, n_embd=32, n_head=2, n_positions=32, max_prompt_length=16,
+                           max_response_length=8, steps=30, batch_size=32, lr=3e-3, seed=0)
+    model_dir = cache / "tiny-sft"
+    train_sft(settings, model_dir, None, progress=False)
+    return TinySFT(cache, model_dir, train, val)
+
+
+@pytest.fixture(scope="session")
+def tiny_trainer_args(tiny_sft: TinySFT) -> Callable[..., list[str]]:
+    """``f(run_dir, *extra, steps=4)`` -> argv for ``python -m trainer`` on the tiny model."""
+
+    def make(run_dir: Path | str, *extra: str, steps: int = 4) -> list[str]:
+        return [sys.executable, "-m", "trainer", *tiny_sft.overrides(run_dir, steps), *extra]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def trainer_env(tiny_sft: TinySFT) -> dict[str, str]:
+    """Environment for trainer subprocesses: session cache, one thread, quiet logs, repo on the path."""
+    env = dict(os.environ)
+    env.update({
+        "PPO_WATCHDOG_CACHE": str(tiny_sft.cache),
+        "OMP_NUM_THREADS": "1",
+        "TRAINER_LOG_LEVEL": "WARNING",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
+    })
+    return env

@@ -1,0 +1,296 @@
+"""The `watchdog` CLI: rules list/check/test/explain and replay, through Typer's CliRunner and a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from trainer import catalog, rundir
+from watchdog import cli
+from watchdog.rulefile import load_rules
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = ROOT / "rules" / "default.yaml"
+DEFAULT_TESTS = ROOT / "rules" / "tests"
+LOGS = Path("/work/shared/testdata/verl-logs")
+HEALTHY = LOGS / "verl_ppo_gemma2b_gsm8k_healthy.txt"
+NAN = LOGS / "verl_issue_nan_single_step_excerpts.txt"
+
+needs_logs = pytest.mark.skipif(not HEALTHY.exists(), reason="shared verl test logs not present")
+needs_default = pytest.mark.skipif(not DEFAULT.exists(), reason="rules/default.yaml not written yet")
+
+runner = CliRunner()
+
+GOOD = """\
+version: 1
+rules:
+  - name: kl_over
+    description: KL above the seed's 0.1 threshold; raise kl_coef, capped.
+    expr: kl > 0.1
+    for: 2
+    clear: kl < 0.09
+    actions:
+      - set: {key: algorithm.kl_ctrl.kl_coef, scale: 1.2, max: 0.01}
+    cooldown: 5
+  - name: vf_nan
+    description: Non-finite value loss; restore the last good checkpoint.
+    expr: not isfinite(vf_loss) or event("nan") > 0
+    actions:
+      - rollback: {skip_batches: 1}
+      - notify: {message: value loss is not finite}
+    severity: critical
+"""
+
+# Three mistakes in one file, each must be reported with its own line and column.
+BROKEN = """\
+version: 1
+rules:
+  - name: kl_over
+    description: x
+    expr: kl > 0.1 and
+    actions: [notify]
+  - name: typo
+    description: y
+    expr: klx > 0.1
+    colour: red
+    actions: [notify]
+"""
+
+
+@pytest.fixture()
+def good(tmp_path: Path) -> Path:
+    p = tmp_path / "good.yaml"
+    p.write_text(GOOD)
+    return p
+
+
+def invoke(*args: str, env: dict[str, str] | None = None):
+    return runner.invoke(cli.app, [str(a) for a in args], env=env)
+
+
+def test_rules_check_accepts_a_valid_file(good: Path) -> None:
+    r = invoke("rules", "check", good)
+    assert r.exit_code == 0, r.output
+    assert "OK: 2 rules in 1 file(s)" in r.stdout
+
+
+def test_rules_check_reports_every_error_as_file_line_col_and_fails(good: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BROKEN)
+    r = invoke("rules", "check", good, bad)
+    assert r.exit_code == 1
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith(str(bad) + ":")]
+    assert len(errors) >= 3, r.stderr
+    lines = {int(e.split(":")[1]) for e in errors}
+    assert {5, 9, 10} <= lines  # the dangling 'and', the unknown metric, the unknown key
+    assert any("klx" in e for e in errors) and any("colour" in e for e in errors)
+    for e in errors:
+        _, line, col, _msg = e.split(":", 3)
+        assert line.isdigit() and col.isdigit()
+
+
+def test_rules_check_of_a_missing_file_exits_2(tmp_path: Path) -> None:
+    r = invoke("rules", "check", tmp_path / "absent.yaml")
+    assert r.exit_code == 2
+    assert "absent.yaml: no such file or directory" in r.stderr
+
+
+def test_rules_list_prints_a_table_and_json(good: Path) -> None:
+    r = invoke("rules", "list", good)
+    assert r.exit_code == 0, r.output
+    assert "kl_over" in r.stdout and "vf_nan" in r.stdout
+    assert "set algorithm.kl_ctrl.kl_coef x1.2 (max 0.01)" in r.stdout
+    r = invoke("rules", "list", good, "--json")
+    assert r.exit_code == 0
+    doc = json.loads(r.stdout)
+    assert [d["name"] for d in doc] == ["kl_over", "vf_nan"]
+    assert doc[0]["for"] == 2 and doc[0]["cooldown"] == 5 and doc[0]["clear"] == "kl < 0.09"
+    assert doc[0]["metrics"] == ["kl"]
+    assert doc[1]["actions"] == [{"kind": "rollback", "skip_batches": 1},
+                                 {"kind": "notify", "message": "value loss is not finite"}]
+
+
+def test_rules_explain_shows_rationale_actions_and_catalog_descriptions(good: Path) -> None:
+    r = invoke("rules", "explain", "kl_over", "--rules", good)
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    assert "KL above the seed's 0.1 threshold" in out
+    assert "kl > 0.1" in out and "kl < 0.09" in out
+    assert "set algorithm.kl_ctrl.kl_coef x1.2 (max 0.01)" in out
+    m = catalog.BY_SHORT["kl"]
+    assert m.key in out and m.prom in out and m.help[:40] in out
+
+
+def test_rules_explain_of_an_unknown_rule_suggests_the_near_one(good: Path) -> None:
+    r = invoke("rules", "explain", "kl_ovr", "-r", good)
+    assert r.exit_code == 2
+    assert "no rule named 'kl_ovr'" in r.stderr and "kl_over" in r.stderr
+
+
+def test_rules_test_passes_and_fails_with_exit_codes(good: Path, tmp_path: Path) -> None:
+    t = tmp_path / "t.yaml"
+    t.write_text(f"""\
+rule_files: [{good.name}]
+tests:
+  - name: KL above 0.1 for two steps raises kl_coef
+    rules: [kl_over]
+    input_series:
+      kl: "0.02x3 0.15x2"   # steps 1-4 at 0.02, steps 5-7 at 0.15 (promtool: axn is n+1 values)
+    expect:
+      - {{step: 6, rule: kl_over, kind: fire, actions: [set]}}
+""")
+    r = invoke("rules", "test", t)
+    assert r.exit_code == 0, r.output
+    assert "1 passed, 0 failed" in r.stdout
+    t.write_text(t.read_text().replace("step: 6", "step: 5"))
+    r = invoke("rules", "test", tmp_path)
+    assert r.exit_code == 1
+    assert "FAIL" in r.stdout
+
+
+@needs_logs
+def test_replay_of_verl_console_log_prints_the_kl_fire_with_would_set_values(good: Path) -> None:
+    r = invoke("replay", HEALTHY, "--rules", good)
+    assert r.exit_code == 0, r.output
+    assert "106 steps (0..105)" in r.stdout
+    assert "kl_over" in r.stdout and "0.001 -> 0.0012" in r.stdout
+
+
+@needs_logs
+def test_replay_json_is_a_list_of_decisions(good: Path) -> None:
+    r = invoke("replay", NAN, "--rules", good, "--json")
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert isinstance(doc, list) and doc
+    first = doc[0]
+    assert (first["step"], first["rule"], first["kind"]) == (1, "vf_nan", "fire")
+    assert [a["kind"] for a in first["actions"]] == ["rollback", "notify"]
+    assert "NAN_single" not in r.stdout  # warnings go to stderr only
+    assert "verl_issue_nan_single_step_excerpts.txt:7" in r.stderr
+
+
+def test_replay_of_a_run_dir_uses_its_events_and_set_values(good: Path, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    for s in range(1, 5):
+        rundir.append_metrics(run, s, {"actor/reward_kl_penalty": 0.2, "actor/reward_kl_penalty_coeff": 0.002,
+                                       "critic/vf_loss": 0.1})
+    rundir.append_event(run, "nan", 3, what="loss")
+    r = invoke("replay", run, "-r", good, "--json")
+    assert r.exit_code == 0, r.output
+    got = [(d["step"], d["rule"], d["kind"]) for d in json.loads(r.stdout)]
+    assert (2, "kl_over", "fire") in got and (3, "vf_nan", "fire") in got
+    kl = next(d for d in json.loads(r.stdout) if d["rule"] == "kl_over")
+    assert (kl["actions"][0]["from"], kl["actions"][0]["to"]) == (0.002, pytest.approx(0.0024))
+
+
+def test_replay_of_a_missing_file_is_a_clean_error(good: Path, tmp_path: Path) -> None:
+    r = invoke("replay", tmp_path / "nope.jsonl", "-r", good)
+    assert r.exit_code == 2
+    assert "nope.jsonl: no such file" in r.stderr
+    assert "Traceback" not in r.output
+
+
+def test_replay_of_a_file_without_metrics_is_a_clean_error(good: Path, tmp_path: Path) -> None:
+    p = tmp_path / "empty.log"
+    p.write_text("nothing to see here\n")
+    r = invoke("replay", p, "-r", good)
+    assert r.exit_code == 2 and "no metric records found" in r.stderr
+
+
+def test_broken_rules_for_replay_exit_2_with_every_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(BROKEN)
+    log = tmp_path / "m.jsonl"
+    log.write_text('{"step": 1, "data": {"critic/kl": 0.1}}\n')
+    r = invoke("replay", log, "-r", bad)
+    assert r.exit_code == 2 and f"{bad}:9:" in r.stderr
+
+
+def test_rules_env_variable_overrides_the_default_pack(good: Path) -> None:
+    r = invoke("rules", "list", "--json", env={cli.RULES_ENV: str(good)})
+    assert r.exit_code == 0, r.output
+    assert [d["name"] for d in json.loads(r.stdout)] == ["kl_over", "vf_nan"]
+
+
+@needs_default
+def test_default_pack_is_found_and_checks_clean() -> None:
+    assert cli.default_rules_paths() == [DEFAULT]
+    r = invoke("rules", "check", DEFAULT)
+    assert r.exit_code == 0, r.output
+    r = invoke("rules", "list")
+    assert r.exit_code == 0, r.output
+
+
+@needs_default
+@pytest.mark.skipif(not list(DEFAULT_TESTS.glob("*.y*ml")), reason="rules/tests/ not written yet")
+def test_default_pack_rule_tests_pass() -> None:
+    r = invoke("rules", "test", DEFAULT_TESTS)
+    assert r.exit_code == 0, r.output
+
+
+def test_python_dash_m_watchdog_runs_as_a_real_process(good: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run([sys.executable, "-m", "watchdog", "rules", "check", str(good)],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "OK: 2 rules" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "watchdog", "--help"], capture_output=True, text=True,
+                       timeout=60, env=env)
+    assert p.returncode == 0 and "rules" in p.stdout and "replay" in p.stdout
+
+
+@needs_default
+def test_rules_benchmark_script_writes_its_json_and_table(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_rules.py"), "--sizes", "1,10",
+                        "--repeats", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((tmp_path / "rules_bench.json").read_text())
+    assert [r["runs"] for r in doc["results"]] == [1, 10]
+    assert all(r["eval_ms_median"] > 0 and r["repeats"] == 2 for r in doc["results"])
+    assert doc["rules"] == len(load_rules([DEFAULT]))
+    assert "| 10 |" in (tmp_path / "rules_bench.md").read_text()
+
+
+def test_replay_of_a_console_log_ending_in_cuda_oom_fires_the_oom_rule(tmp_path: Path) -> None:
+    rules = tmp_path / "oom.yaml"
+    rules.write_text("""\
+version: 1
+rules:
+  - name: oom_seen
+    description: An OOM; one micro-batch less.
+    expr: event("oom") > 0
+    actions:
+      - set: {key: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, add: -1, min: 1}
+""")
+    log = tmp_path / "console.log"
+    log.write_text("step:1 - critic/kl:0.01\nstep:2 - critic/kl:0.01\n"
+                   "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB\n")
+    r = invoke("replay", log, "-r", rules, "--json", "--set",
+               "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
+    assert r.exit_code == 0, r.output
+    fires = [d for d in json.loads(r.stdout) if d["kind"] == "fire"]
+    assert [(d["step"], d["rule"]) for d in fires] == [(2, "oom_seen")]
+    assert (fires[0]["actions"][0]["from"], fires[0]["actions"][0]["to"]) == (8.0, 7)
+
+
+def test_replay_rejects_a_malformed_set_option(good: Path, tmp_path: Path) -> None:
+    log = tmp_path / "m.jsonl"
+    log.write_text('{"step": 1, "data": {"critic/kl": 0.01}}\n')
+    r = invoke("replay", log, "-r", good, "--set", "lr")
+    assert r.exit_code == 2 and "--set expects KEY=NUMBER, got 'lr'" in r.stderr
+
+
+def test_a_missing_default_pack_names_the_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "pkg" / "watchdog" / "cli.py"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(cli.RULES_ENV, raising=False)
+    r = invoke("rules", "list")
+    assert r.exit_code == 2
+    assert "--rules" in r.stderr and cli.RULES_ENV in r.stderr

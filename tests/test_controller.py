@@ -1,0 +1,349 @@
+"""The controller: pure planning and timing rules, then whole ticks against real small processes.
+
+The tick tests use a minimal trainer that speaks the run-directory protocol through the
+real ``trainer.control.ControlApplier`` (metrics, events, control.json, exit codes) and
+starts in a fraction of a second, so budgets, escalation, pause/resume and the live-apply
+timeout are tested on real processes without PPO's start-up cost.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from typer.testing import CliRunner
+
+from trainer import rundir
+from watchdog.actions import CheckpointAction, PauseAction, RollbackAction, SetAction
+from watchdog.actuator import alert_payload, choose_known_good, restart_command, snap_micro_batch
+from watchdog.controller import (
+    ControllerConfig,
+    classify_exit,
+    heartbeat_timeout,
+    plan_decision,
+    span_start,
+)
+from watchdog.daemon import DaemonConfigError, build_watchdog, load_daemon_config
+from watchdog.store import BadSpan
+
+KL = "algorithm.kl_ctrl.kl_coef"
+LR = "actor_rollout_ref.actor.optim.lr"
+LIVE = rundir.LIVE_KEYS
+
+
+def _decision(kind="fire", actions=(), rule="r", step=10):
+    return SimpleNamespace(rule=rule, step=step, kind=kind, actions=list(actions), inputs={}, severity="warning",
+                           message="m")
+
+
+# -- pure core ----------------------------------------------------------------------------
+
+
+def test_live_key_set_is_planned_live_from_the_trainers_current_kl_coef():
+    d = _decision(actions=[SetAction(KL, "scale", 1.2, max=0.02)])
+    (p,) = plan_decision(d, {}, {"actor/reward_kl_penalty_coeff": 0.01}, {}, LIVE, alive=True)
+    assert p.kind == "live_set" and p.payload["set"] == {KL: pytest.approx(0.012)}
+
+
+def test_set_is_clamped_by_the_rules_max():
+    d = _decision(actions=[SetAction(KL, "scale", 1.2, max=0.02)])
+    (p,) = plan_decision(d, {KL: 0.019}, {"actor/reward_kl_penalty_coeff": 0.019}, {}, LIVE, alive=True)
+    assert p.payload["set"][KL] == 0.02
+
+
+def test_a_key_the_trainer_cannot_change_live_is_planned_as_a_restart():
+    d = _decision(actions=[SetAction("algorithm.gamma", "to", 0.99)])
+    (p,) = plan_decision(d, {}, {}, {"algorithm": {"gamma": 1.0}}, LIVE, alive=True)
+    assert p.kind == "restart" and p.payload["set"] == {"algorithm.gamma": 0.99}
+
+
+def test_sets_after_a_rollback_follow_it_instead_of_going_live():
+    d = _decision(actions=[RollbackAction(skip_batches=2), SetAction(LR, "scale", 0.5)])
+    (p,) = plan_decision(d, {}, {}, {"actor_rollout_ref": {"actor": {"optim": {"lr": 2e-4}}}}, LIVE, alive=True)
+    assert p.kind == "rollback" and p.payload["skip_batches"] == 2
+    assert p.payload["set"] == {LR: pytest.approx(1e-4)}
+
+
+def test_micro_batch_set_is_rounded_down_to_a_divisor_of_the_mini_batch():
+    micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+    cfg = {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8}}}
+    d = _decision(actions=[SetAction(micro, "add", -1, min=1)])
+    (p,) = plan_decision(d, {}, {}, cfg, LIVE, alive=True)
+    assert p.payload["set"] == {micro: 4}
+    assert [snap_micro_batch(v, 12) for v in (12, 11, 5, 1, 0)] == [12, 6, 4, 1, 1]
+
+
+def test_escalation_pauses_and_alerts_even_without_actions():
+    kinds = [(p.kind, p.payload.get("command", {}).get("kind")) for p in
+             plan_decision(_decision("escalate"), {}, {}, {}, LIVE, alive=True)]
+    assert kinds == [("command", "pause"), ("notify", None)]
+
+
+def test_pause_and_checkpoint_actions_become_commands_and_resolve_does_nothing():
+    d = _decision(actions=[CheckpointAction(), PauseAction("too many rollbacks")])
+    assert [p.payload.get("command", {}).get("kind") for p in plan_decision(d, {}, {}, {}, LIVE, True)] == \
+        ["checkpoint", "pause", None]
+    assert plan_decision(_decision("resolve", [SetAction(KL, "scale", 2)]), {}, {}, {}, LIVE, True) == []
+
+
+def test_heartbeat_is_ten_median_step_times_with_a_floor():
+    cfg = ControllerConfig(heartbeat_min_s=30, heartbeat_factor=10)
+    assert heartbeat_timeout([], cfg) == 30
+    assert heartbeat_timeout([0.1, 0.2, 100.0], cfg) == 30  # one slow step does not stretch it
+    assert heartbeat_timeout([5.0, 6.0, 7.0, float("nan")], cfg) == 60
+
+
+def test_exit_is_classified_from_the_code_or_for_an_adopted_process_from_its_events():
+    assert classify_exit(75, False, False) == "oom"
+    assert classify_exit(0, True, False) == "finished"
+    assert classify_exit(-9, False, False) == "crash"
+    assert classify_exit(None, False, True) == "oom"
+    assert classify_exit(None, True, False) == "finished"
+    assert classify_exit(None, False, False) == "crash"
+
+
+def test_divergence_span_starts_at_the_checkpoint_that_produced_the_first_bad_step():
+    assert span_start(fire_step=31, for_steps=1, margin=1) == 30
+    assert span_start(fire_step=31, for_steps=3, margin=1) == 28
+    assert span_start(fire_step=31, for_steps=0, margin=0) == 31
+
+
+def test_known_good_skips_checkpoints_taken_while_diverging_but_not_their_retrained_copies():
+    ck = [SimpleNamespace(step=s, complete=c, ts=t) for s, c, t in
+          [(5, True, 50.0), (10, True, 100.0), (15, True, 150.0), (20, False, 200.0)]]
+    span = BadSpan("nan", 10, 16, 140.0, 170.0)
+    assert choose_known_good(ck, [span]).step == 5
+    retrained = ck + [SimpleNamespace(step=15, complete=True, ts=300.0)]
+    assert choose_known_good(retrained, [span]).ts == 300.0
+    assert choose_known_good(ck, [BadSpan("nan", 0, None, 0.0, None)]) is None
+
+
+def test_restart_command_replaces_overrides_and_adds_the_resume_arguments():
+    base = ["python", "-m", "trainer", "trainer.run_dir=/r", f"{KL}=0.001", "trainer.resume_mode=auto"]
+    cmd = restart_command(base, {KL: 0.0012, LR: 1e-06}, "/r/checkpoints/global_step_10")
+    assert cmd == ["python", "-m", "trainer", "trainer.run_dir=/r", f"{LR}=1e-06", f"{KL}=0.0012",
+                   "trainer.resume_mode=resume_path", "trainer.resume_from_path=/r/checkpoints/global_step_10"]
+
+
+def test_alert_payload_has_alertmanagers_webhook_shape():
+    p = alert_payload("run1", "kl_far", "critical", "paused", "KL 0.9", now=0.0)
+    assert p["version"] == "4" and p["status"] == "firing" and len(p["alerts"]) == 1
+    a = p["alerts"][0]
+    assert a["labels"] == {"alertname": "PPOWatchdogEscalation", "run": "run1", "rule": "kl_far",
+                           "severity": "critical"}
+    assert a["startsAt"] == "1970-01-01T00:00:00Z" and a["annotations"]["summary"] == "paused"
+
+
+def test_daemon_config_rejects_unknown_keys_naming_the_file(tmp_path):
+    f = tmp_path / "d.yaml"
+    f.write_text("runs: [/tmp/x]\ncontroller: {restart_budgett: 2}\n")
+    with pytest.raises(DaemonConfigError, match=r"d.yaml: unknown key controller.restart_budgett"):
+        load_daemon_config(f)
+    f.write_text("runs: [{run_dir: /tmp/x, restart_command: [python, t.py]}]\ntick_s: 2\n")
+    cfg = load_daemon_config(f)
+    assert cfg.runs[0].restart_command == ["python", "t.py"] and cfg.tick_s == 2
+
+
+# -- whole ticks against a real process ---------------------------------------------------
+
+FAKE_TRAINER = textwrap.dedent('''
+    """A protocol-speaking stand-in for the trainer: real metrics, events, control.json, exits."""
+    import signal, sys, time
+    from trainer import rundir
+    from trainer.control import ControlApplier
+
+    args = dict(a.split("=", 1) for a in sys.argv[1:])
+    run_dir = args["trainer.run_dir"]
+    steps, crash_at = int(args.get("steps", 10)), int(args.get("crash_at", 0))
+    ignore = args.get("ignore_control") == "1"
+    kl_coef = float(args.get("algorithm.kl_ctrl.kl_coef", 0.01))
+    ctl = ControlApplier(run_dir)
+    rundir.write_run_json(run_dir, {"live_keys": list(rundir.LIVE_KEYS)})
+    if ignore:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    else:
+        ctl.install_signal_handler()
+    start = int(args.get("trainer.resume_from_path", "x_0").rsplit("_", 1)[1] or 0)
+    rundir.append_event(run_dir, "started", start, argv=sys.argv[1:])
+    paused = False
+    step = start
+    while step < steps:
+        changes = None if ignore else ctl.poll(step)
+        if changes is not None:
+            kl_coef = float(changes.overrides.get("algorithm.kl_ctrl.kl_coef", kl_coef))
+            for c in changes.commands:
+                if c.kind == "pause":
+                    paused = True
+                    rundir.append_event(run_dir, "paused", step)
+                elif c.kind == "resume":
+                    paused = False
+                    rundir.append_event(run_dir, "resumed", step)
+            ctl.mark_applied(changes, step, dict(changes.overrides))
+        if paused:
+            time.sleep(0.05)
+            continue
+        step += 1
+        if step == crash_at:
+            sys.exit(3)
+        rundir.append_metrics(run_dir, step, {"actor/reward_kl_penalty": 0.5, "perf/time_per_step": 0.05,
+                                              "actor/reward_kl_penalty_coeff": kl_coef})
+        time.sleep(0.05)
+    rundir.append_event(run_dir, "finished", step)
+''')
+
+
+class _Hook(BaseHTTPRequestHandler):
+    received: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).received.append({"path": self.path, "ctype": self.headers["Content-Type"],
+                                    "body": json.loads(body)})
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def webhook():
+    _Hook.received = []
+    server = HTTPServer(("127.0.0.1", 0), _Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/alert", _Hook.received
+    server.shutdown()
+
+
+def _setup(tmp_path: Path, rule_yaml: str, **kw):
+    (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("version: 1\nrules:\n" + textwrap.dedent(rule_yaml))
+    wd = build_watchdog(tmp_path / "state", [rules], **kw)
+    return wd
+
+
+def _drive(wd, until, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        wd.tick()
+        if until():
+            return
+        time.sleep(0.1)
+    raise AssertionError("condition not reached in time")
+
+
+QUIET_RULE = """
+  - name: kl_absurd
+    description: never fires
+    expr: kl > 1000
+    actions: [checkpoint]
+"""
+
+
+def test_crashing_trainer_is_restarted_within_the_budget_then_handed_to_a_human(tmp_path, webhook):
+    url, received = webhook
+    wd = _setup(tmp_path, QUIET_RULE, webhook_url=url, controller={"restart_budget": 2})
+    run_dir = tmp_path / "run"
+    ctl = wd.add_run(run_dir, command=[sys.executable, str(tmp_path / "fake_trainer.py"),
+                                       f"trainer.run_dir={run_dir}", "crash_at=3", "steps=10"])
+    _drive(wd, lambda: ctl.run.phase == "failed")
+    assert len(rundir.iter_events(run_dir, ["started"])) == 3  # first launch + 2 restarts
+    rules = [d["rule"] for d in wd.store.decisions("run")]
+    assert rules == ["watchdog:crash", "watchdog:crash", "watchdog:budget"]
+    (post,) = received
+    alert = post["body"]["alerts"][0]
+    assert post["ctype"] == "application/json" and alert["labels"]["rule"] == "watchdog:crash"
+    assert "restart budget (2) exhausted" in alert["annotations"]["description"]
+
+
+def test_unconfirmed_live_change_falls_back_to_a_restart_with_the_override(tmp_path):
+    wd = _setup(tmp_path, """
+      - name: kl_high
+        description: raise kl_coef
+        expr: kl > 0.1
+        actions:
+          - set: {key: algorithm.kl_ctrl.kl_coef, scale: 2.0, max: 1.0}
+        cooldown: 1000
+    """, actuator={"live_timeout_s": 0.5, "stop_grace_s": 2})
+    run_dir = tmp_path / "run"
+    ctl = wd.add_run(run_dir, command=[sys.executable, str(tmp_path / "fake_trainer.py"),
+                                       f"trainer.run_dir={run_dir}", "ignore_control=1", "steps=60"])
+    _drive(wd, lambda: len(rundir.iter_events(run_dir, ["started"])) == 2)
+    second = rundir.iter_events(run_dir, ["started"])[1]
+    assert f"{KL}=0.02" in second["argv"]  # 0.01 x 2, now a Hydra override of the relaunch
+    (d,) = wd.store.decisions("run")
+    assert d["status"] == "applied" and "timed out: applied by restart" in d["outcome"]
+    wd.actuator.stop(ctl.h)
+
+
+def test_pause_rule_pauses_alerts_and_waits_for_watchdog_resume(tmp_path, webhook):
+    url, received = webhook
+    wd = _setup(tmp_path, """
+      - name: kl_stuck
+        description: a human must look
+        expr: kl > 0.1
+        actions:
+          - pause: {reason: KL stuck high}
+        cooldown: 1000
+    """, webhook_url=url)
+    run_dir = tmp_path / "run"
+    ctl = wd.add_run(run_dir, command=[sys.executable, str(tmp_path / "fake_trainer.py"),
+                                       f"trainer.run_dir={run_dir}", "steps=8"])
+    _drive(wd, lambda: rundir.iter_events(run_dir, ["paused"]) and not wd.store.open_actions("run"))
+    assert ctl.run.phase == "paused" and received[0]["body"]["alerts"][0]["labels"]["rule"] == "kl_stuck"
+    time.sleep(0.5)
+    wd.tick()
+    assert not rundir.iter_events(run_dir, ["finished"]) and ctl.run.phase == "paused"  # no hang restart
+    from watchdog.cli_run import run_app
+
+    out = CliRunner().invoke(run_app, ["resume", "run", "--state-dir", str(tmp_path / "state")])
+    assert out.exit_code == 0, out.output
+    _drive(wd, lambda: ctl.run.phase == "finished")
+    assert rundir.iter_events(run_dir, ["resumed"])
+    assert [j.status for j in wd.store.journal("run")] == ["done", "done", "done"]
+
+
+def test_daemon_watches_a_run_it_did_not_start_and_serves_its_own_metrics(tmp_path):
+    import urllib.request
+
+    from watchdog.daemon import prepare_daemon
+
+    (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
+    (tmp_path / "rules.yaml").write_text("version: 1\nrules:\n" + textwrap.dedent("""
+      - name: kl_high
+        description: raise kl_coef
+        expr: kl > 0.1
+        actions:
+          - set: {key: algorithm.kl_ctrl.kl_coef, scale: 2.0, max: 1.0}
+        cooldown: 1000
+    """))
+    run_dir = tmp_path / "ext"
+    run_dir.mkdir()
+    import subprocess
+
+    trainer = subprocess.Popen([sys.executable, str(tmp_path / "fake_trainer.py"), f"trainer.run_dir={run_dir}",
+                                "steps=40"])
+    cfg_file = tmp_path / "daemon.yaml"
+    cfg_file.write_text(f"runs: [{run_dir}]\nrules: [{tmp_path / 'rules.yaml'}]\n"
+                        f"state_dir: {tmp_path / 'state'}\nmetrics_port: 0\ntick_s: 0.2\n")
+    wd = prepare_daemon(load_daemon_config(cfg_file))
+    try:
+        _drive(wd, lambda: any(e.get("version") == 1 for e in rundir.iter_events(run_dir, ["applied"])))
+        wd.tick()
+        (d,) = wd.store.decisions("ext")
+        assert d["status"] == "applied" and wd.store.require_run("ext").phase == "detached"
+        port = wd.telemetry.port
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "watchdog_runs_watched 1.0" in text
+        assert 'watchdog_actions_total{kind="live_set",outcome="ok",rule="kl_high",run="ext"} 1.0' in text
+    finally:
+        trainer.wait(30)
+        wd.telemetry.close()

@@ -1,0 +1,272 @@
+"""Dashboards as code: committed JSON is what the code generates, every query is valid PromQL over
+known metrics, and (with a real Prometheus scraping a real exporter) every query returns data."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from trainer import catalog
+from trainer.exporter import MetricsExporter
+from watchdog import dashboards, telemetry
+from watchdog.cli_dashboards import dashboards_app
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "dashboards"
+
+
+def all_queries() -> list[tuple[str, dashboards.Query]]:
+    return [(name, q) for name, build in dashboards.DASHBOARDS.items() for q in dashboards.queries(build())]
+
+
+@pytest.mark.parametrize("name", sorted(dashboards.DASHBOARDS))
+def test_regenerating_gives_the_committed_json(name: str) -> None:
+    committed = (COMMITTED / name).read_text()
+    assert dashboards.dump(dashboards.DASHBOARDS[name]()) == committed, (
+        f"dashboards/{name} is stale: run `watchdog dashboards export dashboards`"
+    )
+
+
+def test_export_command_writes_every_dashboard(tmp_path: Path) -> None:
+    result = CliRunner().invoke(dashboards_app, ["export", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    for name in dashboards.DASHBOARDS:
+        assert json.loads((tmp_path / "out" / name).read_text()) == json.loads((COMMITTED / name).read_text())
+
+
+def test_dashboards_have_fixed_uids_and_a_run_variable() -> None:
+    ppo, wd = dashboards.ppo_run(), dashboards.watchdog()
+    assert (ppo["uid"], ppo["title"]) == (dashboards.PPO_RUN_UID, "PPO run")
+    assert (wd["uid"], wd["title"]) == (dashboards.WATCHDOG_UID, "Watchdog")
+    for d in (ppo, wd):
+        variables = {v["name"]: v for v in d["templating"]["list"]}
+        assert variables["run"]["type"] == "query" and variables["run"]["multi"] is True
+        assert variables[dashboards.DS_VAR]["type"] == "datasource"
+        ids = [p["id"] for p in d["panels"]]
+        assert len(ids) == len(set(ids)), "panel ids must be unique"
+        for p in d["panels"]:
+            pos = p["gridPos"]
+            assert pos["x"] + pos["w"] <= 24, f"panel {p['title']} overflows the grid"
+
+
+def test_every_query_parses_as_promql() -> None:
+    queries = all_queries()
+    assert len(queries) >= 25
+    for name, q in queries:
+        promql = dashboards.to_promql(q)
+        try:
+            dashboards.metric_names(promql)
+        except ValueError as exc:
+            pytest.fail(f"{name} {q.where}: {promql!r} does not parse: {exc}")
+
+
+def test_the_parser_check_does_reject_broken_promql() -> None:
+    with pytest.raises(ValueError):
+        dashboards.metric_names('sum by (run (ppo_kl_mean{run=~".*"})')
+
+
+def test_every_referenced_metric_is_in_the_catalog_or_the_watchdog_telemetry() -> None:
+    known = dashboards.known_metric_names()
+    for name, q in all_queries():
+        unknown = dashboards.metric_names(dashboards.to_promql(q)) - known
+        assert not unknown, f"{name} {q.where} references {sorted(unknown)}"
+
+
+def test_an_unknown_metric_would_be_caught() -> None:
+    names = dashboards.metric_names('rate(ppo_kl_meen{run=~".*"}[1m]) / on(run) up')
+    assert names == {"ppo_kl_meen", "up"}
+    assert names - dashboards.known_metric_names() == {"ppo_kl_meen"}
+
+
+def test_ppo_run_dashboard_shows_the_seed_table_signals_with_threshold_lines() -> None:
+    d = dashboards.ppo_run()
+    panels = {p["title"]: p for p in d["panels"] if p["type"] != "row"}
+
+    def metrics_of(title: str) -> set[str]:
+        return {n for t in panels[title]["targets"] for n in dashboards.metric_names(dashboards.render(t["expr"]))}
+
+    def thresholds_of(title: str) -> list[float]:
+        steps = panels[title]["fieldConfig"]["defaults"]["thresholds"]["steps"]
+        return [s["value"] for s in steps if s["value"] is not None]
+
+    kl = "KL to the reference (mean, std)"
+    assert metrics_of(kl) == {catalog.BY_SHORT["kl"].prom, catalog.BY_SHORT["kl_std"].prom}
+    assert thresholds_of(kl) == [0.05, 0.1]
+    assert panels[kl]["fieldConfig"]["defaults"]["custom"]["thresholdsStyle"]["mode"] != "off"
+    assert thresholds_of("Value loss") == [0.5]
+    assert catalog.BY_SHORT["reward"].prom in metrics_of("Reward")
+    for title, short in [("Policy loss", "pg_loss"), ("Entropy", "entropy"), ("Grad norm", "grad_norm"),
+                         ("Learning rate", "lr"), ("KL coefficient", "kl_coef"), ("Throughput", "throughput"),
+                         ("Step time", "step_time")]:
+        assert catalog.BY_SHORT[short].prom in metrics_of(title), title
+    checkpoints = panels["Checkpoints"]["targets"][0]["expr"]
+    assert 'kind="checkpoint"' in checkpoints and "ppo_events_total" in checkpoints
+    # the watchdog's actions: Grafana annotations by tag, and a Prometheus-derived fallback
+    sources = {a["datasource"]["type"] for a in d["annotations"]["list"]}
+    assert sources == {"grafana", "prometheus"}
+
+
+def test_watchdog_dashboard_covers_its_own_metrics() -> None:
+    d = dashboards.watchdog()
+    used = {n for q in dashboards.queries(d) for n in dashboards.metric_names(dashboards.to_promql(q))}
+    for m in telemetry.METRICS:
+        assert used & set(m.series()), f"{m.name} is on no panel"
+
+
+def test_the_trainer_exporter_exposes_every_trainer_metric_the_dashboards_use() -> None:
+    exp = MetricsExporter("run-x")
+    exp.update(1, {m.key: 0.5 for m in catalog.METRICS})
+    exp.count_event("checkpoint")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    exposed = {s.name for f in text_string_to_metric_families(exp.exposition()) for s in f.samples}
+    used = {n for _, q in all_queries() for n in dashboards.metric_names(dashboards.to_promql(q))}
+    trainer_side = used - telemetry.series_names() - {"up"}
+    assert trainer_side and trainer_side <= exposed, sorted(trainer_side - exposed)
+
+
+# ---- every query returns data from a real Prometheus scraping a real run --------------------
+
+
+def _get(url: str, timeout: float = 5.0) -> dict:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _ready(url: str) -> bool:
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except urllib.error.HTTPError:  # 503 while starting
+        return False
+
+
+def _wait(pred, timeout: float, what: str, proc=None) -> None:  # type: ignore[no-untyped-def]
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"{what}: process exited with {proc.returncode}")
+        try:
+            if pred():
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.mark.slow
+@pytest.mark.prometheus
+def test_every_dashboard_query_returns_data_from_a_real_prometheus_scraping_a_real_run(
+    tmp_path: Path, tiny_trainer_args, trainer_env,  # type: ignore[no-untyped-def]
+) -> None:
+    import math
+    import shutil
+    import subprocess
+    import time
+    import urllib.parse
+
+    import yaml
+
+    from trainer import rundir
+    from trainer.exporter import free_port
+
+    prometheus = shutil.which("prometheus")
+    if prometheus is None:
+        pytest.skip("prometheus not installed (make test installs Debian's prometheus)")
+
+    # The watchdog side: its real metrics object, served, fed like the controller feeds it.
+    wd = telemetry.WatchdogMetrics()
+    wd_port = wd.serve(0)
+    trainer_port, prom_port = free_port(), free_port()
+    sd_dir = tmp_path / "targets"
+    telemetry.write_file_sd(sd_dir, "it", f"127.0.0.1:{trainer_port}")
+    config = {
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "scrape_configs": [
+            {"job_name": telemetry.TRAINER_JOB, "honor_labels": True,
+             "file_sd_configs": [{"files": [str(sd_dir / "*.json")], "refresh_interval": "1s"}]},
+            {"job_name": telemetry.WATCHDOG_JOB, "honor_labels": True,
+             "static_configs": [{"targets": [f"127.0.0.1:{wd_port}"]}]},
+        ],
+    }
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    base = f"http://127.0.0.1:{prom_port}"
+    prom_log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed in finally
+    prom = subprocess.Popen(
+        [prometheus, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{prom_port}"],
+        stdout=prom_log, stderr=subprocess.STDOUT,
+    )
+    run_dir = tmp_path / "run"
+    trainer = None
+    try:
+        _wait(lambda: _ready(f"{base}/-/ready"), 30, "prometheus ready", prom)
+
+        def tick(run: str, n: int) -> None:
+            wd.runs_watched(1)
+            wd.rule_state(run, "kl_high", "firing" if n % 4 == 3 else "inactive")
+            wd.rule_state(run, "nan", "pending" if n % 5 == 4 else "inactive")
+            wd.eval_seconds(0.001 * (1 + n % 7))
+            wd.data_age(run, 0.5 * (n % 3))
+            wd.last_tick(time.time())
+            wd.action(run, "kl_high", "set", "applied")
+            if n % 3 == 0:
+                wd.escalation(run, "kl_high")
+                wd.error(run, "ingest")
+
+        trainer = subprocess.Popen(
+            tiny_trainer_args(run_dir, f"trainer.metrics_port={trainer_port}", "trainer.save_freq=2",
+                              "trainer.test_freq=10", steps=30),
+            env=trainer_env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "trainer.log", "w"),  # noqa: SIM115
+        )
+        _wait(lambda: bool(rundir.read_run_json(run_dir).get("id")), 60, "run.json", trainer)
+        run = rundir.read_run_json(run_dir)["id"]
+        n = 0
+        while trainer.poll() is None:
+            tick(run, n)
+            n += 1
+            time.sleep(0.25)
+        assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()[-2000:]
+        assert n >= 8, "the run ended before Prometheus could scrape it a few times"
+
+        # The trainer is gone now; evaluate at the last instant Prometheus scraped it.
+        q = urllib.parse.urlencode({"query": f'max(timestamp(ppo_global_step{{run="{run}"}}))',
+                                    "start": time.time() - 300, "end": time.time(), "step": "1"})
+        series = _get(f"{base}/api/v1/query_range?{q}")["data"]["result"]
+        assert series, "Prometheus never scraped the trainer"
+        at = float(series[0]["values"][-1][1])
+
+        failures = []
+        for name, query in all_queries():
+            promql = dashboards.to_promql(query, run=run)
+            params = urllib.parse.urlencode({"query": promql, "time": at})
+            result = _get(f"{base}/api/v1/query?{params}")["data"]["result"]
+            if not result:
+                failures.append(f"{name} {query.where}: no data for {promql}")
+            elif not any(math.isfinite(float(r["value"][1])) for r in result):
+                failures.append(f"{name} {query.where}: only NaN for {promql}")
+        assert not failures, "\n".join(failures)
+        labels = _get(f"{base}/api/v1/label/run/values?" + urllib.parse.urlencode({"match[]": "ppo_global_step"}))
+        assert run in labels["data"]
+    finally:
+        if trainer is not None and trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        prom.terminate()
+        try:
+            prom.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            prom.kill()
+        prom_log.close()
+        wd.close()

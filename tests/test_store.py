@@ -1,0 +1,103 @@
+"""The watchdog's SQLite state: runs, decisions, the actions journal, divergence spans."""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+
+import pytest
+
+from watchdog.store import SCHEMA_VERSION, RunRecord, Store, StoreError
+
+
+def test_store_uses_wal_and_records_its_schema_version(tmp_path):
+    store = Store(tmp_path / "state")
+    db = sqlite3.connect(store.path)
+    assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()[0] == str(SCHEMA_VERSION)
+
+
+def test_store_refuses_a_database_of_another_schema_version(tmp_path):
+    store = Store(tmp_path)
+    store._db.execute("UPDATE meta SET value='999' WHERE key='schema_version'")
+    store.close()
+    with pytest.raises(StoreError, match="schema version 999"):
+        Store(tmp_path)
+
+
+def test_run_survives_reopening_with_its_overrides_and_offsets(tmp_path):
+    store = Store(tmp_path)
+    store.upsert_run(RunRecord("r1", str(tmp_path / "r1"), ["python", "-m", "trainer"]))
+    store.update_run("r1", overrides={"algorithm.kl_ctrl.kl_coef": 0.0012}, control_version=3, metrics_offset=120)
+    store.close()
+    run = Store(tmp_path).require_run("r1")
+    assert run.overrides == {"algorithm.kl_ctrl.kl_coef": 0.0012}
+    assert (run.control_version, run.metrics_offset, run.command[-1]) == (3, 120, "trainer")
+
+
+def test_unknown_run_error_names_the_database_and_the_known_runs(tmp_path):
+    store = Store(tmp_path)
+    store.upsert_run(RunRecord("a", "/x"))
+    with pytest.raises(StoreError, match=r"no run 'b' \(known: a\)"):
+        store.require_run("b")
+
+
+def test_a_failed_transaction_leaves_no_decision_and_no_intent(tmp_path):
+    store = Store(tmp_path)
+    with pytest.raises(RuntimeError):
+        with store.transaction():
+            did = store.add_decision("r", 5, "kl_high", "fire", [], {"kl": 0.2})
+            store.add_action("r", "live_set", {"key": "k"}, decision_id=did)
+            raise RuntimeError("crash between decision and action")
+    assert store.decisions("r") == [] and store.journal("r") == []
+
+
+def test_decision_settles_applied_only_when_every_journal_entry_is_done(tmp_path):
+    store = Store(tmp_path)
+    did = store.add_decision("r", 7, "kl_high", "fire", [{"kind": "set"}], {"kl": 0.15, "bad": math.nan})
+    a1 = store.add_action("r", "live_set", {}, decision_id=did)
+    a2 = store.add_action("r", "command", {}, decision_id=did)
+    store.update_action(a1, status="done", result={"outcome": "applied v1 at step 8"})
+    assert store.settle_decision(did) == "pending"
+    assert [a.id for a in store.open_actions("r")] == [a2]
+    store.update_action(a2, status="done", result={"outcome": "checkpoint"})
+    assert store.settle_decision(did) == "applied"
+    (d,) = store.decisions("r")
+    assert d["status"] == "applied" and d["outcome"] == "applied v1 at step 8; checkpoint"
+    assert d["inputs"] == {"kl": 0.15, "bad": "nan"}  # strict JSON keeps the NaN that fired the rule
+    assert [j["id"] for j in d["journal"]] == [a1, a2]
+
+
+def test_a_failed_action_fails_its_decision_with_the_error(tmp_path):
+    store = Store(tmp_path)
+    did = store.add_decision("r", 7, "oom", "fire", [], {})
+    a = store.add_action("r", "restart", {}, decision_id=did)
+    store.update_action(a, status="failed", result={"error": "restart budget exhausted"})
+    assert store.settle_decision(did) == "failed"
+    assert store.decisions("r")[0]["outcome"] == "restart budget exhausted"
+
+
+def test_control_version_applied_step_is_the_first_applied_event(tmp_path):
+    store = Store(tmp_path)
+    store.record_control("r", 1, {"k": 1.0}, [])
+    store.mark_control_applied("r", 1, 12)
+    store.mark_control_applied("r", 1, 30)  # a restarted trainer re-applies: not a second application
+    assert store.control_versions("r")[0]["applied_step"] == 12
+
+
+def test_bad_step_predicate_covers_open_and_closed_divergence_spans(tmp_path):
+    store = Store(tmp_path)
+    store.open_bad_span("r", "nan", 14)
+    store.close_bad_spans("r", 17)
+    store.open_bad_span("r", "kl_far", 30)
+    bad = store.bad_step_predicate("r")
+    assert [s for s in range(10, 40) if bad(s)] == [14, 15, 16, 17, *range(30, 40)]
+
+
+def test_a_checkpoint_of_a_diverged_step_retrained_after_the_rollback_is_not_bad(tmp_path):
+    store = Store(tmp_path)
+    store.open_bad_span("r", "nan", 14)
+    store.close_bad_spans("r", 17)
+    (span,) = store.bad_spans("r")
+    assert span.covers(15, ts=span.closed_ts - 1)
+    assert not span.covers(15, ts=span.closed_ts + 1)

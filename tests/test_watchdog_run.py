@@ -1,0 +1,171 @@
+"""End to end: `watchdog run` supervising the real embedded PPO trainer (real processes, real files).
+
+Every test runs the CLI as its own process on a tiny trainer config (16 prompts a step,
+about 0.1 s a step here; the SFT warm start is cached after the first run) with a fault
+schedule that fires within the first steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer import rundir
+from watchdog.store import Store
+
+pytestmark = pytest.mark.slow
+
+TINY = [
+    "data.train_batch_size=16", "data.train_size=64", "data.val_size=16",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=16", "critic.ppo_mini_batch_size=16",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8", "critic.ppo_micro_batch_size_per_gpu=8",
+    "trainer.test_freq=0", "trainer.save_freq=2", "trainer.progress=false",
+]
+MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+
+KL_RULE = """
+  - name: kl_high
+    description: any KL at all raises kl_coef (so the rule fires on the first steps)
+    expr: kl > 0.0
+    actions:
+      - set: {key: algorithm.kl_ctrl.kl_coef, scale: 2.0, max: 1.0}
+    cooldown: 1000
+    severity: warning
+"""
+OOM_RULE = """
+  - name: oom
+    description: out of memory -> one micro batch smaller, resume
+    expr: event("oom") > 0
+    actions:
+      - set: {key: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, add: -1, min: 1}
+      - set: {key: critic.ppo_micro_batch_size_per_gpu, add: -1, min: 1}
+    severity: critical
+"""
+NAN_RULE = """
+  - name: nan_rollback
+    description: a NaN means the weights may be poisoned -> last known-good, then a lower lr
+    expr: event("nan") > 0
+    divergence: true
+    actions:
+      - rollback: {}
+      - set: {key: actor_rollout_ref.actor.optim.lr, scale: 0.5}
+    cooldown: 1000
+    severity: critical
+"""
+
+
+def _rules(tmp_path: Path, *bodies: str) -> Path:
+    path = tmp_path / "rules.yaml"
+    path.write_text("version: 1\nrules:\n" + "".join(bodies))
+    return path
+
+
+def _watchdog(tmp_path: Path, rules: Path, steps: int, faults: str = "", extra: list[str] = (),
+              env: dict[str, str] | None = None, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "watchdog", "run", "--rules", str(rules), "--run-dir", str(tmp_path / "run"),
+           "--state-dir", str(tmp_path / "state"), "--tick", "0.3", "--no-report", *extra]
+    for s in [*TINY, f"trainer.total_training_steps={steps}"]:
+        cmd += ["--set", s]
+    if faults:
+        cmd += ["--faults", faults]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def _events(tmp_path: Path, kind: str) -> list[dict]:
+    return rundir.iter_events(tmp_path / "run", [kind])
+
+
+def _history(tmp_path: Path) -> list[dict]:
+    out = subprocess.run([sys.executable, "-m", "watchdog", "history", "run", "--json", "--state-dir",
+                          str(tmp_path / "state")], capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def test_live_kl_coef_change_is_applied_within_one_step(tmp_path):
+    proc = _watchdog(tmp_path, _rules(tmp_path, KL_RULE), steps=12)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (decision,) = _history(tmp_path)
+    (applied,) = [e for e in _events(tmp_path, "applied") if e.get("version") == 1]
+    assert decision["rule"] == "kl_high" and decision["status"] == "applied"
+    assert applied["step"] <= decision["step"] + 1
+    first_kl_coef = decision["inputs"]  # the KL that fired it is audited
+    assert first_kl_coef["kl"] > 0.0
+    metrics = {r["step"]: r["data"] for r in rundir.read_jsonl(tmp_path / "run" / rundir.METRICS).records}
+    before = metrics[decision["step"]]["actor/reward_kl_penalty_coeff"]
+    assert metrics[applied["step"] + 1]["actor/reward_kl_penalty_coeff"] == pytest.approx(2 * before)
+
+
+def test_oom_restarts_with_a_smaller_micro_batch_and_continues_from_the_checkpoint(tmp_path):
+    proc = _watchdog(tmp_path, _rules(tmp_path, OOM_RULE), steps=10, faults="oom@5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (oom,) = _events(tmp_path, "oom")
+    starts = _events(tmp_path, "started")
+    assert len(starts) == 2 and starts[1]["resumed_from"] == oom["step"] - 1
+    run_json = rundir.read_run_json(tmp_path / "run")
+    # 8 - 1 = 7 does not divide the mini batch of 16: the largest micro batch that does is 4.
+    assert f"{MICRO}=4" in run_json["command"]
+    steps = [r["step"] for r in rundir.read_jsonl(tmp_path / "run" / rundir.METRICS).records]
+    assert steps == sorted(set(steps)) and steps[-1] == 10  # no step lost, none repeated
+    history = _history(tmp_path)
+    assert [h["rule"] for h in history] == ["oom", "watchdog:oom"]
+    assert all(h["status"] == "applied" for h in history)
+    restart = history[1]["journal"][0]
+    assert restart["kind"] == "restart" and restart["result"]["resume_step"] == oom["step"] - 1
+
+
+def test_divergence_rolls_back_to_last_known_good_not_the_newest_checkpoint(tmp_path):
+    proc = _watchdog(tmp_path, _rules(tmp_path, NAN_RULE), steps=24, faults="nan@7")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (rollback,) = _events(tmp_path, "rollback")
+    (nan,) = _events(tmp_path, "nan")
+    ckpts_before = [e["step"] for e in _events(tmp_path, "checkpoint") if e["ts"] < rollback["ts"]]
+    # The checkpoint at the NaN step's predecessor produced the poisoned step, and every one after
+    # it was taken while the rule fired: the newest checkpoint was not known-good.
+    assert max(ckpts_before) >= nan["step"]
+    assert rollback["to_step"] < nan["step"] - 1 and rollback["to_step"] in ckpts_before
+    assert rollback["to_step"] == max(s for s in ckpts_before if s < nan["step"] - 1)
+    (decision,) = [h for h in _history(tmp_path) if h["rule"] == "nan_rollback"]
+    assert decision["status"] == "applied" and "rolled back in process" in decision["outcome"]
+    # The follow-on set came after the rollback: lr halved from the config's.
+    lrs = [e["applied"].get("actor_rollout_ref.actor.optim.lr") for e in _events(tmp_path, "applied")]
+    assert any(lr is not None for lr in lrs)
+
+
+def test_watchdog_killed_between_control_write_and_applied_applies_the_action_exactly_once(tmp_path):
+    rules = _rules(tmp_path, KL_RULE)
+    first = _watchdog(tmp_path, rules, steps=150, env={"WATCHDOG_TEST_CRASH_AT": "control_written"})
+    assert first.returncode == -signal.SIGKILL, first.stdout + first.stderr
+    control = rundir.read_control(tmp_path / "run")
+    assert control is not None and control.version == 1
+    store = Store(tmp_path / "state")
+    (entry,) = store.journal("run")
+    assert entry.status == "intent" and entry.control_version == 1  # written, never confirmed
+    store.close()
+    second = _watchdog(tmp_path, rules, steps=150)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert len(_events(tmp_path, "started")) == 1  # the restarted watchdog adopted the running trainer
+    applied = [e for e in _events(tmp_path, "applied") if e.get("version")]
+    assert [e["version"] for e in applied] == [1]
+    assert rundir.read_control(tmp_path / "run").version == 1
+    (decision,) = _history(tmp_path)
+    assert decision["status"] == "applied" and decision["journal"][0]["status"] == "done"
+
+
+def test_hung_trainer_is_detected_and_restarted(tmp_path):
+    t0 = time.time()
+    proc = _watchdog(tmp_path, _rules(tmp_path, KL_RULE.replace("kl > 0.0", "kl > 100")), steps=10,
+                     faults="hang@6:120", extra=["--heartbeat-min", "3", "--stop-grace", "3"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert time.time() - t0 < 120  # not the 120 s hang
+    (hang,) = [h for h in _history(tmp_path) if h["rule"] == "watchdog:hang"]
+    assert hang["inputs"]["idle_s"] > hang["inputs"]["timeout_s"] >= 3
+    starts = _events(tmp_path, "started")
+    assert len(starts) == 2 and starts[1]["resumed_from"] <= 5
+    assert _events(tmp_path, "finished")

@@ -1,0 +1,32 @@
+"""``python -m trainer``: the embedded PPO trainer (see trainer/loop.py).
+
+The config is parsed before torch and verl are imported, so a bad key fails in a
+fraction of a second with exit code 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from trainer.config import USAGE, ConfigError, load_config, split_cli
+
+
+def main() -> int:
+    """Parse, then train; returns the exit code."""
+    args = sys.argv[1:]
+    if args and args[0] in ("-h", "--help"):
+        sys.stdout.write(USAGE)
+        return 0
+    try:
+        config_file, overrides = split_cli(args)
+        cfg = load_config(overrides, config_file)
+    except (ConfigError, OSError) as exc:
+        sys.stderr.write(f"config error: {exc}\n")
+        return 2
+    from trainer.loop import run_cli
+
+    return run_cli(cfg, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

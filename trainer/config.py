@@ -1,0 +1,550 @@
+"""Trainer configuration: nested dataclasses named after verl's Hydra keys.
+
+``cfg.get("algorithm.kl_ctrl.kl_coef")`` and ``cfg.set(...)`` address fields by the
+same dotted keys verl uses, so an override that works here (``key=value`` on the
+command line, or in control.json) works on a real verl run unchanged. Only stdlib and
+yaml are imported: the watchdog imports this module without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config key or value is invalid; the message names the key and the value."""
+
+    def __init__(self, message: str, key: str | None = None, value: Any = None) -> None:
+        super().__init__(message)
+        self.key = key
+        self.value = value
+
+
+@dataclass
+class DataConfig:
+    """``data.*``: the task, its files and batch shapes."""
+
+    train_files: str = ""
+    """verl-format parquet for training; empty: generate the synthetic arithmetic task in the cache."""
+    val_files: str = ""
+    """verl-format parquet for validation; empty: the synthetic task's validation split."""
+    train_batch_size: int = 128
+    """Prompts per PPO step."""
+    val_batch_size: int = 256
+    """Prompts per validation forward (greedy decoding)."""
+    max_prompt_length: int = 16
+    """Prompt tokens kept (left-truncated, left-padded)."""
+    max_response_length: int = 8
+    """Most tokens sampled per response (EOS included; ``#### -9`` + EOS is 8)."""
+    prompt_key: str = "prompt"
+    """Column holding the chat list of the prompt."""
+    train_size: int = 512
+    """Synthetic task: number of training problems."""
+    val_size: int = 128
+    """Synthetic task: number of validation problems."""
+    max_operand: int = 9
+    """Synthetic task: operands are drawn from 0..max_operand (10*10*2 = 200 problems)."""
+    val_heldout: bool = False
+    """Synthetic task: keep validation problems out of training (default: a fixed sample of the same space)."""
+    data_seed: int = 0
+    """Synthetic task: seed of the generator (independent of trainer.seed)."""
+    offline: bool = False
+    """Offline RLHF: train on the stored responses in train_files instead of sampling new ones."""
+    response_key: str = "response"
+    """Offline mode: column holding the pre-collected response text."""
+    reward_key: str = "reward"
+    """Offline mode: column holding a stored score; missing or null -> scored with gsm8k rules."""
+
+
+@dataclass
+class ModelConfig:
+    """``actor_rollout_ref.model.*``: the tiny GPT-2 built from scratch."""
+
+    path: str = ""
+    """Directory of a saved model + tokenizer to start from; empty: SFT warm start (cached)."""
+    n_layer: int = 2
+    """Transformer layers."""
+    n_embd: int = 128
+    """Hidden size."""
+    n_head: int = 4
+    """Attention heads."""
+
+
+@dataclass
+class OptimConfig:
+    """``*.optim.*``: AdamW settings."""
+
+    lr: float = 1e-5
+    """Learning rate (live: param_groups and the scheduler's base_lrs)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up steps of the LambdaLR schedule (0: constant)."""
+
+
+@dataclass
+class ActorConfig:
+    """``actor_rollout_ref.actor.*``: the policy update (verl's ActorConfig names)."""
+
+    strategy: str = "fsdp"
+    """verl's strategy name; the embedded trainer runs one CPU process whatever it says."""
+    ppo_mini_batch_size: int = 64
+    """Prompts per optimizer step."""
+    ppo_micro_batch_size_per_gpu: int = 64
+    """Prompts per forward/backward (gradient accumulation; does not change the update)."""
+    ppo_epochs: int = 1
+    """Passes over each batch."""
+    clip_ratio: float = 0.2
+    """PPO clip epsilon; also the low/high bounds unless they are set."""
+    clip_ratio_low: float | None = None
+    """Lower clip bound (None: clip_ratio)."""
+    clip_ratio_high: float | None = None
+    """Upper clip bound (None: clip_ratio)."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient."""
+    use_kl_loss: bool = False
+    """Add a KL-to-reference loss term to the policy loss."""
+    kl_loss_coef: float = 0.001
+    """Coefficient of the KL loss."""
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the loss (verl kl_penalty names)."""
+    grad_clip: float = 1.0
+    """Max global grad norm."""
+    loss_agg_mode: str = "token-mean"
+    """verl agg_loss mode."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4))
+    """Actor optimizer."""
+
+
+@dataclass
+class RolloutConfig:
+    """``actor_rollout_ref.rollout.*``: sampling."""
+
+    temperature: float = 1.0
+    """Sampling temperature of rollouts (validation is greedy)."""
+    n: int = 1
+    """Responses per prompt."""
+
+
+@dataclass
+class ActorRolloutRefConfig:
+    """``actor_rollout_ref.*``."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shape and initial weights."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """Policy update."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Sampling."""
+
+
+@dataclass
+class CriticConfig:
+    """``critic.*``: the value model (SFT body + value head)."""
+
+    ppo_mini_batch_size: int = 64
+    """Prompts per critic optimizer step."""
+    ppo_micro_batch_size_per_gpu: int = 64
+    """Prompts per critic forward/backward."""
+    ppo_epochs: int = 1
+    """Critic passes over each batch."""
+    cliprange_value: float = 0.5
+    """Value clipping range."""
+    grad_clip: float = 1.0
+    """Max critic grad norm."""
+    loss_agg_mode: str = "token-mean"
+    """verl agg_loss mode of the value loss."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-3))
+    """Critic optimizer."""
+
+
+@dataclass
+class KLCtrlConfig:
+    """``algorithm.kl_ctrl.*``: the KL-in-reward controller."""
+
+    type: str = "fixed"
+    """fixed | adaptive."""
+    kl_coef: float = 0.1
+    """KL penalty coefficient (the controller's ``.value``; live). 0.1 keeps a healthy run's KL mean
+    under the watchdog's 0.1 threshold on the default task; 0.05 lets it reach 0.1 by step ~90."""
+    target_kl: float = 0.05
+    """Adaptive controller target."""
+    horizon: int = 10000
+    """Adaptive controller horizon."""
+
+
+@dataclass
+class AlgorithmConfig:
+    """``algorithm.*``: advantages, KL in reward, reward shaping."""
+
+    gamma: float = 1.0
+    """Discount."""
+    lam: float = 1.0
+    """GAE lambda."""
+    adv_estimator: str = "gae"
+    """Advantage estimator (gae needs the critic)."""
+    use_kl_in_reward: bool = True
+    """Subtract kl_coef * KL(policy || reference) from the token rewards."""
+    kl_penalty: str = "kl"
+    """KL estimator of the reward penalty: kl|abs|mse|low_var_kl."""
+    kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    """KL controller."""
+    reward_clip: list[float] = field(default_factory=lambda: [-2.0, 2.0])
+    """Scores are clipped to [low, high] before the KL penalty (the seed's [-2, 2])."""
+
+
+@dataclass
+class TrainerSection:
+    """``trainer.*``: the run."""
+
+    total_epochs: int = 25
+    """Passes over the training set."""
+    total_training_steps: int | None = None
+    """Stop after this many steps (None: total_epochs * steps per epoch)."""
+    save_freq: int = -1
+    """Checkpoint every N steps (-1: off; save_epoch_freq still applies)."""
+    save_epoch_freq: int = 5
+    """Checkpoint every N epochs (0: off)."""
+    test_freq: int = 10
+    """Validate every N steps (0: never); also before step 1 and at the end."""
+    val_before_train: bool = True
+    """Validate before the first step."""
+    run_dir: str = "runs/default"
+    """Run directory (metrics.jsonl, events.jsonl, control.json, checkpoints/)."""
+    resume_mode: str = "auto"
+    """auto: newest complete checkpoint in run_dir; disable: start fresh; resume_path: resume_from_path."""
+    resume_from_path: str = ""
+    """Checkpoint directory (global_step_N) for resume_mode=resume_path."""
+    seed: int = 1
+    """Seed of every random choice (sampling, data order, init)."""
+    metrics_port: int = 0
+    """Prometheus /metrics port on 127.0.0.1 (0: off)."""
+    faults: str = ""
+    """Fault schedule, e.g. "kl_collapse@20,lr_spike@30:x20,nan@45,oom@60,hang@80:30,crash@90"."""
+    oom_retry_live: bool = False
+    """On OOM shrink the micro batch and retry in process instead of saving and exiting 75."""
+    memory_budget_tokens: int | None = None
+    """Simulated memory: tokens per micro batch above which a real torch.OutOfMemoryError is raised."""
+    max_actor_ckpt_to_keep: int | None = None
+    """Keep this many complete checkpoints (None: all)."""
+    logger: list[str] = field(default_factory=lambda: ["console", "file"])
+    """verl's logger list (the run dir's metrics.jsonl is always written)."""
+    project_name: str = "ppo-watchdog"
+    """verl's project name."""
+    experiment_name: str = "tiny-arith"
+    """verl's experiment name."""
+    num_threads: int = 1
+    """torch CPU threads."""
+    progress: bool = True
+    """Show progress bars (stderr)."""
+
+
+@dataclass
+class Config:
+    """The whole trainer config (verl's top-level Hydra groups)."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """data.*"""
+    actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    """actor_rollout_ref.*"""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """critic.*"""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """algorithm.*"""
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    """trainer.*"""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- cross-field checks --------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ConfigError on values that cannot work together (named by key)."""
+        d, a, c, al, t = self.data, self.actor_rollout_ref.actor, self.critic, self.algorithm, self.trainer
+        positive = {
+            "data.train_batch_size": d.train_batch_size,
+            "data.max_response_length": d.max_response_length,
+            "data.max_prompt_length": d.max_prompt_length,
+            "actor_rollout_ref.actor.ppo_mini_batch_size": a.ppo_mini_batch_size,
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": a.ppo_micro_batch_size_per_gpu,
+            "actor_rollout_ref.actor.ppo_epochs": a.ppo_epochs,
+            "critic.ppo_mini_batch_size": c.ppo_mini_batch_size,
+            "critic.ppo_micro_batch_size_per_gpu": c.ppo_micro_batch_size_per_gpu,
+            "critic.ppo_epochs": c.ppo_epochs,
+            "actor_rollout_ref.rollout.n": self.actor_rollout_ref.rollout.n,
+        }
+        for key, value in positive.items():
+            if value < 1:
+                raise ConfigError(f"{key} must be >= 1, got {value!r}", key, value)
+        rollout_bs = d.train_batch_size * self.actor_rollout_ref.rollout.n
+        # Same rule as verl: whole mini batches per batch, whole micro batches per mini batch,
+        # otherwise gradient accumulation would weight some samples twice.
+        for prefix, mini, micro in (
+            ("actor_rollout_ref.actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu),
+            ("critic", c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu),
+        ):
+            if rollout_bs % mini:
+                raise ConfigError(
+                    f"data.train_batch_size * rollout.n ({rollout_bs}) must be divisible by "
+                    f"{prefix}.ppo_mini_batch_size ({mini})", f"{prefix}.ppo_mini_batch_size", mini)
+            if mini % micro:
+                raise ConfigError(
+                    f"{prefix}.ppo_mini_batch_size ({mini}) must be divisible by "
+                    f"{prefix}.ppo_micro_batch_size_per_gpu ({micro})",
+                    f"{prefix}.ppo_micro_batch_size_per_gpu", micro)
+        choices: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+            ("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path")),
+            ("algorithm.kl_ctrl.type", al.kl_ctrl.type, ("fixed", "adaptive")),
+            ("algorithm.adv_estimator", al.adv_estimator, ("gae",)),
+            ("algorithm.kl_penalty", al.kl_penalty, ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")),
+            ("actor_rollout_ref.actor.kl_loss_type", a.kl_loss_type,
+             ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k3+", "low_var_kl+")),
+            ("actor_rollout_ref.actor.loss_agg_mode", a.loss_agg_mode,
+             ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")),
+        )
+        for ckey, choice, allowed in choices:
+            if choice not in allowed:
+                raise ConfigError(f"{ckey} must be one of {', '.join(allowed)}; got {choice!r}", ckey, choice)
+        if t.resume_mode == "resume_path" and not t.resume_from_path:
+            raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path",
+                              "trainer.resume_from_path", t.resume_from_path)
+        if len(al.reward_clip) != 2 or al.reward_clip[0] > al.reward_clip[1]:
+            raise ConfigError(f"algorithm.reward_clip must be [low, high] with low <= high, got {al.reward_clip!r}",
+                              "algorithm.reward_clip", al.reward_clip)
+        if al.kl_ctrl.type == "adaptive" and al.kl_ctrl.horizon <= 0:
+            raise ConfigError("algorithm.kl_ctrl.horizon must be > 0 for the adaptive controller",
+                              "algorithm.kl_ctrl.horizon", al.kl_ctrl.horizon)
+        for key, lr in (("actor_rollout_ref.actor.optim.lr", a.optim.lr), ("critic.optim.lr", c.optim.lr)):
+            if not lr >= 0:
+                raise ConfigError(f"{key} must be >= 0, got {lr!r}", key, lr)
+        if d.offline and not d.train_files:
+            raise ConfigError("data.offline=true needs data.train_files (a parquet with responses)",
+                              "data.train_files", d.train_files)
+        if self.actor_rollout_ref.model.n_embd % self.actor_rollout_ref.model.n_head:
+            raise ConfigError("actor_rollout_ref.model.n_embd must be divisible by n_head",
+                              "actor_rollout_ref.model.n_head", self.actor_rollout_ref.model.n_head)
+
+    # -- dotted keys ---------------------------------------------------------------------
+    def to_flat(self) -> dict[str, Any]:
+        """Every leaf as ``{dotted.key: value}``."""
+        return flatten(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain dict (JSON/YAML-serialisable)."""
+        return dataclasses.asdict(self)
+
+    def get(self, key: str) -> Any:
+        """The value at a dotted key; ConfigError (with the closest key) when unknown."""
+        obj, name = _resolve(self, key)
+        return getattr(obj, name)
+
+    def set(self, key: str, value: Any, validate: bool = True) -> Any:
+        """Set a dotted key (value coerced to the field's type); returns the stored value.
+
+        The old value is restored when the result fails validation, so a bad live
+        override never leaves the config half-changed.
+        """
+        obj, name = _resolve(self, key)
+        coerced = _coerce(key, value, _field_types(type(obj))[name])
+        old = getattr(obj, name)
+        setattr(obj, name, coerced)
+        if validate:
+            try:
+                self.validate()
+            except ConfigError:
+                setattr(obj, name, old)
+                raise
+        return coerced
+
+    def settings_hash(self, keys: Iterable[str]) -> str:
+        """Short sha256 of some keys' values (cache keys)."""
+        payload = json.dumps({k: self.get(k) for k in sorted(keys)}, sort_keys=True, default=str)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Leaves of a nested dataclass as a flat dict of dotted keys."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            out.update(flatten(value, key + "."))
+        else:
+            out[key] = list(value) if isinstance(value, list) else value
+    return out
+
+
+_KNOWN_KEYS: list[str] | None = None
+
+
+def known_keys() -> list[str]:
+    """All dotted keys of the config."""
+    global _KNOWN_KEYS
+    if _KNOWN_KEYS is None:
+        _KNOWN_KEYS = sorted(flatten(Config()))
+    return _KNOWN_KEYS
+
+
+def _unknown(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, known_keys(), n=1, cutoff=0.0)
+    # A near miss on the last component (lr vs optim.lr) is likelier than whole-key similarity.
+    tail = [k for k in known_keys() if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
+    hint = (tail or close or ["?"])[0]
+    return ConfigError(f"unknown config key {key!r}; closest known key: {hint!r}", key)
+
+
+def _resolve(root: Any, key: str) -> tuple[Any, str]:
+    parts = key.split(".")
+    obj = root
+    for part in parts[:-1]:
+        if not dataclasses.is_dataclass(obj) or part not in {f.name for f in dataclasses.fields(obj)}:
+            raise _unknown(key)
+        obj = getattr(obj, part)
+    if not dataclasses.is_dataclass(obj) or parts[-1] not in {f.name for f in dataclasses.fields(obj)}:
+        raise _unknown(key)
+    if dataclasses.is_dataclass(getattr(obj, parts[-1])):
+        raise ConfigError(f"config key {key!r} is a group, not a value; set one of its fields", key)
+    return obj, parts[-1]
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Coerce ``value`` to the annotated type ``tp``; ConfigError naming key and value."""
+    args = typing.get_args(tp)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if value is None or (isinstance(value, str) and value.lower() in ("null", "none", "~")):
+            if type(None) in args:
+                return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner[0])
+    if origin is list:
+        if isinstance(value, str):
+            value = yaml.safe_load(value)
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return [_coerce(key, v, args[0]) if args else v for v in value]
+    try:
+        if tp is bool:
+            if isinstance(value, bool):
+                return value
+            if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+                return value.lower() in ("true", "1", "yes")
+            if isinstance(value, int) and value in (0, 1):
+                return bool(value)
+            raise ValueError("not a boolean")
+        if tp is int:
+            if isinstance(value, bool):
+                raise ValueError("a boolean is not an integer")
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError("not an integer")
+            return int(value)
+        if tp is float:
+            if isinstance(value, bool):
+                raise ValueError("a boolean is not a number")
+            return float(value)
+        if tp is str:
+            return "" if value is None else str(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config key {key!r}: cannot use {value!r} as {getattr(tp, '__name__', tp)} ({exc})",
+                          key, value) from exc
+    return value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``key=value`` (Hydra style, a leading ``+`` or ``++`` accepted) -> (key, value via yaml.safe_load)."""
+    body = text.lstrip("+")
+    if "=" not in body:
+        raise ConfigError(f"override {text!r} is not key=value", text)
+    key, raw = body.split("=", 1)
+    key = key.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw  # an unparseable value is a plain string; _coerce decides if that is allowed
+    return key, value
+
+
+def apply_mapping(cfg: Config, mapping: Mapping[str, Any], prefix: str = "", source: str = "") -> None:
+    """Apply a nested mapping (a YAML config file) onto ``cfg`` without validating in between."""
+    for k, v in mapping.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            apply_mapping(cfg, v, key + ".", source)
+        else:
+            try:
+                cfg.set(key, v, validate=False)
+            except ConfigError as exc:
+                raise ConfigError(f"{source}: {exc}" if source else str(exc), exc.key, exc.value) from None
+
+
+def load_config(overrides: Iterable[str] = (), config_file: str | Path | None = None) -> Config:
+    """Defaults, then a YAML file (yaml.safe_load), then ``key=value`` overrides; validated once at the end."""
+    cfg = Config()
+    if config_file is not None:
+        path = Path(config_file)
+        doc = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(doc, Mapping):
+            raise ConfigError(f"{path}: top level must be a mapping")
+        apply_mapping(cfg, doc, source=str(path))
+    for text in overrides:
+        key, value = parse_override(text)
+        cfg.set(key, value, validate=False)
+    cfg.validate()
+    return cfg
+
+
+def from_dict(doc: Mapping[str, Any]) -> Config:
+    """A Config from a nested dict (e.g. the snapshot in run.json)."""
+    cfg = Config()
+    apply_mapping(cfg, doc)
+    cfg.validate()
+    return cfg
+
+
+USAGE = """usage: python -m trainer [--config FILE.yaml] [key=value ...]
+
+The embedded PPO trainer. Keys are verl's Hydra keys (algorithm.kl_ctrl.kl_coef,
+actor_rollout_ref.actor.optim.lr, trainer.run_dir, ...); a leading '+' is accepted.
+Exit codes: 0 finished or stopped (state saved), 75 out of memory (state saved), 2 bad config.
+"""
+
+
+def split_cli(args: Iterable[str]) -> tuple[str | None, list[str]]:
+    """``[--config FILE] key=value ...`` -> (config file or None, overrides)."""
+    args = list(args)
+    config_file: str | None = None
+    overrides: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--config":
+            if i + 1 >= len(args):
+                raise ConfigError("--config needs a file", "--config")
+            config_file = args[i + 1]
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            config_file = arg.split("=", 1)[1]
+        elif arg.startswith("--"):
+            raise ConfigError(f"unknown option {arg!r} (overrides are key=value)", arg)
+        else:
+            overrides.append(arg)
+        i += 1
+    return config_file, overrides

@@ -1,0 +1,650 @@
+"""The training loop and its run directory: ``python -m trainer [key=value ...]``.
+
+One step reads top to bottom: control boundary (control.json, pause, stop, rollback),
+faults, rollout, score, log-probs and values, KL penalty and GAE, actor and critic
+updates, metrics, validation, checkpoint. Everything the watchdog needs goes through
+the run directory (trainer/rundir.py): run.json, metrics.jsonl, events.jsonl,
+control.json and checkpoints/ in verl's layout.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer import data as data_mod
+from trainer import ppo, rundir
+from trainer.config import Config, ConfigError
+from trainer.control import Changes, ControlApplier
+from trainer.exporter import MetricsExporter
+from trainer.faults import Fault, FaultSchedule, MemoryBudget
+from trainer.model import Critic
+from trainer.sft import SFTSettings, cache_root, ensure_sft, load_sft
+
+log = logging.getLogger(__name__)
+
+ACTOR_LR = "actor_rollout_ref.actor.optim.lr"
+CRITIC_LR = "critic.optim.lr"
+KL_COEF = "algorithm.kl_ctrl.kl_coef"
+ACTOR_MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+CRITIC_MICRO = "critic.ppo_micro_batch_size_per_gpu"
+
+
+class StopTraining(Exception):
+    """Raised inside the loop to end the run with an exit code after state is saved."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+@dataclass
+class Summary:
+    """What a run did, for the end-of-run table and the caller."""
+
+    exit_code: int = 0
+    """Process exit code."""
+    steps: int = 0
+    """Last completed global step."""
+    first_val: float | None = None
+    """Validation score before training (or the first one measured)."""
+    last_val: float | None = None
+    """Last validation score."""
+    kl_over_threshold: int = 0
+    """Steps with KL mean above 0.1."""
+    events: dict[str, int] = field(default_factory=dict)
+    """Event counts by kind."""
+    seconds: float = 0.0
+    """Wall time of the loop."""
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    """The last step's metrics."""
+
+
+def _lambda_warmup(warmup: int) -> Any:
+    def f(step: int) -> float:
+        return 1.0 if warmup <= 0 else min(1.0, (step + 1) / warmup)
+    return f
+
+
+def set_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, lr: float) -> None:
+    """Change the lr for good: param_groups AND the scheduler's base_lrs (else LambdaLR puts it back)."""
+    scheduler.base_lrs = [lr for _ in optimizer.param_groups]
+    factor = scheduler.lr_lambdas[0](scheduler.last_epoch)
+    for group in optimizer.param_groups:
+        group["lr"] = lr * factor
+
+
+class Trainer:
+    """One PPO run in one run directory."""
+
+    def __init__(self, cfg: Config, argv: Sequence[str] | None = None) -> None:
+        self.cfg = cfg
+        self.argv = list(argv) if argv is not None else [sys.executable, "-m", "trainer", *sys.argv[1:]]
+        t = cfg.trainer
+        torch.set_num_threads(max(1, t.num_threads))
+        self.run_dir = Path(t.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt_root = self.run_dir / rundir.CHECKPOINTS
+        self._term = False
+        self._summary = Summary()
+        self._t0 = time.time()
+
+        # -- data ------------------------------------------------------------------------
+        train_files, val_files = cfg.data.train_files, cfg.data.val_files
+        if not train_files:
+            d = cfg.data
+            key = cfg.settings_hash(["data.train_size", "data.val_size", "data.max_operand", "data.data_seed",
+                                      "data.val_heldout"])
+            tr, va = data_mod.write_synthetic(cache_root() / f"data-{key}", d.train_size, d.val_size,
+                                              d.max_operand, d.data_seed, d.val_heldout)
+            train_files, val_files = str(tr), val_files or str(va)
+        self.train = data_mod.load_examples(
+            train_files, cfg.data.prompt_key,
+            response_key=cfg.data.response_key if cfg.data.offline else None, reward_key=cfg.data.reward_key)
+        self.val = data_mod.load_examples(val_files, cfg.data.prompt_key) if val_files else []
+
+        # -- models: SFT warm start is the reference and the init of actor and critic -----
+        m = cfg.actor_rollout_ref.model
+        if m.path:
+            sft_dir, self.sft_info = Path(m.path), dict[str, float]()
+        else:
+            settings = SFTSettings(
+                train_files=train_files if not cfg.data.offline else train_files, n_layer=m.n_layer,
+                n_embd=m.n_embd, n_head=m.n_head,
+                n_positions=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length,
+                seed=t.seed)
+            sft_dir, self.sft_info = ensure_sft(settings, val_files or None, progress=t.progress)
+        self.sft_dir = sft_dir
+        self.policy, self.tokenizer = load_sft(sft_dir)
+        self.ref, _ = load_sft(sft_dir)
+        self.ref.eval().requires_grad_(False)
+        self.critic = Critic(self.policy)
+        a, c = cfg.actor_rollout_ref.actor, cfg.critic
+        self.actor_opt = torch.optim.AdamW(self.policy.parameters(), lr=a.optim.lr, weight_decay=a.optim.weight_decay)
+        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.optim.lr, weight_decay=c.optim.weight_decay)
+        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, _lambda_warmup(a.optim.lr_warmup_steps))
+        self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, _lambda_warmup(c.optim.lr_warmup_steps))
+        self.kl_ctrl = ppo.kl_controller(cfg.algorithm)
+        self.sampler = data_mod.BatchSampler(len(self.train), cfg.data.train_batch_size, t.seed)
+        self.gen = torch.Generator().manual_seed(t.seed)
+        self.global_step = 0
+        self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.steps_per_epoch
+
+        # -- run directory plumbing ----------------------------------------------------------
+        self.faults = FaultSchedule.parse(t.faults, self.run_dir)
+        self.budget = MemoryBudget(t.memory_budget_tokens)
+        prev = rundir.read_run_json(self.run_dir)
+        self.run_id = str(prev.get("id") or f"{self.run_dir.name}-{int(time.time())}")
+        self.exporter = MetricsExporter(self.run_id, port=t.metrics_port)
+        self.control = ControlApplier(self.run_dir)
+        self._poison = False
+        self._oom_fault = False  # an injected OOM is pending this step
+
+    # -- run.json / events -------------------------------------------------------------------
+    def _write_run_json(self) -> None:
+        rundir.write_run_json(self.run_dir, {
+            "id": self.run_id, "command": self.argv, "config": self.cfg.to_dict(), "pid": os.getpid(),
+            "live_keys": list(rundir.LIVE_KEYS), "metrics_port": self.exporter.port, "cwd": os.getcwd(),
+            "started": time.time(), "total_steps": self.total_steps,
+            "steps_per_epoch": self.sampler.steps_per_epoch, "sft_dir": str(self.sft_dir),
+            "exit_codes": {"oom": rundir.EXIT_OOM, "stopped": rundir.EXIT_STOPPED},
+        })
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """Record an event (events.jsonl + the exporter's counter)."""
+        rundir.append_event(self.run_dir, kind, self.global_step, **fields)
+        self.exporter.count_event(kind)
+        self._summary.events[kind] = self._summary.events.get(kind, 0) + 1
+
+    # -- state ----------------------------------------------------------------------------------
+    def state(self) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+        """Checkpoint components (verl's actor/critic/data) and extra (RNG, KL controller)."""
+        components = {
+            "actor": {"model": self.policy.state_dict(), "optimizer": self.actor_opt.state_dict(),
+                      "lr_scheduler": self.actor_sched.state_dict()},
+            "critic": {"model": self.critic.state_dict(), "optimizer": self.critic_opt.state_dict(),
+                       "lr_scheduler": self.critic_sched.state_dict()},
+            "data": {"sampler": self.sampler.state_dict()},
+        }
+        extra = {"global_step": self.global_step, "rng": self.gen.get_state(),
+                 "torch_rng": torch.get_rng_state(), "kl_coef": float(self.kl_ctrl.value),
+                 "micro_batch": {ACTOR_MICRO: self.cfg.get(ACTOR_MICRO), CRITIC_MICRO: self.cfg.get(CRITIC_MICRO)}}
+        return components, extra
+
+    def load_state(self, components: dict[str, dict[str, Any]], extra: dict[str, Any]) -> None:
+        """Restore a checkpoint; lr and a fixed kl_coef then follow the current config (live changes win)."""
+        self.policy.load_state_dict(components["actor"]["model"])
+        self.actor_opt.load_state_dict(components["actor"]["optimizer"])
+        self.actor_sched.load_state_dict(components["actor"]["lr_scheduler"])
+        self.critic.load_state_dict(components["critic"]["model"])
+        self.critic_opt.load_state_dict(components["critic"]["optimizer"])
+        self.critic_sched.load_state_dict(components["critic"]["lr_scheduler"])
+        self.sampler.load_state_dict(components["data"]["sampler"])
+        self.gen.set_state(extra["rng"])
+        torch.set_rng_state(extra["torch_rng"])
+        self.global_step = int(extra["global_step"])
+        # verl's trap: a checkpoint's lr would silently override a new optim.lr; here the config wins.
+        set_lr(self.actor_opt, self.actor_sched, self.cfg.get(ACTOR_LR))
+        set_lr(self.critic_opt, self.critic_sched, self.cfg.get(CRITIC_LR))
+        # An adaptive controller's value is learned state; a fixed one is the config's.
+        self.kl_ctrl.value = (float(extra["kl_coef"]) if self.cfg.algorithm.kl_ctrl.type == "adaptive"
+                              else float(self.cfg.get(KL_COEF)))
+
+    def save(self, reason: str = "schedule") -> Path:
+        """Save a checkpoint of the current step and record a ``checkpoint`` event."""
+        components, extra = self.state()
+        epoch = self.sampler.epoch if self.sampler.position < self.sampler.steps_per_epoch else self.sampler.epoch + 1
+        path = ckpt.save_checkpoint(self.ckpt_root, self.global_step, epoch, components, extra,
+                                    keep=self.cfg.trainer.max_actor_ckpt_to_keep)
+        self.event("checkpoint", path=str(path), epoch=epoch, reason=reason)
+        return path
+
+    def _save_snapshot(self, snap: tuple[dict[str, dict[str, Any]], dict[str, Any]], reason: str) -> Path:
+        components, extra = snap
+        step = int(extra["global_step"])
+        sampler = components["data"]["sampler"]
+        path = ckpt.save_checkpoint(self.ckpt_root, step, int(sampler["epoch"]), components, extra,
+                                    keep=self.cfg.trainer.max_actor_ckpt_to_keep)
+        rundir.append_event(self.run_dir, "checkpoint", step, path=str(path), epoch=int(sampler["epoch"]),
+                            reason=reason)
+        self.exporter.count_event("checkpoint")
+        return path
+
+    def resume(self) -> None:
+        """resume_mode auto | disable | resume_path."""
+        t = self.cfg.trainer
+        info: ckpt.CheckpointInfo | None = None
+        if t.resume_mode == "auto":
+            info = ckpt.latest_complete(self.ckpt_root)
+        elif t.resume_mode == "resume_path":
+            info = ckpt.verify_checkpoint(t.resume_from_path)
+        if info is None:
+            return
+        components, extra = ckpt.load_checkpoint(info.path)
+        self.load_state(components, extra)
+        log.info("resumed from %s (step %d)", info.path, self.global_step)
+
+    # -- live settings --------------------------------------------------------------------------
+    def apply_live(self, key: str, value: Any) -> Any:
+        """Apply one live override at a step boundary; returns the value in force."""
+        stored = self.cfg.set(key, value)
+        if key == KL_COEF:
+            self.kl_ctrl.value = float(stored)
+        elif key == ACTOR_LR:
+            set_lr(self.actor_opt, self.actor_sched, float(stored))
+        elif key == CRITIC_LR:
+            set_lr(self.critic_opt, self.critic_sched, float(stored))
+        elif key == "actor_rollout_ref.actor.clip_ratio":
+            # verl's clip_ratio_low/high win over clip_ratio: move all three together.
+            self.cfg.set("actor_rollout_ref.actor.clip_ratio_low", stored)
+            self.cfg.set("actor_rollout_ref.actor.clip_ratio_high", stored)
+        return stored
+
+    def apply_overrides(self, overrides: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """Apply overrides; (applied, errors). A bad value is reported and skipped, the rest applied."""
+        applied, errors = {}, []
+        for key, value in overrides.items():
+            try:
+                applied[key] = self.apply_live(key, value)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        return applied, errors
+
+    # -- the step boundary: control.json -----------------------------------------------------
+    def boundary(self) -> None:
+        """Apply control.json (overrides, then one-shot commands); honour SIGTERM."""
+        if self._term:
+            self.stop("SIGTERM")
+        changes = self.control.poll(self.global_step)
+        if changes is not None:
+            self._apply_changes(changes)
+
+    def _apply_changes(self, changes: Changes) -> None:
+        applied, errors = self.apply_overrides(changes.overrides)
+        for message in errors:
+            self.event("error", message=message, source="control", version=changes.version)
+        pending = list(changes.commands)
+        deferred = []
+        for cmd in pending:
+            if cmd.kind in ("stop", "rollback", "pause"):
+                deferred.append(cmd)
+                continue
+            if cmd.kind == "checkpoint":
+                self.save(reason=f"command {cmd.id}")
+            # "resume" while not paused is a no-op.
+        self.control.mark_applied(changes, self.global_step, applied)
+        for cmd in deferred:
+            if cmd.kind == "pause":
+                self.pause(cmd.args.get("reason", ""))
+            elif cmd.kind == "stop":
+                self.stop(f"command {cmd.id}")
+            elif cmd.kind == "rollback":
+                self.rollback(cmd.args)
+
+    def pause(self, reason: str) -> None:
+        """Wait, polling control.json, until a resume (or stop/rollback) command arrives."""
+        self.event("paused", reason=reason)
+        log.warning("paused at step %d (%s); waiting for a resume command in control.json", self.global_step, reason)
+        while True:
+            if self._term:
+                self.stop("SIGTERM while paused")
+            self.control.wait(0.2)
+            changes = self.control.poll(self.global_step)
+            if changes is None:
+                continue
+            kinds = [c.kind for c in changes.commands]
+            if "resume" in kinds or "stop" in kinds or "rollback" in kinds:
+                self.event("resumed")
+                rest = [c for c in changes.commands if c.kind != "resume" and c.kind != "pause"]
+                changes.commands = [c for c in changes.commands if c.kind == "resume"] + rest
+                self._apply_changes(changes)
+                return
+            # overrides while paused are applied; still paused
+            applied, errors = self.apply_overrides(changes.overrides)
+            for message in errors:
+                self.event("error", message=message, source="control", version=changes.version)
+            self.control.mark_applied(changes, self.global_step, applied)
+
+    def stop(self, reason: str) -> None:
+        """Save and end the run with exit code 0."""
+        self.save(reason=f"stop ({reason})")
+        self.event("stopped", reason=reason)
+        raise StopTraining(rundir.EXIT_STOPPED, reason)
+
+    def rollback(self, args: dict[str, Any]) -> None:
+        """Restore a checkpoint (path, or to_step, else the newest complete) and skip batches."""
+        from_step = self.global_step
+        if args.get("path"):
+            info = ckpt.verify_checkpoint(args["path"])
+        elif args.get("to_step") is not None:
+            info = ckpt.verify_checkpoint(ckpt.step_dir(self.ckpt_root, int(args["to_step"])))
+        else:
+            found = ckpt.latest_complete(self.ckpt_root)
+            if found is None:
+                self.event("error", message=f"rollback: no complete checkpoint under {self.ckpt_root}")
+                return
+            info = found
+        components, extra = ckpt.load_checkpoint(info.path)
+        self.load_state(components, extra)
+        if info.path.parent.resolve() == self.ckpt_root.resolve():
+            # Checkpoints of the abandoned timeline must not be what a later resume picks up.
+            ckpt.discard_newer(self.ckpt_root, info.step)
+        skip = int(args.get("skip_batches") or 0)
+        self.sampler.skip(skip)
+        self.event("rollback", from_step=from_step, to_step=self.global_step, path=str(info.path),
+                   skip_batches=skip)
+
+    def _signals(self) -> None:
+        def on_term(signum: int, frame: Any) -> None:
+            self._term = True
+        if threading.current_thread() is not threading.main_thread():
+            return  # embedded in another thread (tests): Python only lets the main thread set handlers
+        signal.signal(signal.SIGTERM, on_term)
+        self.control.install_signal_handler()
+
+    # -- faults -----------------------------------------------------------------------------------
+    def inject(self, fault: Fault) -> None:
+        """Apply one scheduled fault at this step."""
+        self.event("fault", fault=fault.kind, arg=fault.arg)
+        arg = fault.value
+        if fault.kind == "lr_spike":
+            # The optimizer only, not the config: a rollback (which re-applies the config) undoes it.
+            for opt, sched in ((self.actor_opt, self.actor_sched), (self.critic_opt, self.critic_sched)):
+                set_lr(opt, sched, float(sched.base_lrs[0]) * float(arg if arg is not None else 10.0))
+        elif fault.kind == "kl_collapse":
+            self.kl_ctrl.value = float(self.kl_ctrl.value) * float(arg if arg is not None else 0.0)
+        elif fault.kind == "nan":
+            self._poison = True
+        elif fault.kind == "oom":
+            self.budget.force_next()
+            self._oom_fault = True
+        elif fault.kind == "hang":
+            end = time.time() + float(arg if arg is not None else 60.0)
+            while time.time() < end and not self._term:
+                time.sleep(0.1)
+        elif fault.kind == "crash":
+            logging.shutdown()
+            os._exit(int(arg if arg is not None else 1))
+
+    # -- one PPO step ---------------------------------------------------------------------------
+    def rollout(self, idx: list[int]) -> ppo.Rollout:
+        """Sample (or read, offline) responses for a batch and score them."""
+        cfg = self.cfg
+        examples = [self.train[i] for i in idx]
+        n = cfg.actor_rollout_ref.rollout.n
+        examples = [e for e in examples for _ in range(n)]
+        p_ids, p_mask = ppo.encode_prompts(self.tokenizer, [e.prompt for e in examples], cfg.data.max_prompt_length)
+        if cfg.data.offline:
+            responses = ppo.encode_responses(self.tokenizer, [e.response or "" for e in examples],
+                                             cfg.data.max_response_length)
+        else:
+            self.policy.eval()
+            responses = ppo.generate(self.policy, p_ids, p_mask, cfg.data.max_response_length,
+                                     self.tokenizer.eos_id, self.tokenizer.pad_id,
+                                     temperature=cfg.actor_rollout_ref.rollout.temperature, generator=self.gen)
+        texts = [self.tokenizer.decode(r) for r in responses.tolist()]
+        low, high = cfg.algorithm.reward_clip
+        scores = []
+        for e, text in zip(examples, texts, strict=True):
+            s = e.reward if (cfg.data.offline and e.reward is not None) else data_mod.score(text, e.ground_truth)
+            scores.append(min(max(s, low), high))
+        return ppo.assemble(self.tokenizer, p_ids, p_mask, responses, torch.tensor(scores), texts)
+
+    def train_step(self, idx: list[int]) -> dict[str, float]:
+        """Rollout, advantages, actor and critic updates for one batch; returns step metrics."""
+        cfg = self.cfg
+        a = cfg.actor_rollout_ref.actor
+        t0 = time.time()
+        # -- rollout and score
+        ro = self.rollout(idx)
+        # -- old/ref log-probs and values
+        temp = cfg.actor_rollout_ref.rollout.temperature
+        ro.old_log_prob = ppo.log_probs(self.policy, ro, a.ppo_mini_batch_size, temp)
+        ro.ref_log_prob = ppo.log_probs(self.ref, ro, a.ppo_mini_batch_size, temp)
+        ro.values = ppo.values_of(self.critic, ro, cfg.critic.ppo_mini_batch_size)
+        # -- KL penalty in the reward, then GAE
+        metrics = ppo.apply_kl_penalty(ro, self.kl_ctrl, cfg.algorithm.kl_penalty, cfg.algorithm.use_kl_in_reward)
+        ppo.compute_advantages(ro, cfg.algorithm.gamma, cfg.algorithm.lam)
+        # -- updates (critic first, as verl does); OOM may come from any micro batch
+        retry_possible = self.cfg.trainer.oom_retry_live and (
+            self.cfg.trainer.memory_budget_tokens is not None or self._oom_fault)
+        snap = (copy.deepcopy((self.critic.state_dict(), self.critic_opt.state_dict(),
+                               self.policy.state_dict(), self.actor_opt.state_dict()))
+                if retry_possible else None)
+        while True:
+            try:
+                crit = ppo.update_critic(self.critic, self.critic_opt, ro, cfg.critic, self.budget.check)
+                act = ppo.update_actor(self.policy, self.actor_opt, ro, a, temp, self.budget.check, self._poison)
+                break
+            except torch.OutOfMemoryError as exc:
+                what = "critic" if str(exc).startswith("critic") else "actor"
+                key = CRITIC_MICRO if what == "critic" else ACTOR_MICRO
+                micro = int(self.cfg.get(key))
+                smaller = _smaller_micro(micro, int(self.cfg.get(key.replace("micro_batch_size_per_gpu",
+                                                                             "mini_batch_size"))))
+                retry = self.cfg.trainer.oom_retry_live and smaller is not None
+                self.event("oom", micro_batch_size=micro, what=what, message=str(exc),
+                           action="retry" if retry else "exit", new_micro_batch_size=smaller if retry else None)
+                if not retry or snap is None:
+                    raise
+                # Undo the partial update and redo it with the smaller micro batch.
+                self.critic.load_state_dict(snap[0])
+                self.critic_opt.load_state_dict(snap[1])
+                self.policy.load_state_dict(snap[2])
+                self.actor_opt.load_state_dict(snap[3])
+                self.cfg.set(key, smaller)
+        self._poison = False
+        self._oom_fault = False
+        for what in act.skipped + crit.skipped:
+            self.event("nan", what=what)
+        self.actor_sched.step()
+        self.critic_sched.step()
+        # -- metrics (verl keys, trainer/catalog.py)
+        metrics.update(act.metrics)
+        metrics.update(crit.metrics)
+        metrics.update(ppo.data_metrics(ro))
+        elapsed = time.time() - t0
+        n_tokens = float(ro.attention_mask.sum())
+        metrics.update({
+            "actor/lr": float(self.actor_opt.param_groups[0]["lr"]),
+            "critic/lr": float(self.critic_opt.param_groups[0]["lr"]),
+            "perf/time_per_step": elapsed,
+            "perf/throughput": n_tokens / max(elapsed, 1e-9),
+        })
+        return metrics
+
+    def validate(self) -> dict[str, float]:
+        """Greedy accuracy per data source: ``val-core/<data_source>/reward/mean@1``."""
+        if not self.val:
+            return {}
+        from trainer.sft import accuracy
+
+        out: dict[str, float] = {}
+        sources = sorted({e.data_source for e in self.val})
+        for src in sources:
+            ex = [e for e in self.val if e.data_source == src]
+            out[f"val-core/{src}/reward/mean@1"] = accuracy(
+                self.policy, self.tokenizer, ex, self.cfg.data.max_prompt_length,
+                self.cfg.data.max_response_length, self.cfg.data.val_batch_size)
+        return out
+
+    def _record_val(self, val: dict[str, float]) -> None:
+        if not val:
+            return
+        score = sum(val.values()) / len(val)
+        if self._summary.first_val is None:
+            self._summary.first_val = score
+        self._summary.last_val = score
+        self.event("validation", score=score, metrics=val)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Train to total_steps; returns the exit code (0, or EXIT_OOM after saving)."""
+        from tqdm import tqdm
+
+        t = self.cfg.trainer
+        self.resume()
+        resumed_from = self.global_step
+        # A restarted trainer re-applies the newest overrides before its first step.
+        applied, errors = self.apply_overrides(self.control.current_overrides())
+        self._write_run_json()
+        self._signals()
+        self.event("started", resumed_from=resumed_from, total_steps=self.total_steps, applied=applied,
+                   sft=self.sft_info)
+        for message in errors:
+            self.event("error", message=message, source="control")
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="PPO",
+                   disable=None if t.progress else True,  # None: off when stderr is not a terminal
+                   dynamic_ncols=True, file=sys.stderr)
+        try:
+            if t.val_before_train and self.global_step == 0 and t.test_freq > 0:
+                val = self.validate()
+                if val:
+                    rundir.append_metrics(self.run_dir, 0, dict(val))
+                    self.exporter.update(0, val)
+                    self._record_val(val)
+            while True:
+                self.boundary()
+                if self.global_step >= self.total_steps:
+                    break
+                self.global_step += 1
+                for fault in self.faults.due(self.global_step):
+                    self.inject(fault)
+                # A deep copy: state_dict() shares storage with the live weights the update changes.
+                snap = copy.deepcopy(self.state()) if self._may_oom() else None
+                epoch, idx = self.sampler.next()
+                try:
+                    metrics = self.train_step(idx)
+                except torch.OutOfMemoryError:
+                    # State of the last completed step, so a restart redoes this one.
+                    if snap is not None:
+                        snap[1]["global_step"] = self.global_step - 1
+                        self._save_snapshot(snap, "oom")
+                    raise StopTraining(rundir.EXIT_OOM, "out of memory") from None
+                metrics["training/global_step"] = float(self.global_step)
+                metrics["training/epoch"] = float(epoch)
+                if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or self.global_step == self.total_steps):
+                    val = self.validate()
+                    metrics.update(val)
+                    self._record_val(val)
+                rundir.append_metrics(self.run_dir, self.global_step, metrics)
+                self.exporter.update(self.global_step, metrics)
+                self._summary.last_metrics = metrics
+                if metrics.get("actor/reward_kl_penalty", 0.0) > 0.1:
+                    self._summary.kl_over_threshold += 1
+                bar.n = self.global_step
+                bar.set_postfix(score=f"{metrics['critic/score/mean']:.2f}",
+                                kl=f"{metrics['actor/reward_kl_penalty']:.3f}",
+                                val=f"{self._summary.last_val or 0:.2f}", refresh=False)
+                bar.refresh()
+                if self._due_checkpoint(epoch):
+                    self.save()
+            self.event("finished", steps=self.global_step)
+            self._summary.exit_code = 0
+        except StopTraining as stop:
+            self._summary.exit_code = stop.code
+            log.warning("stopping at step %d: %s (exit %d)", self.global_step, stop.reason, stop.code)
+        finally:
+            bar.close()
+            self.exporter.close()
+        self._summary.steps = self.global_step
+        self._summary.seconds = time.time() - self._t0
+        return self._summary.exit_code
+
+    def _may_oom(self) -> bool:
+        # The snapshot costs a copy of all weights and optimizer state; only take it when an
+        # OOM without live retry is possible (a budget is set or an oom fault is pending).
+        return (self.cfg.trainer.memory_budget_tokens is not None or self._oom_fault) \
+            and not self.cfg.trainer.oom_retry_live
+
+    def _due_checkpoint(self, epoch: int) -> bool:
+        t = self.cfg.trainer
+        if t.save_freq > 0 and self.global_step % t.save_freq == 0:
+            return True
+        end_of_epoch = self.sampler.position >= self.sampler.steps_per_epoch
+        return bool(t.save_epoch_freq > 0 and end_of_epoch and (epoch + 1) % t.save_epoch_freq == 0)
+
+    @property
+    def summary(self) -> Summary:
+        """The run's summary (complete after :meth:`run`)."""
+        return self._summary
+
+
+def _smaller_micro(micro: int, mini: int) -> int | None:
+    """The largest divisor of ``mini`` at most half of ``micro`` (None when micro is already 1)."""
+    if micro <= 1:
+        return None
+    for m in range(micro // 2, 0, -1):
+        if mini % m == 0:
+            return m
+    return 1
+
+
+def print_summary(trainer: Trainer) -> None:
+    """One screen: what the run did (rich table on stdout)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    s = trainer.summary
+    table = Table(title=f"PPO run {trainer.run_id}", show_header=False)
+    table.add_column("what")
+    table.add_column("value")
+    m = s.last_metrics
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+    table.add_row("run dir", str(trainer.run_dir))
+    table.add_row("steps", f"{s.steps} / {trainer.total_steps}")
+    table.add_row("exit code", str(s.exit_code))
+    table.add_row("SFT val accuracy", fmt(trainer.sft_info.get("val_acc")))
+    table.add_row("val accuracy first -> last", f"{fmt(s.first_val)} -> {fmt(s.last_val)}")
+    for key in ("critic/score/mean", "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "critic/vf_loss",
+                "actor/entropy", "perf/time_per_step"):
+        table.add_row(key + " (last)", fmt(m.get(key)))
+    table.add_row("steps with KL > 0.1", str(s.kl_over_threshold))
+    table.add_row("events", ", ".join(f"{k}={v}" for k, v in sorted(s.events.items())) or "-")
+    table.add_row("wall time", f"{s.seconds:.1f} s")
+    Console().print(table)
+
+
+def run_cli(cfg: Config, args: Sequence[str]) -> int:
+    """Run a parsed config as ``python -m trainer`` does: train, print the summary, return the exit code."""
+    logging.basicConfig(level=os.environ.get("TRAINER_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    trainer = Trainer(cfg, [sys.executable, "-m", "trainer", *args])
+    code = trainer.run()
+    print_summary(trainer)
+    return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m trainer [--config FILE.yaml] [key=value ...]``; returns the exit code."""
+    from trainer.config import USAGE, load_config, split_cli
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        sys.stdout.write(USAGE)
+        return 0
+    try:
+        config_file, overrides = split_cli(args)
+        cfg = load_config(overrides, config_file)
+    except (ConfigError, OSError) as exc:
+        sys.stderr.write(f"config error: {exc}\n")
+        return 2
+    return run_cli(cfg, args)

@@ -1,0 +1,632 @@
+"""One run's control loop: tail -> rules engine -> decisions -> actuator, one tick at a time.
+
+The pure half (:func:`plan_decision`, :func:`heartbeat_timeout`, :func:`classify_exit`,
+:func:`span_start`) takes data and returns data; :class:`RunController` is the thin shell
+that reads the run directory, persists to the store and hands journal entries to the
+:class:`~watchdog.actuator.Actuator`.
+
+Ordering inside a tick is what makes a restarted watchdog lose nothing and double
+nothing: the engine's new state, the decisions, their journal intents and the tail
+offsets are committed in one SQLite transaction *before* any action is carried out;
+actions are then driven from the journal, each phase idempotent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from trainer import catalog, rundir
+from watchdog.actuator import (
+    MICRO_BATCH_KEYS,
+    MINI_BATCH_OF,
+    Actuator,
+    RunHandle,
+    config_value,
+    run_config,
+    snap_micro_batch,
+)
+from watchdog.store import OPEN_ACTION_STATUSES, RunRecord, Store
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+#: Rule names of the controller's own decisions (not from a rule file).
+RULE_OOM = "watchdog:oom"
+RULE_CRASH = "watchdog:crash"
+RULE_HANG = "watchdog:hang"
+RULE_BUDGET = "watchdog:budget"
+
+#: Keys whose current value is best read from the trainer's own metric (a fault or an
+#: adaptive controller may have moved it away from the config).
+_METRIC_FIRST = {"algorithm.kl_ctrl.kl_coef": "actor/reward_kl_penalty_coeff"}
+_METRIC_FALLBACK = {
+    "actor_rollout_ref.actor.optim.lr": "actor/lr",
+    "critic.optim.lr": "critic/lr",
+    "actor_rollout_ref.actor.kl_loss_coef": "actor/kl_coef",
+}
+
+
+@dataclass
+class ControllerConfig:
+    """Budgets and timings of the controller."""
+
+    restart_budget: int = 3
+    """Restarts for crash, hang and live-apply timeouts before the run is handed to a human."""
+    oom_retry_budget: int = 3
+    """OOM restarts (each with a smaller micro batch) before giving up."""
+    heartbeat_min_s: float = 30.0
+    """Hang timeout floor: no new step for this long (and ``heartbeat_factor`` step times) is a hang."""
+    heartbeat_factor: float = 10.0
+    """Hang timeout in median step times."""
+    startup_timeout_s: float = 600.0
+    """Allowed time from launch to the first new step (model build, SFT warm start)."""
+    window_size: int = 256
+    """Steps of history the rules see."""
+    rollback_margin_steps: int = 1
+    """Checkpoints this many steps before a divergence rule's condition first held count as bad too:
+    the checkpoint at step N holds the weights that produced step N+1's diverged metrics."""
+    live_keys: tuple[str, ...] = rundir.LIVE_KEYS
+    """Keys the trainer changes at a step boundary; others go by restart."""
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_min_s <= 0 or self.heartbeat_factor <= 0:
+            raise ValueError(f"heartbeat_min_s and heartbeat_factor must be > 0, got "
+                             f"{self.heartbeat_min_s}, {self.heartbeat_factor}")
+        if self.restart_budget < 0 or self.oom_retry_budget < 0:
+            raise ValueError("budgets must be >= 0")
+
+
+@dataclass
+class Planned:
+    """One journal entry to write for a decision."""
+
+    kind: str
+    """live_set | restart | rollback | command | notify."""
+    payload: dict[str, Any]
+    """What the actuator needs to carry it out."""
+
+
+# -- pure core ------------------------------------------------------------------------
+
+
+def heartbeat_timeout(step_times: Sequence[float], cfg: ControllerConfig) -> float:
+    """Seconds without a new step that count as a hang: max(floor, factor x median step time)."""
+    finite = [t for t in step_times if t == t and t > 0]
+    if not finite:
+        return cfg.heartbeat_min_s
+    return max(cfg.heartbeat_min_s, cfg.heartbeat_factor * statistics.median(finite))
+
+
+def classify_exit(code: int | None, saw_finished: bool, saw_oom: bool) -> str:
+    """finished | oom | crash, from the exit code (None when unknown) and the run's events."""
+    if code == rundir.EXIT_OOM or (code is None and saw_oom):
+        return "oom"
+    if code == 0 and saw_oom and not saw_finished:
+        return "oom"
+    if code == 0 or (code is None and saw_finished):
+        return "finished"
+    return "crash"
+
+
+def span_start(fire_step: int, for_steps: int, margin: int) -> int:
+    """First step whose checkpoint is suspect when a divergence rule fires at ``fire_step``."""
+    return fire_step - max(1, for_steps) + 1 - max(0, margin)
+
+
+def action_kind(action: Any) -> str:
+    """set | rollback | checkpoint | pause | notify for an engine action object."""
+    name = type(action).__name__.lower()
+    for kind in ("set", "rollback", "checkpoint", "pause", "notify"):
+        if name.startswith(kind):
+            return kind
+    raise ValueError(f"unknown action type {type(action).__name__}")
+
+
+def current_value(key: str, overrides: Mapping[str, Any], latest: Mapping[str, Any], config: Mapping[str, Any]) -> float | None:
+    """The value a ``set`` starts from: metric (where it is the truth), override, config, metric."""
+    if key in _METRIC_FIRST and _finite(latest.get(_METRIC_FIRST[key])):
+        return float(latest[_METRIC_FIRST[key]])
+    if key in overrides:
+        return float(overrides[key])
+    v = config_value(dict(config), key)
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    m = _METRIC_FALLBACK.get(key)
+    if m and _finite(latest.get(m)):
+        return float(latest[m])
+    return None
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and catalog.is_finite(float(v))
+
+
+def _set_value(key: str, new: float, config: Mapping[str, Any]) -> float | int:
+    if key in MICRO_BATCH_KEYS:
+        mini = config_value(dict(config), MINI_BATCH_OF[key])
+        return snap_micro_batch(int(round(new)), int(mini) if mini is not None else None)
+    if key.endswith("ppo_epochs"):
+        return max(1, int(round(new)))
+    return float(new)
+
+
+def plan_decision(
+    decision: Any, overrides: Mapping[str, Any], latest: Mapping[str, Any], config: Mapping[str, Any],
+    live_keys: Sequence[str], alive: bool,
+) -> list[Planned]:
+    """Journal entries for one decision (pure: values in, entries out)."""
+    if decision.kind == "resolve":
+        return []
+    rule, severity, message = decision.rule, getattr(decision, "severity", ""), getattr(decision, "message", "")
+    base = {"rule": rule, "step": decision.step}
+    sets: dict[str, Any] = {}
+    rollback: Any = None
+    out: list[Planned] = []
+    for action in decision.actions:
+        kind = action_kind(action)
+        if kind == "set":
+            cur = current_value(action.key, {**overrides, **sets}, latest, config)
+            if cur is None:
+                log.warning("rule %s: no current value for %s; skipping the set", rule, action.key)
+                continue
+            sets[action.key] = _set_value(action.key, action.apply(cur), config)
+        elif kind == "rollback":
+            rollback = action
+        elif kind == "checkpoint":
+            out.append(Planned("command", {**base, "command": {"id": "", "kind": "checkpoint"}}))
+        elif kind == "pause":
+            reason = getattr(action, "reason", "") or message
+            out.append(Planned("command", {**base, "command": {"id": "", "kind": "pause"}, "pause": True}))
+            out.append(Planned("notify", {**base, "severity": severity or "critical",
+                                          "summary": f"{rule}: training paused, a human is needed",
+                                          "description": reason}))
+        elif kind == "notify":
+            out.append(Planned("notify", {**base, "severity": severity or "warning",
+                                          "summary": f"{rule}: {getattr(action, 'message', '') or message}",
+                                          "description": message}))
+    if rollback is not None:
+        # The sets follow the rollback (a restored checkpoint brings back the old lr / kl_coef).
+        out.insert(0, Planned("rollback", {**base, "skip_batches": int(getattr(rollback, "skip_batches", 0)),
+                                           "set": sets}))
+    elif sets:
+        live = {k: v for k, v in sets.items() if k in live_keys}
+        restart = {k: v for k, v in sets.items() if k not in live_keys}
+        if restart:
+            out.insert(0, Planned("restart", {**base, "set": sets, "resume": "latest",
+                                              "reason": f"{rule}: {', '.join(restart)} need a restart"}))
+        elif live:
+            out.insert(0, Planned("live_set", {**base, "set": live}))
+    if decision.kind == "escalate" and not any(p.payload.get("pause") for p in out):
+        out.append(Planned("command", {**base, "command": {"id": "", "kind": "pause"}, "pause": True}))
+        out.append(Planned("notify", {**base, "severity": "critical", "summary": f"{rule}: escalated to a human",
+                                      "description": message}))
+    return out
+
+
+# -- the rules engine, behind a narrow interface ---------------------------------------
+
+
+class RulesEngine(Protocol):
+    """What the controller needs from the rules engine."""
+
+    def new_window(self, size: int) -> Any: ...
+
+    def initial_state(self) -> Any: ...
+
+    def state_from_json(self, d: dict[str, Any]) -> Any: ...
+
+    def evaluate(self, window: Any, state: Any, step: int) -> tuple[list[Any], Any]: ...
+
+    def for_steps(self, rule: str) -> int: ...
+
+
+class EngineRules:
+    """The real rules engine (watchdog.engine) over a loaded rule set."""
+
+    def __init__(self, paths: Sequence[str | Path]) -> None:
+        from watchdog import engine, series
+        from watchdog.rulefile import load_rules
+
+        self._engine = engine
+        self._series = series
+        self.ruleset = load_rules([str(p) for p in paths])
+
+    def new_window(self, size: int) -> Any:
+        return self._series.Window(size)
+
+    def initial_state(self) -> Any:
+        return self._engine.EngineState()
+
+    def state_from_json(self, d: dict[str, Any]) -> Any:
+        return self._engine.EngineState.from_json(d)
+
+    def evaluate(self, window: Any, state: Any, step: int) -> tuple[list[Any], Any]:
+        return self._engine.evaluate(self.ruleset, window, state, step)
+
+    def for_steps(self, rule: str) -> int:
+        for r in getattr(self.ruleset, "rules", ()):
+            if getattr(r, "name", None) == rule:
+                for attr in ("for_steps", "for_", "hold"):
+                    v = getattr(r, attr, None)
+                    if isinstance(v, int):
+                        return v
+        return 1
+
+
+def default_rules_path() -> Path:
+    """rules/default.yaml beside the package."""
+    return Path(__file__).resolve().parent.parent / "rules" / "default.yaml"
+
+
+# -- the shell ------------------------------------------------------------------------
+
+
+class NullTelemetry:
+    """Stands in for :class:`watchdog.telemetry.WatchdogMetrics` when none is given."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *a, **k: None
+
+
+@dataclass
+class TickResult:
+    """What one tick did (for logs and tests)."""
+
+    new_steps: list[int] = field(default_factory=list)
+    """Steps evaluated."""
+    decisions: list[int] = field(default_factory=list)
+    """Decision ids recorded."""
+    done: bool = False
+    """The run needs no more watching (finished or given up)."""
+
+
+class RunController:
+    """Watches and remediates one run; call :meth:`tick` periodically (never concurrently)."""
+
+    def __init__(
+        self, store: Store, run_id: str, rules: RulesEngine, actuator: Actuator,
+        config: ControllerConfig | None = None, telemetry: Any = None,
+    ) -> None:
+        self.store = store
+        self.rules = rules
+        self.actuator = actuator
+        self.config = config or ControllerConfig()
+        self.telemetry = telemetry or NullTelemetry()
+        run = store.require_run(run_id)
+        self.h = RunHandle(run)
+        from watchdog.ingest import RunTailer
+
+        saved = store.load_engine_state(run_id) or {}
+        self.tailer = RunTailer(run.run_dir, offsets=saved.get("tailer"))
+        self.window = rules.new_window(self.config.window_size)
+        self.state = rules.state_from_json(saved["engine"]) if saved.get("engine") else rules.initial_state()
+        self._rebuild_window(saved.get("tailer"))
+        self.latest: dict[str, Any] = {}
+        self._step_times: list[float] = []
+        self._saw_finished = False
+        self._saw_oom: dict[str, Any] | None = None
+        self._events_since_eval = False
+        # True from a rollback (or restart from a checkpoint) being decided until the metrics show
+        # the trainer back on an earlier step: divergence rules keep firing on the abandoned steps
+        # meanwhile, and those fires are the same divergence, not a new one.
+        self._rewind_pending = any(e.kind in ("rollback", "restart") for e in store.open_actions(run_id))
+        self._rewind_to: int | None = None
+        """Step the trainer went back to (its rollback / started event); the next step there ends the wait."""
+        # launched_ts of the launch whose first step has been seen; until then the (long)
+        # startup timeout applies instead of the heartbeat. A re-attached run counts as started.
+        self._launch_seen: float | None = run.launched_ts if run.last_step is not None else None
+        self._started_ts: float | None = run.launched_ts if run.last_step is not None else None
+        if run.pid is not None and run.phase in ("running", "paused", "escalated", "restarting"):
+            proc = actuator.backend.attach(run.pid)
+            if proc.alive():
+                self.h.proc = proc
+                log.info("%s: attached to running trainer pid %d", run_id, run.pid)
+
+    @property
+    def run(self) -> RunRecord:
+        return self.h.run
+
+    def _rebuild_window(self, offsets: Mapping[str, Any] | None) -> None:
+        """After a watchdog restart: the window as it stood (records and events read so far)."""
+        if not offsets:
+            return
+        from watchdog.ingest import dedup_records
+
+        run_dir = Path(self.run.run_dir)
+        m_off = int(offsets.get("metrics", {}).get("offset", 0))
+        e_off = int(offsets.get("events", {}).get("offset", 0))
+        recs = _read_prefix(run_dir / rundir.METRICS, m_off)
+        for rec in dedup_records(r for r in recs if "step" in r):
+            self.window.append_record(rec)
+        # Events in file order so their sequence numbers match what the engine state remembers.
+        self.window.add_events(_read_prefix(run_dir / rundir.EVENTS, e_off))
+
+    # -- tick --------------------------------------------------------------------------
+
+    def tick(self, now: float | None = None) -> TickResult:
+        """Launch if new, ingest, evaluate, plan (committed), watch liveness, drive actions."""
+        now = time.time() if now is None else now
+        result = TickResult()
+        if self.run.phase == "new":
+            self.actuator.launch(self.h, None, now)
+        records, events = self.tailer.poll()
+        self._handle_events(events, now)
+        decisions = self._evaluate(records, events, now, result)
+        self._commit(decisions, result)
+        self._watch_liveness(now)
+        for entry in self.store.open_actions(self.run.run_id):
+            if entry.status == "waiting":
+                continue
+            self.actuator.drive(self.h, entry, now)
+        if self.latest:
+            self.telemetry.data_age(self.run.run_id, max(0.0, now - (self.run.last_progress_ts or now)))
+        result.done = self.run.phase in ("finished", "failed")
+        return result
+
+    def _handle_events(self, events: list[dict[str, Any]], now: float) -> None:
+        for e in events:
+            kind = e.get("kind")
+            if kind == "applied":
+                ids = [c if isinstance(c, str) else c.get("id", "") for c in e.get("commands", [])]
+                self.actuator.confirm(self.h, int(e.get("version", 0)), e.get("step"), ids)
+            elif kind == "rollback":
+                self._rewind_to = int(e.get("to_step") or 0)
+                self.store.close_bad_spans(self.run.run_id, int(e.get("from_step") or e.get("to_step") or 0))
+                self.run.last_progress_ts = now
+            elif kind == "paused":
+                if self.run.phase == "running":
+                    self._set_phase("paused")
+            elif kind == "resumed":
+                self.run.last_progress_ts = now
+                self._set_phase("running")
+            elif kind == "finished":
+                self._saw_finished = True
+            elif kind == "oom":
+                self._saw_oom = e
+            elif kind == "started":
+                self._saw_finished = False
+                self._saw_oom = None
+                self.run.last_progress_ts = now
+                self._started_ts = float(e.get("ts") or now)
+                if self._rewind_pending:
+                    self._rewind_to = int(e.get("resumed_from") or e.get("step") or 0)
+
+    def _evaluate(self, records: list[dict[str, Any]], events: list[dict[str, Any]], now: float,
+                  result: TickResult) -> list[Any]:
+        pending = sorted(events, key=lambda e: int(e["step"]) if isinstance(e.get("step"), int) else -1)
+        decisions: list[Any] = []
+        for rec in records:
+            step = int(rec["step"])
+            while pending and isinstance(pending[0].get("step"), int) and pending[0]["step"] <= step:
+                self.window.add_event(pending.pop(0))
+            while pending and not isinstance(pending[0].get("step"), int):
+                self.window.add_event(pending.pop(0))
+            if self._rewind_to is not None and step <= self._rewind_to + 1:
+                # The first step of the new timeline: metrics from here on are after the rollback.
+                self._rewind_pending, self._rewind_to = False, None
+            self.window.append_record(rec)
+            data = rec.get("data", {})
+            self.latest.update(data)
+            t = data.get("perf/time_per_step")
+            if _finite(t):
+                self._step_times = (self._step_times + [float(t)])[-50:]
+            self.run.last_progress_ts = now
+            self.run.last_step = step
+            if self._started_ts is not None and self._started_ts >= (self.run.launched_ts or 0):
+                # A step from the process launched last (not a stale line of the one stopped before).
+                self._launch_seen = self.run.launched_ts
+            self._events_since_eval = False
+            decisions += self._run_engine(step, result)
+        if pending:
+            self.window.add_events(pending)
+            self._events_since_eval = True
+        alive = self.h.proc is not None and self.h.proc.alive()
+        if self._events_since_eval and not alive and self.run.last_step is not None:
+            # The trainer ended after events no metric line followed (an OOM mid-step): let the
+            # rules see them now, at the step the trainer was in.
+            step = max([self.run.last_step] + [e["step"] for e in events if isinstance(e.get("step"), int)])
+            self._events_since_eval = False
+            decisions += self._run_engine(step, result)
+        return decisions
+
+    def _run_engine(self, step: int, result: TickResult) -> list[Any]:
+        try:
+            decisions, self.state = self.rules.evaluate(self.window, self.state, step)
+        except Exception:  # recorded; the loop goes on with the old state
+            log.exception("%s: rules failed at step %d", self.run.run_id, step)
+            self.telemetry.error(self.run.run_id, "evaluate")
+            return []
+        result.new_steps.append(step)
+        return list(decisions)
+
+    def _commit(self, decisions: list[Any], result: TickResult) -> None:
+        """Decisions, intents, engine state and offsets in one transaction (before acting)."""
+        cfg = run_config(self.run.run_dir)
+        alive = self.h.proc is not None and self.h.proc.alive()
+        # The trainer says what it can change live (run.json); without that, the configured list.
+        live_keys = rundir.read_run_json(self.run.run_dir).get("live_keys") or self.config.live_keys
+        with self.store.transaction():
+            overrides = dict(self.run.overrides)
+            for d in decisions:
+                planned = plan_decision(d, overrides, self.latest, cfg, live_keys, alive)
+                covered = ""
+                if any(p.kind in ("rollback", "restart") for p in planned) and self._rollback_in_flight():
+                    covered = "covered by the rollback in progress"
+                    planned = []
+                for p in planned:
+                    overrides.update(p.payload.get("set", {}) if p.kind == "live_set" else {})
+                actions = [a.to_json() for a in d.actions]
+                did = self.store.add_decision(
+                    self.run.run_id, d.step, d.rule, d.kind, actions, dict(d.inputs),
+                    getattr(d, "severity", ""), getattr(d, "message", ""),
+                    status="pending" if planned else "skipped",
+                    outcome="" if planned else covered or ("resolved" if d.kind == "resolve" else "no action"),
+                )
+                result.decisions.append(did)
+                state = {"fire": "firing", "escalate": "firing", "resolve": "inactive"}.get(d.kind, "pending")
+                self.telemetry.rule_state(self.run.run_id, d.rule, state)
+                if d.kind == "escalate":
+                    self.telemetry.escalation(self.run.run_id, d.rule)
+                if getattr(d, "divergence", False) or any(p.kind == "rollback" for p in planned):
+                    start = span_start(d.step, self.rules.for_steps(d.rule), self.config.rollback_margin_steps)
+                    self.store.open_bad_span(self.run.run_id, d.rule, start, did)
+                for p in planned:
+                    if p.kind in ("rollback", "restart"):
+                        self._rewind_pending = True
+                    if p.kind == "command":
+                        aid = self.store.add_action(self.run.run_id, p.kind, p.payload, decision_id=did)
+                        cmd = {**p.payload["command"], "id": f"c{aid}"}
+                        self.store.update_action(aid, payload={**p.payload, "command": cmd})
+                    else:
+                        self.store.add_action(self.run.run_id, p.kind, p.payload, decision_id=did)
+                    if p.payload.get("pause"):
+                        self._set_phase("escalated" if d.kind == "escalate" else "paused")
+            self.store.save_engine_state(self.run.run_id, {
+                "version": STATE_VERSION, "engine": self.state.to_json(), "tailer": self.tailer.offsets,
+            })
+            self.store.update_run(self.run.run_id, last_step=self.run.last_step,
+                                  last_evaluated_step=result.new_steps[-1] if result.new_steps else
+                                  self.run.last_evaluated_step,
+                                  last_progress_ts=self.run.last_progress_ts)
+
+    def _rollback_in_flight(self) -> bool:
+        """A rollback or restart is open, or done but the trainer's metrics do not show it yet."""
+        entries = [e for e in self.store.journal(self.run.run_id) if e.kind in ("rollback", "restart")]
+        if any(e.status in OPEN_ACTION_STATUSES for e in entries):
+            return True
+        return self._rewind_pending and bool(entries) and entries[-1].status == "done"
+
+    def _set_phase(self, phase: str) -> None:
+        self.run.phase = phase
+        self.store.update_run(self.run.run_id, phase=phase)
+
+    # -- liveness ------------------------------------------------------------------------
+
+    def _restart_open(self) -> bool:
+        return any(e.kind in ("restart", "rollback") for e in self.store.open_actions(self.run.run_id))
+
+    def _watch_liveness(self, now: float) -> None:
+        if not self.run.managed or self.run.phase in ("finished", "failed", "new"):
+            return
+        proc = self.h.proc
+        if self._restart_open():
+            return
+        if proc is None or not proc.alive():
+            code = proc.poll() if proc is not None else self.run.exit_code
+            how = classify_exit(code, self._saw_finished, self._saw_oom is not None)
+            self.run.exit_code = code
+            self.store.update_run(self.run.run_id, exit_code=code)
+            if how == "finished":
+                log.info("%s: trainer finished (exit %s)", self.run.run_id, code)
+                self._set_phase("finished")
+                for e in self.store.open_actions(self.run.run_id):
+                    self.store.update_action(e.id, status="failed", result={**e.result,
+                                             "error": f"run finished before the {e.kind} was confirmed"})
+                    if e.decision_id is not None:
+                        self.store.settle_decision(e.decision_id)
+            elif how == "oom":
+                self._on_oom(code)
+            else:
+                self._on_crash(RULE_CRASH, f"trainer exited with code {code}", {"exit_code": code})
+            return
+        if self.run.phase != "running":
+            return  # paused or escalated: no steps expected
+        starting = self._launch_seen != self.run.launched_ts  # no step yet since the last launch
+        limit = self.config.startup_timeout_s if starting else heartbeat_timeout(self._step_times, self.config)
+        idle = now - (self.run.last_progress_ts or now)
+        if idle > limit:
+            self._on_crash(RULE_HANG, f"no new step for {idle:.0f}s (timeout {limit:.0f}s)",
+                           {"idle_s": round(idle, 3), "timeout_s": round(limit, 3)})
+
+    def _own_decision(self, rule: str, message: str, inputs: dict[str, Any], kind: str = "fire") -> int:
+        step = self.run.last_step if self.run.last_step is not None else 0
+        return self.store.add_decision(self.run.run_id, step, rule, kind, [], inputs, "critical", message)
+
+    def _on_oom(self, code: int | None) -> None:
+        oom = self._saw_oom or {}
+        self._saw_oom = None
+        if self.run.oom_retries >= self.config.oom_retry_budget:
+            self._give_up(RULE_OOM, f"OOM again after {self.run.oom_retries} retries")
+            return
+        cfg = run_config(self.run.run_dir)
+        failed_mb = oom.get("micro_batch_size")
+        sets: dict[str, Any] = {}
+        for key in MICRO_BATCH_KEYS:
+            cur = self.run.overrides.get(key, config_value(cfg, key))
+            if cur is None:
+                continue
+            # The OOM rule may already have lowered it below the size that failed; if not, -1 here.
+            if failed_mb is None or int(cur) >= int(failed_mb) or key not in self.run.overrides:
+                mini = config_value(cfg, MINI_BATCH_OF[key])
+                sets[key] = snap_micro_batch(int(cur) - 1, int(mini) if mini is not None else None)
+        inputs = {"exit_code": code, "micro_batch_size": failed_mb}
+        with self.store.transaction():
+            did = self._own_decision(RULE_OOM, f"out of memory at micro batch {failed_mb}: restart smaller", inputs)
+            self.store.add_action(self.run.run_id, "restart", {"rule": RULE_OOM, "resume": "latest", "set": sets,
+                                                              "reason": "oom"}, decision_id=did)
+            self.run.oom_retries += 1
+            self._rewind_pending = True
+            self.store.update_run(self.run.run_id, oom_retries=self.run.oom_retries, phase="restarting")
+            self.run.phase = "restarting"
+
+    def _on_crash(self, rule: str, message: str, inputs: dict[str, Any]) -> None:
+        if self.run.restarts >= self.config.restart_budget:
+            if self.h.proc is not None:
+                self.actuator.stop(self.h)
+            self._give_up(rule, f"{message}; restart budget ({self.config.restart_budget}) exhausted")
+            return
+        log.warning("%s: %s: restarting from the last known-good checkpoint", self.run.run_id, message)
+        with self.store.transaction():
+            did = self._own_decision(rule, message, inputs)
+            self.store.add_action(self.run.run_id, "restart", {"rule": rule, "resume": "known_good",
+                                                              "reason": message}, decision_id=did)
+            self.run.restarts += 1
+            self._rewind_pending = True
+            self.store.update_run(self.run.run_id, restarts=self.run.restarts, phase="restarting")
+            self.run.phase = "restarting"
+
+    def _give_up(self, rule: str, message: str) -> None:
+        with self.store.transaction():
+            did = self._own_decision(RULE_BUDGET, f"{rule}: {message}", {}, kind="escalate")
+            self.store.add_action(self.run.run_id, "notify", {
+                "rule": rule, "severity": "critical", "summary": f"{rule}: run given up, a human is needed",
+                "description": message,
+            }, decision_id=did)
+        self._set_phase("failed")
+        for e in self.store.open_actions(self.run.run_id):
+            if e.kind != "notify":
+                self.store.update_action(e.id, status="failed", result={"error": "run given up"})
+                if e.decision_id is not None:
+                    self.store.settle_decision(e.decision_id)
+        for e in self.store.open_actions(self.run.run_id):
+            self.actuator.drive(self.h, e, time.time())
+
+
+def _read_prefix(path: Path, offset: int) -> list[dict[str, Any]]:
+    """JSON objects of the complete lines in the first ``offset`` bytes of a JSONL file."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(offset)
+    except FileNotFoundError:
+        return []
+    out = []
+    for raw in data.splitlines():
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
+def open_entries(store: Store, run_id: str) -> int:
+    """How many journal entries of a run are still open."""
+    return sum(1 for e in store.journal(run_id) if e.status in OPEN_ACTION_STATUSES)

@@ -1,0 +1,256 @@
+"""The watchdog process: many runs, one APScheduler 3.x interval job calling ``tick(now)``.
+
+The scheduler only calls :meth:`Watchdog.tick`; everything it does is in the controller,
+so tests drive ``tick`` directly and the daemon adds nothing but timing. The job runs
+with ``max_instances=1`` (a slow tick is never overlapped by the next), ``coalesce=True``
+(ticks missed while one ran collapse into one) and a ``misfire_grace_time``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from watchdog.actuator import Actuator, ActuatorConfig, Notifier
+from watchdog.controller import ControllerConfig, EngineRules, RulesEngine, RunController, default_rules_path
+from watchdog.store import RunRecord, Store
+from watchdog.supervisor import Backend, LocalBackend
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STATE_DIR = ".watchdog"
+
+
+def state_dir_default() -> str:
+    """``$WATCHDOG_STATE_DIR`` or ``./.watchdog``."""
+    return os.environ.get("WATCHDOG_STATE_DIR", DEFAULT_STATE_DIR)
+
+
+class DaemonConfigError(ValueError):
+    """The daemon's config file is invalid; names the file and the key."""
+
+
+@dataclass
+class RunSpec:
+    """One run directory the daemon watches."""
+
+    run_dir: str
+    """The run directory (written by a trainer the daemon may not have started)."""
+    id: str | None = None
+    """Run id (default: the directory's name)."""
+    restart_command: list[str] | None = None
+    """Command that relaunches the trainer; without it the run gets live actions only."""
+
+
+@dataclass
+class DaemonConfig:
+    """``watchdog daemon --config FILE`` (YAML)."""
+
+    runs: list[RunSpec] = field(default_factory=list)
+    """Run directories to watch."""
+    rules: list[str] = field(default_factory=list)
+    """Rule files (default: rules/default.yaml)."""
+    state_dir: str = field(default_factory=state_dir_default)
+    """Where the SQLite state lives."""
+    tick_s: float = 5.0
+    """Seconds between ticks."""
+    metrics_port: int | None = None
+    """Port of the watchdog's own /metrics (None: off; 0: any free port)."""
+    metrics_addr: str = "127.0.0.1"
+    """Bind address of /metrics."""
+    webhook_url: str | None = None
+    """Alertmanager-compatible webhook for escalations (default: $WATCHDOG_WEBHOOK_URL)."""
+    controller: dict[str, Any] = field(default_factory=dict)
+    """ControllerConfig fields (restart_budget, heartbeat_min_s, ...)."""
+    actuator: dict[str, Any] = field(default_factory=dict)
+    """ActuatorConfig fields (live_timeout_s, stop_grace_s, ...)."""
+
+    def __post_init__(self) -> None:
+        if self.tick_s <= 0:
+            raise DaemonConfigError(f"tick_s must be > 0, got {self.tick_s!r}")
+
+
+def load_daemon_config(path: Path | str) -> DaemonConfig:
+    """Parse the daemon YAML (safe_load); unknown keys are errors naming the file and key."""
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise DaemonConfigError(f"{path}: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise DaemonConfigError(f"{path}: top level must be a mapping")
+    _check_keys(path, "", doc, {f.name for f in fields(DaemonConfig)})
+    runs = []
+    for i, r in enumerate(doc.get("runs", []) or []):
+        if isinstance(r, str):
+            r = {"run_dir": r}
+        if not isinstance(r, dict) or "run_dir" not in r:
+            raise DaemonConfigError(f"{path}: runs[{i}] needs a run_dir")
+        _check_keys(path, f"runs[{i}].", r, {f.name for f in fields(RunSpec)})
+        runs.append(RunSpec(**r))
+    _check_keys(path, "controller.", doc.get("controller", {}), {f.name for f in fields(ControllerConfig)})
+    _check_keys(path, "actuator.", doc.get("actuator", {}), {f.name for f in fields(ActuatorConfig)})
+    rest = {k: v for k, v in doc.items() if k != "runs"}
+    try:
+        return DaemonConfig(runs=runs, **rest)
+    except (TypeError, ValueError) as exc:
+        raise DaemonConfigError(f"{path}: {exc}") from exc
+
+
+def _check_keys(path: Path, prefix: str, doc: Any, known: set[str]) -> None:
+    if not isinstance(doc, dict):
+        raise DaemonConfigError(f"{path}: {prefix.rstrip('.') or 'top level'} must be a mapping")
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise DaemonConfigError(f"{path}: unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(known))})")
+
+
+class Watchdog:
+    """Controllers for many runs sharing one store, rule set, actuator and telemetry."""
+
+    def __init__(
+        self, store: Store, rules: RulesEngine, backend: Backend | None = None, notifier: Notifier | None = None,
+        controller_config: ControllerConfig | None = None, actuator_config: ActuatorConfig | None = None,
+        telemetry: Any = None, crash_hook: Any = None,
+    ) -> None:
+        self.store = store
+        self.rules = rules
+        self.telemetry = telemetry
+        self.controller_config = controller_config or ControllerConfig()
+        on_action = telemetry.action if telemetry is not None else None
+        self.actuator = Actuator(store, backend or LocalBackend(), notifier, actuator_config, on_action, crash_hook)
+        self.controllers: dict[str, RunController] = {}
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        """Set when every run is finished or given up (``watchdog run`` exits then)."""
+
+    def add_run(self, run_dir: Path | str, run_id: str | None = None, command: Sequence[str] | None = None,
+                managed: bool = True) -> RunController:
+        """Register (or take back from the store) a run and build its controller."""
+        run_dir = Path(run_dir).resolve()
+        run_id = run_id or run_dir.name
+        existing = self.store.get_run(run_id)
+        if existing is None:
+            self.store.upsert_run(RunRecord(run_id, str(run_dir), list(command or []), managed=managed,
+                                            phase="new" if (managed and command) else "detached"))
+        elif existing.phase in ("finished", "failed") and managed and command:
+            # Same run directory again: a new attempt (the trainer resumes from its checkpoints).
+            self.store.update_run(run_id, phase="new", command=list(command), restarts=0, oom_retries=0)
+        elif command and existing.command != list(command):
+            self.store.update_run(run_id, command=list(command))
+        ctl = RunController(self.store, run_id, self.rules, self.actuator, self.controller_config, self.telemetry)
+        self.controllers[run_id] = ctl
+        return ctl
+
+    def tick(self, now: float | None = None) -> bool:
+        """One pass over every run; True when all are done. Errors in one run never stop the others."""
+        if not self._lock.acquire(blocking=False):
+            return False  # a tick is still running (max_instances=1 makes this rare)
+        try:
+            now = time.time() if now is None else now
+            t0 = time.perf_counter()
+            all_done = True
+            for run_id, ctl in list(self.controllers.items()):
+                try:
+                    all_done &= ctl.tick(now).done
+                except Exception:
+                    log.exception("%s: tick failed", run_id)
+                    if self.telemetry is not None:
+                        self.telemetry.error(run_id, "tick")
+                    all_done = False
+            if self.telemetry is not None:
+                self.telemetry.runs_watched(len(self.controllers))
+                self.telemetry.last_tick(time.time())
+                self.telemetry.eval_seconds(time.perf_counter() - t0)
+            if all_done and self.controllers:
+                self.done.set()
+            return all_done
+        finally:
+            self._lock.release()
+
+    def serve_forever(self, tick_s: float, until_done: bool = True, stop: threading.Event | None = None) -> None:
+        """Run ticks on an APScheduler 3.x BackgroundScheduler until done (or ``stop`` is set)."""
+        from apscheduler.schedulers.background import BackgroundScheduler
+
+        sched = BackgroundScheduler(daemon=True)
+        sched.add_job(self.tick, "interval", seconds=tick_s, max_instances=1, coalesce=True,
+                      misfire_grace_time=max(1, int(tick_s * 5)), next_run_time=_now_dt())
+        sched.start()
+        stop = stop or threading.Event()
+        try:
+            while not stop.is_set():
+                if until_done and self.done.wait(timeout=0.2):
+                    break
+                if not until_done:
+                    stop.wait(timeout=0.5)
+        finally:
+            sched.shutdown(wait=True)
+
+
+def _now_dt() -> Any:
+    from datetime import datetime
+
+    return datetime.now()
+
+
+def build_watchdog(
+    state_dir: str | Path, rule_paths: Sequence[str | Path] | None = None, webhook_url: str | None = None,
+    controller: dict[str, Any] | None = None, actuator: dict[str, Any] | None = None,
+    metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", crash_hook: Any = None,
+) -> Watchdog:
+    """A Watchdog from plain settings (the CLI and the daemon config both land here)."""
+    rules = EngineRules(list(rule_paths) if rule_paths else [default_rules_path()])
+    telemetry = None
+    try:
+        from watchdog.telemetry import WatchdogMetrics
+
+        telemetry = WatchdogMetrics()
+        if metrics_port is not None:
+            port = telemetry.serve(metrics_port, metrics_addr)
+            log.info("watchdog /metrics on http://%s:%d/metrics", metrics_addr, port)
+    except ImportError:  # the monitoring part is optional for the controller
+        log.info("watchdog.telemetry not available; no /metrics")
+    notifier = Notifier(webhook_url or os.environ.get("WATCHDOG_WEBHOOK_URL") or None)
+    return Watchdog(
+        Store(state_dir), rules, LocalBackend(), notifier,
+        ControllerConfig(**(controller or {})), ActuatorConfig(**(actuator or {})), telemetry, crash_hook,
+    )
+
+
+def run_daemon(cfg: DaemonConfig, stop: threading.Event | None = None) -> Watchdog:
+    """``watchdog daemon``: watch every configured run until stopped."""
+    wd = prepare_daemon(cfg)
+    wd.serve_forever(cfg.tick_s, until_done=False, stop=stop)
+    return wd
+
+
+def prepare_daemon(cfg: DaemonConfig) -> Watchdog:
+    """The daemon's Watchdog with every configured run added (adopting trainers already running)."""
+    wd = build_watchdog(cfg.state_dir, cfg.rules, cfg.webhook_url, cfg.controller, cfg.actuator,
+                        cfg.metrics_port, cfg.metrics_addr)
+    for spec in cfg.runs:
+        cmd = spec.restart_command
+        ctl = wd.add_run(spec.run_dir, spec.id, cmd, managed=bool(cmd))
+        if cmd and ctl.run.phase == "new":
+            # A run it did not start: adopt the running trainer instead of launching a second one.
+            pid = _run_pid(ctl.run.run_dir)
+            if pid is not None:
+                wd.store.update_run(ctl.run.run_id, phase="running", pid=pid)
+                ctl.h.run.phase, ctl.h.run.pid = "running", pid
+                ctl.h.proc = wd.actuator.backend.attach(pid)
+    return wd
+
+
+def _run_pid(run_dir: str) -> int | None:
+    from trainer import rundir
+
+    pid = rundir.read_run_json(run_dir).get("pid")
+    return int(pid) if isinstance(pid, int) else None
