@@ -227,7 +227,11 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus_scraping_a_re
 
         trainer = subprocess.Popen(
             tiny_trainer_args(run_dir, f"trainer.metrics_port={trainer_port}", "trainer.save_freq=2",
-                              "trainer.test_freq=10", steps=30),
+                              "trainer.test_freq=10",
+                              # A pause near the end keeps the run alive for a few more 1 s scrapes, so
+                              # every counter has the two samples increase() needs even when the
+                              # machine is idle and the 30 steps take only a couple of seconds.
+                              "trainer.faults=hang@28:4", steps=30),
             env=trainer_env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "trainer.log", "w"),  # noqa: SIM115
         )
         _wait(lambda: bool(rundir.read_run_json(run_dir).get("id")), 60, "run.json", trainer)

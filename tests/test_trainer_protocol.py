@@ -205,8 +205,6 @@ def _event_counts(exposition: str) -> dict[str, float]:
     }
 
 
-@pytest.mark.xfail(strict=True, reason="loop.py builds ControlApplier without on_event=, so the control "
-                   "error/applied events it records never reach the exporter's ppo_events_total")
 def test_control_events_are_counted_on_metrics_too(live_run: dict[str, Any]) -> None:
     events = _event_counts(live_run["exposition"])
     assert events.get("error") == 1 and events.get("applied") == 1

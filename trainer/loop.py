@@ -151,7 +151,8 @@ class Trainer:
         prev = rundir.read_run_json(self.run_dir)
         self.run_id = str(prev.get("id") or f"{self.run_dir.name}-{int(time.time())}")
         self.exporter = MetricsExporter(self.run_id, port=t.metrics_port)
-        self.control = ControlApplier(self.run_dir)
+        # Control events (applied, error) are recorded by the applier itself; count them on /metrics too.
+        self.control = ControlApplier(self.run_dir, on_event=lambda e: self.exporter.count_event(e["kind"]))
         self._poison = False
         self._oom_fault = False  # an injected OOM is pending this step
 
