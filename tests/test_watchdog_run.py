@@ -89,7 +89,11 @@ def _history(tmp_path: Path) -> list[dict]:
 
 
 def test_live_kl_coef_change_is_applied_within_one_step(tmp_path):
-    proc = _watchdog(tmp_path, _rules(tmp_path, KL_RULE), steps=12)
+    # The tiny trainer steps in ~0.03 s on an idle machine, faster than one watchdog tick (0.3 s), so
+    # "within one step" is only observable when a step takes longer than a tick: a 0.8 s hang fault at
+    # every step makes the trainer as slow, relative to the tick, as a real PPO step.
+    slow_steps = ",".join(f"hang@{s}:0.8" for s in range(1, 13))
+    proc = _watchdog(tmp_path, _rules(tmp_path, KL_RULE), steps=12, faults=slow_steps)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     (decision,) = _history(tmp_path)
     (applied,) = [e for e in _events(tmp_path, "applied") if e.get("version") == 1]

@@ -11,9 +11,9 @@ import sys
 from trainer.config import USAGE, ConfigError, load_config, split_cli
 
 
-def main() -> int:
-    """Parse, then train; returns the exit code."""
-    args = sys.argv[1:]
+def main(argv: list[str] | None = None) -> int:
+    """Parse the config before torch loads (a bad key fails fast), then train; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
         sys.stdout.write(USAGE)
         return 0

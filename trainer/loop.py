@@ -632,20 +632,3 @@ def run_cli(cfg: Config, args: Sequence[str]) -> int:
     code = trainer.run()
     print_summary(trainer)
     return code
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m trainer [--config FILE.yaml] [key=value ...]``; returns the exit code."""
-    from trainer.config import USAGE, load_config, split_cli
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] in ("-h", "--help"):
-        sys.stdout.write(USAGE)
-        return 0
-    try:
-        config_file, overrides = split_cli(args)
-        cfg = load_config(overrides, config_file)
-    except (ConfigError, OSError) as exc:
-        sys.stderr.write(f"config error: {exc}\n")
-        return 2
-    return run_cli(cfg, args)
