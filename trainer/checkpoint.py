@@ -49,15 +49,8 @@ _TRASH_PREFIX = ".trash-global_step_"
 _COMPONENT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(rundir.PathError):
     """A checkpoint that must not be loaded; names the path and what is wrong with it."""
-
-    def __init__(self, path: Path | str, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = str(path)
-        """The checkpoint directory (or file) at fault."""
-        self.reason = reason
-        """What is wrong, in words."""
 
 
 @dataclass(frozen=True)

@@ -64,13 +64,19 @@ EXIT_OOM = 75
 EXIT_STOPPED = 0
 
 
-class ControlError(ValueError):
-    """control.json is not a valid control document; carries the path and the reason."""
+class PathError(ValueError):
+    """A file or directory that cannot be used; the message is ``path: reason``."""
 
     def __init__(self, path: Path | str, reason: str) -> None:
         super().__init__(f"{path}: {reason}")
         self.path = str(path)
+        """The file or directory at fault."""
         self.reason = reason
+        """What is wrong, in words."""
+
+
+class ControlError(PathError):
+    """control.json is not a valid control document; carries the path and the reason."""
 
 
 @dataclass(frozen=True)

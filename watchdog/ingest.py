@@ -64,13 +64,8 @@ _OOM_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
 )
 
 
-class IngestError(ValueError):
+class IngestError(rundir.PathError):
     """A metrics source cannot be read at all (missing, a directory without metrics, ...)."""
-
-    def __init__(self, path: Path | str, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = str(path)
-        self.reason = reason
 
 
 @dataclass(frozen=True)
