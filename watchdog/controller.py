@@ -543,7 +543,7 @@ class RunController:
         idle = now - (self.run.last_progress_ts or now)
         if idle > limit:
             self._on_crash(RULE_HANG, f"no new step for {idle:.0f}s (timeout {limit:.0f}s)",
-                           {"idle_s": round(idle, 3), "timeout_s": round(limit, 3)})
+                           {"idle_s": idle, "timeout_s": limit})
 
     def _own_decision(self, rule: str, message: str, inputs: dict[str, Any], kind: str = "fire") -> int:
         step = self.run.last_step if self.run.last_step is not None else 0
