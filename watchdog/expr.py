@@ -610,8 +610,16 @@ def _has_nan(vals: list[float]) -> bool:
     return any(map(math.isnan, vals))
 
 
+
+def _fsum(vals):  # type: ignore[no-untyped-def]
+    """math.fsum, but inf + -inf gives nan (as float addition does) instead of raising ValueError."""
+    try:
+        return math.fsum(vals)
+    except ValueError:
+        return float("nan")
+
 def _avg(vals: list[float], *_: Any) -> float:
-    return math.fsum(vals) / len(vals)
+    return _fsum(vals) / len(vals)
 
 
 def _min(vals: list[float], *_: Any) -> float:
@@ -623,8 +631,8 @@ def _max(vals: list[float], *_: Any) -> float:
 
 
 def _std(vals: list[float], *_: Any) -> float:
-    m = math.fsum(vals) / len(vals)
-    return math.sqrt(math.fsum((v - m) ** 2 for v in vals) / len(vals))
+    m = _fsum(vals) / len(vals)
+    return math.sqrt(_fsum((v - m) ** 2 for v in vals) / len(vals))
 
 
 def _delta(vals: list[float], *_: Any) -> float:
@@ -636,9 +644,9 @@ def _slope(vals: list[float], w: Window, name: str, n: int, at: int) -> float:
     if len(ys) < 2:
         raise MissingDataError(f"slope({name}, {n}): needs 2 values, has {len(ys)}")
     mx = sum(steps) / len(steps)
-    my = math.fsum(ys) / len(ys)
+    my = _fsum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in steps)
-    return math.fsum((x - mx) * (y - my) for x, y in zip(steps, ys, strict=True)) / sxx
+    return _fsum((x - mx) * (y - my) for x, y in zip(steps, ys, strict=True)) / sxx
 
 
 def _zscore(vals: list[float], w: Window, name: str, n: int, at: int) -> float:
@@ -646,7 +654,7 @@ def _zscore(vals: list[float], w: Window, name: str, n: int, at: int) -> float:
     prev = w.values(name, n, at - 1)
     if len(prev) < 2:
         raise MissingDataError(f"zscore({name}, {n}): needs 2 earlier values, has {len(prev)}")
-    m = math.fsum(prev) / len(prev)
+    m = _fsum(prev) / len(prev)
     sd = _std(prev)
     if sd == 0:
         return 0.0 if x == m else math.copysign(math.inf, x - m)
