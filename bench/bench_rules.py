@@ -38,7 +38,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-VERL_LOG = Path("/work/shared/testdata/verl-logs/verl_ppo_gemma2b_gsm8k_healthy.txt")
+VERL_LOG = next((p for p in (ROOT.parent / "shared", Path("/work/shared"))
+                 if (p / "testdata" / "verl-logs").is_dir()), ROOT.parent / "shared") / "testdata" / "verl-logs" / "verl_ppo_gemma2b_gsm8k_healthy.txt"
 GOAL_RUNS, GOAL_MS = 1000, 100.0
 
 sys.path.insert(0, str(ROOT))

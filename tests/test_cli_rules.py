@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
+from verl_logs import HEALTHY, NAN, needs_logs
 
 from trainer import catalog, rundir
 from watchdog import cli
@@ -18,11 +19,7 @@ from watchdog.rulefile import load_rules
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "rules" / "default.yaml"
 DEFAULT_TESTS = ROOT / "rules" / "tests"
-LOGS = Path("/work/shared/testdata/verl-logs")
-HEALTHY = LOGS / "verl_ppo_gemma2b_gsm8k_healthy.txt"
-NAN = LOGS / "verl_issue_nan_single_step_excerpts.txt"
 
-needs_logs = pytest.mark.skipif(not HEALTHY.exists(), reason="shared verl test logs not present")
 needs_default = pytest.mark.skipif(not DEFAULT.exists(), reason="rules/default.yaml not written yet")
 
 runner = CliRunner()

@@ -10,17 +10,10 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from verl_logs import HEALTHY, NAN, needs_logs
 
 from trainer import rundir
 from watchdog import ingest
-
-LOGS = Path(__file__).resolve().parents[2] / "shared" / "testdata" / "verl-logs"
-if not LOGS.is_dir():  # the lead's clone may sit elsewhere; /work/shared is the canonical place
-    LOGS = Path("/work/shared/testdata/verl-logs")
-HEALTHY = LOGS / "verl_ppo_gemma2b_gsm8k_healthy.txt"
-NAN = LOGS / "verl_issue_nan_single_step_excerpts.txt"
-
-needs_logs = pytest.mark.skipif(not HEALTHY.exists(), reason="shared verl test logs not present")
 
 
 @needs_logs

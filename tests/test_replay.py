@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+from verl_logs import HEALTHY, NAN, needs_logs
 
 from trainer import rundir
 from watchdog import ingest, replay
@@ -13,11 +14,7 @@ from watchdog.rulefile import load_rules
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "rules" / "default.yaml"
-LOGS = Path("/work/shared/testdata/verl-logs")
-HEALTHY = LOGS / "verl_ppo_gemma2b_gsm8k_healthy.txt"
-NAN = LOGS / "verl_issue_nan_single_step_excerpts.txt"
 
-needs_logs = pytest.mark.skipif(not HEALTHY.exists(), reason="shared verl test logs not present")
 needs_default = pytest.mark.skipif(not DEFAULT.exists(), reason="rules/default.yaml not written yet")
 
 PACK = """\
