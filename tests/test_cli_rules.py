@@ -285,7 +285,9 @@ def test_replay_rejects_a_malformed_set_option(good: Path, tmp_path: Path) -> No
 
 
 def test_a_missing_default_pack_names_the_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cli, "__file__", str(tmp_path / "pkg" / "watchdog" / "cli.py"))
+    from watchdog import rulefile
+
+    monkeypatch.setattr(rulefile, "__file__", str(tmp_path / "pkg" / "watchdog" / "rulefile.py"))
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv(cli.RULES_ENV, raising=False)
     r = invoke("rules", "list")

@@ -347,3 +347,18 @@ def test_daemon_watches_a_run_it_did_not_start_and_serves_its_own_metrics(tmp_pa
     finally:
         trainer.wait(30)
         wd.telemetry.close()
+
+
+def test_the_daemon_takes_its_rules_from_WATCHDOG_RULES_when_none_are_given(tmp_path, monkeypatch):
+    pack = tmp_path / "mine.yaml"
+    pack.write_text(textwrap.dedent("""\
+        version: 1
+        rules:
+          - name: only_mine
+            description: KL far out
+            expr: kl > 0.5
+            actions: [notify]
+    """))
+    monkeypatch.setenv("WATCHDOG_RULES", str(pack))
+    wd = build_watchdog(tmp_path / "state")
+    assert [r.name for r in wd.rules.ruleset.rules] == ["only_mine"]

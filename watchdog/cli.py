@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import sys
 from collections.abc import Sequence
@@ -21,11 +20,9 @@ from rich.console import Console
 from rich.table import Table
 
 from trainer import catalog, rundir
+from watchdog.rulefile import RULES_ENV, default_rules_paths
 
 log = logging.getLogger(__name__)
-
-#: Environment variable naming the rule files to use instead of the default pack (os.pathsep-separated).
-RULES_ENV = "WATCHDOG_RULES"
 
 app = typer.Typer(
     name="watchdog",
@@ -62,26 +59,6 @@ def _console(stderr: bool = False) -> Console:
 def _fail(message: str, code: int = 2) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
-
-
-def default_rules_paths() -> list[Path]:
-    """The rule files used when none are given: $WATCHDOG_RULES, else the repo's rules/default.yaml.
-
-    Searched in order: ``$WATCHDOG_RULES`` (os.pathsep-separated), ``rules/default.yaml``
-    beside the ``watchdog`` package (an editable install or a checkout), the same inside
-    the package (``watchdog/rules/default.yaml``, for a wheel that ships it as package
-    data), and ``./rules/default.yaml``. FileNotFoundError when none exists.
-    """
-    env = os.environ.get(RULES_ENV)
-    if env:
-        return [Path(p) for p in env.split(os.pathsep) if p]
-    here = Path(__file__).resolve().parent
-    for cand in (here.parent / "rules" / "default.yaml", here / "rules" / "default.yaml",
-                 Path.cwd() / "rules" / "default.yaml"):
-        if cand.is_file():
-            return [cand]
-    raise FileNotFoundError(f"no default rule pack found (looked beside the package and in ./rules); "
-                            f"pass --rules FILE or set {RULES_ENV}")
 
 
 def _expand(paths: Sequence[Path]) -> list[Path]:

@@ -260,11 +260,6 @@ class EngineRules:
         return 1
 
 
-def default_rules_path() -> Path:
-    """rules/default.yaml beside the package."""
-    return Path(__file__).resolve().parent.parent / "rules" / "default.yaml"
-
-
 # -- the shell ------------------------------------------------------------------------
 
 

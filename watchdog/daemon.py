@@ -20,7 +20,8 @@ from typing import Any
 import yaml
 
 from watchdog.actuator import Actuator, ActuatorConfig, Notifier
-from watchdog.controller import ControllerConfig, EngineRules, RulesEngine, RunController, default_rules_path
+from watchdog.controller import ControllerConfig, EngineRules, RulesEngine, RunController
+from watchdog.rulefile import default_rules_paths
 from watchdog.store import RunRecord, Store
 from watchdog.supervisor import Backend, LocalBackend
 
@@ -207,7 +208,7 @@ def build_watchdog(
     metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", crash_hook: Any = None,
 ) -> Watchdog:
     """A Watchdog from plain settings (the CLI and the daemon config both land here)."""
-    rules = EngineRules(list(rule_paths) if rule_paths else [default_rules_path()])
+    rules = EngineRules(list(rule_paths) if rule_paths else default_rules_paths())
     telemetry = None
     try:
         from watchdog.telemetry import WatchdogMetrics

@@ -31,6 +31,7 @@ construction from tags) so every value keeps its line and column for messages.
 from __future__ import annotations
 
 import difflib
+import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,30 @@ RULES_VERSION = 1
 SEVERITIES = ("info", "warning", "critical")
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
+RULES_ENV = "WATCHDOG_RULES"
+"""Environment variable naming the rule files used when none are given (os.pathsep-separated)."""
+
+
+def default_rules_paths() -> list[Path]:
+    """The rule files used when none are given: $WATCHDOG_RULES, else the repo's rules/default.yaml.
+
+    Searched in order: ``$WATCHDOG_RULES`` (os.pathsep-separated), ``rules/default.yaml``
+    beside the ``watchdog`` package (an editable install or a checkout), the same inside
+    the package (``watchdog/rules/default.yaml``, for a wheel that ships it as package
+    data), and ``./rules/default.yaml``. FileNotFoundError when none exists.
+    """
+    env = os.environ.get(RULES_ENV)
+    if env:
+        return [Path(p) for p in env.split(os.pathsep) if p]
+    here = Path(__file__).resolve().parent
+    for cand in (here.parent / "rules" / "default.yaml", here / "rules" / "default.yaml",
+                 Path.cwd() / "rules" / "default.yaml"):
+        if cand.is_file():
+            return [cand]
+    raise FileNotFoundError(f"no default rule pack found (looked beside the package and in ./rules); "
+                            f"pass --rules FILE or set {RULES_ENV}")
 
 
 @dataclass(frozen=True)
