@@ -173,3 +173,15 @@ def test_hung_trainer_is_detected_and_restarted(tmp_path):
     starts = _events(tmp_path, "started")
     assert len(starts) == 2 and starts[1]["resumed_from"] <= 5
     assert _events(tmp_path, "finished")
+
+
+def test_a_trainer_that_rejects_its_config_is_given_up_at_once_not_retried(tmp_path: Path) -> None:
+    proc = _watchdog(tmp_path, _rules(tmp_path, KL_RULE), steps=4,
+                     extra=["--set", "algorithm.kl_ctrl.kl_coeff=0.1"], timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    store = Store(tmp_path / "state")
+    (run,) = store.list_runs()
+    assert run.phase == "failed" and run.restarts == 0 and run.exit_code == rundir.EXIT_USAGE
+    (decision,) = store.decisions(run.run_id)
+    # The human reading the alert sees the trainer's own complaint, naming the key.
+    assert "rejected its configuration" in decision["message"] and "kl_coeff" in decision["message"]

@@ -62,6 +62,9 @@ LIVE_KEYS = (
 EXIT_OOM = 75
 #: Exit code of a trainer stopped by a ``stop`` command or SIGTERM after saving.
 EXIT_STOPPED = 0
+#: Exit code of a trainer that rejected its configuration before training (unknown key, bad
+#: value): relaunching the same command cannot help, so a supervisor gives up instead of retrying.
+EXIT_USAGE = 2
 
 
 class PathError(ValueError):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -105,7 +106,9 @@ def heartbeat_timeout(step_times: Sequence[float], cfg: ControllerConfig) -> flo
 
 
 def classify_exit(code: int | None, saw_finished: bool, saw_oom: bool) -> str:
-    """finished | oom | crash, from the exit code (None when unknown) and the run's events."""
+    """finished | oom | usage | crash, from the exit code (None when unknown) and the run's events."""
+    if code == rundir.EXIT_USAGE:
+        return "usage"
     if code == rundir.EXIT_OOM or (code is None and saw_oom):
         return "oom"
     if code == 0 and saw_oom and not saw_finished:
@@ -528,6 +531,10 @@ class RunController:
                         self.store.settle_decision(e.decision_id)
             elif how == "oom":
                 self._on_oom(code)
+            elif how == "usage":
+                # A rejected config fails the same way every time: say why instead of retrying.
+                self._give_up(RULE_CRASH, f"trainer rejected its configuration (exit {code}): "
+                                          f"{log_tail(Path(self.run.run_dir) / self.actuator.config.log_name)}")
             else:
                 self._on_crash(RULE_CRASH, f"trainer exited with code {code}", {"exit_code": code})
             return
@@ -602,6 +609,18 @@ class RunController:
                     self.store.settle_decision(e.decision_id)
         for e in self.store.open_actions(self.run.run_id):
             self.actuator.drive(self.h, e, time.time())
+
+
+def log_tail(path: Path, lines: int = 3, max_chars: int = 600) -> str:
+    """The last non-empty lines of a trainer log, for a message a human reads ('' when none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 8192))
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return f"(no log at {path})"
+    tail = [ln.strip() for ln in text.splitlines() if ln.strip()][-lines:]
+    return " | ".join(tail)[-max_chars:]
 
 
 def _read_prefix(path: Path, offset: int) -> list[dict[str, Any]]:
