@@ -158,6 +158,11 @@ def test_set_action_scales_adds_and_clamps() -> None:
     assert act.SetAction("actor_rollout_ref.actor.ppo_epochs", "add", 1, max=4).apply(4) == 4
     assert act.SetAction("critic.optim.lr", "to", 1e-5).apply(3.0) == 1e-5
     assert up.describe() == "set algorithm.kl_ctrl.kl_coef x1.2 (max 0.02)"
+    # A bound never turns a raise into a cut (or a cut into a raise): past the bound, keep the value.
+    assert up.apply(0.1) == 0.1
+    assert act.SetAction("critic.ppo_micro_batch_size_per_gpu", "add", -8, min=16).apply(8) == 8
+    assert act.SetAction("actor_rollout_ref.actor.optim.lr", "scale", 0.5, min=1e-6).apply(1e-7) == 1e-7
+    assert act.SetAction("critic.optim.lr", "to", 1e-5, max=1e-6).apply(3.0) == 1e-6  # absolute: clamp
     for a in (up, down, act.RollbackAction(2), act.CheckpointAction(), act.PauseAction("x"), act.NotifyAction("y")):
         assert act.action_from_json(a.to_json()) == a
 

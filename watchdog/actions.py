@@ -111,15 +111,24 @@ class SetAction:
         if self.max is not None:
             new = min(new, self.max)
         t = TUNABLE_KEYS.get(self.key)
-        if t is not None and t.integer and math.isfinite(new):
+        integer = t is not None and t.integer and math.isfinite(new)
+        if integer:
             new = float(round(new))
             # Rounding must not step back over a bound (e.g. min 1 with 0.6 -> 1, not 1 -> 0).
             if self.min is not None and new < self.min:
                 new = float(math.ceil(self.min))
             if self.max is not None and new > self.max:
                 new = float(math.floor(self.max))
-            return int(new)
-        return new
+        if self.op in ("scale", "add") and math.isfinite(current) and (new - current) * self._direction() < 0:
+            # The bounds limit how far a rule moves a key; they never move it the other way: a
+            # run that starts above a raise's max (kl_coef 0.1 against max 0.02) stays where it is.
+            new = current
+        return int(new) if integer else new
+
+    def _direction(self) -> float:
+        """+1 when the op raises the value, -1 when it lowers it, 0 when it keeps it."""
+        step = self.value - 1.0 if self.op == "scale" else self.value
+        return float((step > 0) - (step < 0))
 
     def describe(self) -> str:
         """One line: ``set algorithm.kl_ctrl.kl_coef x1.2 (max 0.02)``."""
