@@ -33,7 +33,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+#: What brings a database of version N-1 to version N, applied in the opening transaction.
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    2: ("ALTER TABLE runs ADD COLUMN job_id TEXT",),  # the Ray Job a run's trainer runs as
+}
 DB_NAME = "watchdog.db"
 
 #: Decision statuses. ``skipped``: nothing to do (a resolve, or an action already covered).
@@ -52,6 +56,7 @@ CREATE TABLE IF NOT EXISTS runs (
     managed INTEGER NOT NULL DEFAULT 1,
     phase TEXT NOT NULL DEFAULT 'new',
     pid INTEGER,
+    job_id TEXT,
     overrides TEXT NOT NULL DEFAULT '{}',
     control_version INTEGER NOT NULL DEFAULT 0,
     restarts INTEGER NOT NULL DEFAULT 0,
@@ -146,7 +151,9 @@ class RunRecord:
     phase: str = "new"
     """new | running | paused | restarting | finished | failed | escalated | detached."""
     pid: int | None = None
-    """Process id of the current trainer (process-group leader)."""
+    """Process id of the current trainer (process-group leader); None for a Ray Job."""
+    job_id: str | None = None
+    """Ray submission id of the current trainer when it runs as a Ray Job (then ``pid`` is None)."""
     overrides: dict[str, Any] = field(default_factory=dict)
     """Desired config overrides (verl Hydra keys), also in control.json and restart args."""
     control_version: int = 0
@@ -243,9 +250,16 @@ class Store:
             if row is None:
                 self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
             elif int(row["value"]) != SCHEMA_VERSION:
-                raise StoreError(
-                    f"{path}: schema version {row['value']}, this watchdog speaks {SCHEMA_VERSION}"
-                )
+                self._migrate(path, int(row["value"]))
+
+    def _migrate(self, path: Path, version: int) -> None:
+        """Bring an older database up to :data:`SCHEMA_VERSION` (inside the opening transaction)."""
+        if not 1 <= version < SCHEMA_VERSION:
+            raise StoreError(f"{path}: schema version {version}, this watchdog speaks {SCHEMA_VERSION}")
+        for v in range(version + 1, SCHEMA_VERSION + 1):
+            for stmt in _MIGRATIONS[v]:
+                self._db.execute(stmt)
+        self._db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
 
     def close(self) -> None:
         """Close the connection."""

@@ -28,11 +28,19 @@ class SupervisorError(OSError):
     """A process could not be started or signalled; names the command or pid."""
 
 
+class BackendUnavailable(SupervisorError):
+    """The backend's control plane (a Ray job server) cannot be reached; names its address.
+
+    Nothing was started or stopped: the caller may try the same step again later."""
+
+
 class TrainerProcess(Protocol):
     """What the controller needs from a running trainer."""
 
     @property
-    def pid(self) -> int: ...
+    def pid(self) -> int | None:
+        """Process id; None where there is no local one (a Ray Job runs on the cluster's head)."""
+        ...
 
     def poll(self) -> int | None:
         """Exit code once it has ended (None while running or when unknown for an attached pid)."""

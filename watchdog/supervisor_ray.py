@@ -1,0 +1,395 @@
+"""Ray Job backend: the trainer runs as a Ray Job, submitted and resubmitted through the job server.
+
+On a cluster the trainer (verl's driver, or the embedded trainer) is not a child of the
+watchdog: it is a Ray Job's entrypoint, started by the head's job supervisor. This backend
+speaks to the head's job server (:class:`ray.job_submission.JobSubmissionClient`, the
+dashboard address, ``http://HEAD:8265``) and hands out handles with the same protocol as
+:class:`~watchdog.supervisor.LocalProcess`, so the controller and the actuator work unchanged:
+
+- ``start`` submits the command as the entrypoint (shell-quoted), with the environment as
+  ``runtime_env.env_vars`` and no ``working_dir``: the job runs on the head's filesystem,
+  and the run directory is a path every node shares (NFS, a PVC), as on any cluster.
+  Submission ids are ``<run id>-<attempt>``: a restart is a new job, and the ids say
+  which launch of which run each job was.
+- ``poll`` / ``alive`` map the job status to an exit code (:func:`exit_code_for`): Ray
+  reports the entrypoint's own exit code, so the embedded trainer's OOM exit (75) reads
+  the same as from a local process; a failure whose log shows an out-of-memory error is
+  an OOM too (a verl driver dies of an exception, not with code 75).
+- ``stop`` asks the job server to stop the job (SIGTERM, ``RAY_JOB_STOP_WAIT_TIME_S``,
+  SIGKILL, done by the head) and waits for a terminal status.
+- ``signal``: a Ray Job cannot be signalled from outside, so it returns False; the trainer
+  still reads control.json at its next step boundary and confirms with ``applied``.
+- The job's log is copied into the run directory's trainer.log (one header line a job), so
+  humans and log readers find it where a local run puts it.
+
+A job server that cannot be reached raises :class:`~watchdog.supervisor.BackendUnavailable`
+naming the address: the actuator keeps the action open and tries again at the next tick.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+import shlex
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from trainer import rundir
+from watchdog.supervisor import BackendUnavailable, SupervisorError
+
+log = logging.getLogger(__name__)
+
+#: Ray's terminal job statuses.
+TERMINAL = frozenset({"SUCCEEDED", "FAILED", "STOPPED"})
+#: A stopped job reads as the trainer's own exit after SIGTERM (the head sends it one): stopped on
+#: purpose, state saved; the watchdog does not resubmit a job an operator stopped.
+EXIT_STOPPED = rundir.EXIT_STOPPED
+#: A failed job without an exit code (its supervisor died, its runtime env failed to build).
+EXIT_UNKNOWN_FAILURE = 1
+#: Text in a failed job's log that means it died of running out of memory.
+OOM_MARKERS = (
+    "OutOfMemoryError",  # torch.OutOfMemoryError / torch.cuda.OutOfMemoryError, ray.exceptions.OutOfMemoryError
+    "CUDA out of memory",
+    "CUDA error: out of memory",
+    "node running low on memory",  # Ray's memory monitor killed a worker
+)
+#: Environment variables that make Ray's client ignore the address it is given.
+_ADDRESS_ENV = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+_UNSAFE_ID = re.compile(r"[^A-Za-z0-9._-]+")
+LOG_HEADER = "==> ray job {job_id} <=="
+
+
+# -- pure helpers ---------------------------------------------------------------------
+
+
+def exit_code_for(status: str, driver_exit_code: int | None, message: str = "") -> int | None:
+    """The exit code a job status stands for (None while it runs).
+
+    SUCCEEDED is 0; FAILED is the entrypoint's exit code when Ray reports one (else 1), or
+    :data:`~trainer.rundir.EXIT_OOM` when the failure's log tail shows an out-of-memory error;
+    STOPPED is :data:`~trainer.rundir.EXIT_STOPPED`, what the trainer exits with after SIGTERM.
+    """
+    if status == "SUCCEEDED":
+        return 0
+    if status == "STOPPED":
+        return EXIT_STOPPED
+    if status == "FAILED":
+        code = driver_exit_code if driver_exit_code else EXIT_UNKNOWN_FAILURE
+        if code != rundir.EXIT_OOM and any(m in message for m in OOM_MARKERS):
+            return rundir.EXIT_OOM
+        return code
+    return None
+
+
+def job_prefix(run_id: str) -> str:
+    """A submission-id-safe form of a run id (Ray uses the id in file names and URLs)."""
+    safe = _UNSAFE_ID.sub("_", run_id).strip("._-")
+    return safe or "run"
+
+
+def submission_id(run_id: str, attempt: int) -> str:
+    """``<run id>-<attempt>``: attempt 1 is the first launch, each restart adds one."""
+    return f"{job_prefix(run_id)}-{attempt}"
+
+
+def next_attempt(run_id: str, existing: Iterable[str]) -> int:
+    """One more than the highest attempt among ``existing`` submission ids of this run."""
+    prefix = job_prefix(run_id) + "-"
+    attempts = [int(s[len(prefix):]) for s in existing if s.startswith(prefix) and s[len(prefix):].isdigit()]
+    return max(attempts, default=0) + 1
+
+
+def entrypoint(command: Sequence[str], cwd: Path | str | None = None) -> str:
+    """The shell command line of the job: every argument quoted, after a ``cd`` when a cwd is given."""
+    if not command:
+        raise SupervisorError("empty command")
+    line = shlex.join(list(command))
+    return f"cd {shlex.quote(str(cwd))} && {line}" if cwd else line
+
+
+def check_address_env(address: str, environ: Mapping[str, str] | None = None) -> None:
+    """Ray's client silently prefers $RAY_API_SERVER_ADDRESS / $RAY_ADDRESS over the address it is
+    given; refuse instead of submitting to a different cluster than the one asked for."""
+    env = os.environ if environ is None else environ
+    for name in _ADDRESS_ENV:
+        value = env.get(name)
+        if value and value.rstrip("/") != address.rstrip("/"):
+            raise SupervisorError(
+                f"Ray address {address!r} given, but ${name}={value!r} would override it in Ray's client; "
+                f"unset {name} or pass the same address"
+            )
+        if value:
+            return  # the first one set is the one Ray uses
+
+
+# -- the handle -----------------------------------------------------------------------
+
+
+class RayJobProcess:
+    """A trainer running as one Ray Job (the protocol of :class:`~watchdog.supervisor.TrainerProcess`)."""
+
+    def __init__(self, backend: RayJobBackend, job_id: str, log_path: Path | str | None = None) -> None:
+        self._backend = backend
+        self.job_id = job_id
+        """Ray submission id (recorded in the store in place of a pid)."""
+        self._log_path = Path(log_path) if log_path is not None else None
+        self._exit: int | None = None
+        self._terminal = False
+        self._status: str | None = None
+        self._status_ts = -math.inf
+        self._logs_ts = -math.inf
+        self._log_copied: int | None = None
+        self._unreachable = False
+
+    @property
+    def pid(self) -> int | None:
+        """None: the entrypoint is a process on the head, not on this machine."""
+        return None
+
+    def status(self) -> str | None:
+        """The job's status (cached for ``status_ttl_s``); None when the job server cannot be reached."""
+        if self._terminal:
+            return self._status
+        now = time.monotonic()
+        if now - self._status_ts < self._backend.status_ttl_s:
+            return self._status
+        try:
+            info = self._backend.job_info(self.job_id)
+        except BackendUnavailable as exc:
+            if not self._unreachable:
+                log.warning("job %s: status unknown (%s); counting it as running until the head answers",
+                            self.job_id, exc)
+            self._unreachable = True
+            return None
+        self._unreachable = False
+        self._status_ts = now
+        if info is None:  # deleted from the cluster (or a head restarted without its job table)
+            log.warning("job %s: unknown to the job server; counting it as ended, exit code unknown", self.job_id)
+            self._status, self._terminal = "MISSING", True
+            return self._status
+        self._status = str(getattr(info.status, "value", info.status))
+        if self._status in TERMINAL:
+            self._terminal = True
+            self._exit = exit_code_for(self._status, info.driver_exit_code, info.message or "")
+            log.info("job %s: %s (exit %s)", self.job_id, self._status, self._exit)
+        self._copy_logs(final=self._terminal)
+        return self._status
+
+    def poll(self) -> int | None:
+        self.status()
+        return self._exit
+
+    def alive(self) -> bool:
+        # Unknown (head unreachable) counts as running: the job most likely is, and a trainer
+        # declared dead would be resubmitted next to itself once the head answers again.
+        return not self._terminal if self.status() is not None else True
+
+    def signal(self, sig: int) -> bool:
+        """A Ray Job cannot be signalled; False so callers rely on control.json at the next step."""
+        return False
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        """Ask the head to stop the job (SIGTERM, its stop wait, SIGKILL) and wait until it has ended."""
+        if not self.alive():
+            return self.poll()
+        log.info("stopping ray job %s (%.1fs grace on the head)", self.job_id, self._backend.stop_wait_s)
+        self._backend.stop_job(self.job_id)
+        deadline = time.monotonic() + max(grace, self._backend.stop_wait_s) + 10.0
+        while time.monotonic() < deadline:
+            self._status_ts = -math.inf
+            if self.status() is not None and self._terminal:
+                return self._exit
+            time.sleep(0.2)
+        log.warning("ray job %s did not end within %.0fs of the stop request", self.job_id, grace)
+        return None
+
+    # -- logs ------------------------------------------------------------------------
+
+    def _copy_logs(self, final: bool) -> None:
+        """Append what is new in the job's log to the run's log file (at most every ``log_interval_s``)."""
+        if self._log_path is None:
+            return
+        now = time.monotonic()
+        if not final and now - self._logs_ts < self._backend.log_interval_s:
+            return
+        self._logs_ts = now
+        try:
+            text = self._backend.job_logs(self.job_id)
+        except SupervisorError as exc:
+            log.warning("job %s: logs not fetched: %s", self.job_id, exc)
+            return
+        data = text.encode("utf-8", "replace")
+        try:
+            self._log_path.parent.mkdir(parents=True, exist_ok=True)
+            if self._log_copied is None:
+                self._log_copied = _copied_so_far(self._log_path, self.job_id)
+            with open(self._log_path, "ab") as f:
+                if self._log_copied < 0:
+                    f.write(("\n" + LOG_HEADER.format(job_id=self.job_id) + "\n").encode())
+                    self._log_copied = 0
+                if len(data) > self._log_copied:
+                    f.write(data[self._log_copied:])
+                    self._log_copied = len(data)
+        except OSError as exc:
+            log.warning("job %s: cannot write %s: %s", self.job_id, self._log_path, exc)
+
+
+def _copied_so_far(path: Path, job_id: str) -> int:
+    """Bytes of this job's log already in ``path`` (after its header); -1 when it has no header yet.
+
+    A watchdog restarted while the job runs re-attaches and carries on where the file ends."""
+    header = ("\n" + LOG_HEADER.format(job_id=job_id) + "\n").encode()
+    try:
+        content = path.read_bytes()
+    except FileNotFoundError:
+        return -1
+    at = content.rfind(header)
+    return -1 if at < 0 else len(content) - at - len(header)
+
+
+# -- the backend ----------------------------------------------------------------------
+
+
+class RayJobBackend:
+    """Starts one run's trainer as Ray Jobs on the cluster whose job server is at ``address``."""
+
+    def __init__(
+        self, address: str, run_id: str, stop_wait_s: float = 15.0, log_interval_s: float = 5.0,
+        status_ttl_s: float = 0.5, client: Any = None,
+    ) -> None:
+        """``address``: the job server (Ray dashboard), e.g. ``http://127.0.0.1:8265``.
+        ``run_id``: the run whose jobs these are (submission ids derive from it).
+        ``stop_wait_s``: the head's SIGTERM grace before SIGKILL (the trainer checkpoints on SIGTERM).
+        ``log_interval_s``: how often a running job's log is copied (each copy fetches the whole log).
+        ``status_ttl_s``: a job status is reused this long (one tick asks several times).
+        ``client``: an already connected JobSubmissionClient (default: connect on first use)."""
+        if not address:
+            raise SupervisorError("empty Ray address")
+        self.address = address
+        self.run_id = run_id
+        self.stop_wait_s = stop_wait_s
+        self.log_interval_s = log_interval_s
+        self.status_ttl_s = status_ttl_s
+        self._client = client
+        self._attempt: int | None = None
+
+    # -- the job server ---------------------------------------------------------------
+
+    def connect(self) -> Any:
+        """The JobSubmissionClient (connects, and checks the server's version, on first use)."""
+        if self._client is None:
+            check_address_env(self.address)
+            try:
+                from ray.job_submission import JobSubmissionClient
+            except ImportError as exc:
+                raise SupervisorError(f"the Ray backend needs ray[default]: {exc}") from exc
+            try:
+                self._client = JobSubmissionClient(self.address)
+            except (OSError, RuntimeError) as exc:  # ConnectionError, requests' errors, a server error
+                raise BackendUnavailable(f"Ray job server at {self.address} is not reachable: {exc}") from exc
+        return self._client
+
+    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except OSError as exc:  # requests.ConnectionError and friends are OSErrors
+            raise BackendUnavailable(f"Ray job server at {self.address}: {what} failed: {exc}") from exc
+
+    def job_info(self, job_id: str) -> Any | None:
+        """Ray's JobDetails of a job, or None when the server does not know it."""
+        client = self.connect()
+        try:
+            return self._call(f"status of job {job_id}", client.get_job_info, job_id)
+        except RuntimeError as exc:
+            if "404" in str(exc) or "does not exist" in str(exc):
+                return None
+            raise BackendUnavailable(f"Ray job server at {self.address}: status of job {job_id}: {exc}") from exc
+
+    def job_logs(self, job_id: str) -> str:
+        """The whole log of a job."""
+        client = self.connect()
+        try:
+            return str(self._call(f"logs of job {job_id}", client.get_job_logs, job_id))
+        except RuntimeError as exc:
+            raise SupervisorError(f"Ray job server at {self.address}: logs of job {job_id}: {exc}") from exc
+
+    def stop_job(self, job_id: str) -> bool:
+        """Ask the server to stop a job; False when it had already ended."""
+        client = self.connect()
+        try:
+            return bool(self._call(f"stop of job {job_id}", client.stop_job, job_id))
+        except RuntimeError as exc:
+            raise BackendUnavailable(f"Ray job server at {self.address}: stop of job {job_id}: {exc}") from exc
+
+    def run_jobs(self) -> list[Any]:
+        """This run's jobs on the cluster (JobDetails), oldest attempt first."""
+        client = self.connect()
+        prefix = job_prefix(self.run_id) + "-"
+        jobs = [j for j in self._call("list of jobs", client.list_jobs)
+                if (j.submission_id or "").startswith(prefix) and j.submission_id[len(prefix):].isdigit()]
+        return sorted(jobs, key=lambda j: int(j.submission_id[len(prefix):]))
+
+    # -- the Backend protocol -----------------------------------------------------------
+
+    def start(
+        self, command: Sequence[str], env: Mapping[str, str] | None = None,
+        cwd: Path | str | None = None, log_path: Path | str | None = None,
+    ) -> RayJobProcess:
+        """Submit ``command`` as the next attempt's job; its log is copied to ``log_path``."""
+        line = entrypoint(command, cwd)
+        client = self.connect()
+        if self._attempt is None:
+            # Continue the numbering of jobs already on the cluster (a restarted watchdog).
+            self._attempt = next_attempt(self.run_id, (j.submission_id or "" for j in self.run_jobs()))
+        env_vars = {str(k): str(v) for k, v in (env or {}).items()}
+        env_vars.setdefault("RAY_JOB_STOP_WAIT_TIME_S", str(max(1, math.ceil(self.stop_wait_s))))
+        for _ in range(100):
+            sid = submission_id(self.run_id, self._attempt)
+            try:
+                job_id = self._call(
+                    f"submission of {sid}", client.submit_job, entrypoint=line, submission_id=sid,
+                    runtime_env={"env_vars": env_vars}, metadata={"app": "ppo-watchdog", "run_id": self.run_id},
+                )
+            except RuntimeError as exc:
+                if "already exists" in str(exc):
+                    mine = self._same_submission(sid, line)
+                    if mine is not None:  # an earlier try went through but its answer was lost
+                        self._attempt += 1
+                        return RayJobProcess(self, sid, log_path)
+                    self._attempt += 1  # taken by another launch of this run: the next number
+                    continue
+                raise SupervisorError(f"Ray job server at {self.address}: submission of {sid} failed: {exc}") \
+                    from exc
+            self._attempt += 1
+            log.info("submitted ray job %s to %s: %s", job_id, self.address, line)
+            return RayJobProcess(self, str(job_id), log_path)
+        raise SupervisorError(f"Ray job server at {self.address}: no free submission id for run {self.run_id}")
+
+    def _same_submission(self, sid: str, line: str) -> Any | None:
+        """The job ``sid`` when it is this very submission, still running (not an older attempt)."""
+        info = self.job_info(sid)
+        if info is None or info.entrypoint != line or str(getattr(info.status, "value", info.status)) in TERMINAL:
+            return None
+        return info
+
+    def attach(self, pid: int) -> RayJobProcess:
+        """Ray Jobs are found by submission id (:meth:`attach_job`); a pid names nothing on the cluster."""
+        raise SupervisorError(f"run {self.run_id}: pid {pid} cannot be attached as a Ray job; "
+                              "a Ray job is attached by its submission id")
+
+    def attach_job(self, job_id: str, log_path: Path | str | None = None) -> RayJobProcess:
+        """A handle on a job submitted earlier (a restarted watchdog); its log copy resumes where it ended."""
+        return RayJobProcess(self, job_id, log_path)
+
+
+def check_job_server(address: str) -> str:
+    """Connect to the job server now (``watchdog run`` refuses to start without one); its Ray version."""
+    client = RayJobBackend(address, "check").connect()
+    try:
+        return str(client.get_version())
+    except (OSError, RuntimeError) as exc:
+        raise BackendUnavailable(f"Ray job server at {address} is not reachable: {exc}") from exc
