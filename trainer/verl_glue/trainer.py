@@ -1,0 +1,248 @@
+"""The v1 trainer subclass that makes a verl run obey the run-directory protocol.
+
+Registered with verl's ``register_trainer`` as ``watchdog_sync`` and chosen with
+``trainer.v1.trainer_mode=watchdog_sync``; it *is* verl's synchronous trainer
+(``PPOTrainerSync``) with four hooks, each a few lines:
+
+- ``on_init_end`` (after workers, rollout replicas and ``_load_checkpoint``): run.json,
+  the exporter, ``started``; a resumed run takes its lr from the config, not the
+  checkpoint (verl's resume would bring the old lr back); the newest control.json
+  overrides are applied before the first step.
+- ``on_step_begin``: the step boundary, :class:`trainer.verl_glue.boundary.ControlBoundary`.
+- ``_compute_metrics``: after verl computed the step's metrics (validation included),
+  one line in metrics.jsonl and the gauges on /metrics.
+- ``_save_checkpoint``: after verl's own save (marker written), a manifest (so the watchdog
+  can restart or roll back from it, :mod:`trainer.verl_glue.manifest`) and a
+  ``checkpoint`` event.
+
+Worker classes are swapped for :mod:`trainer.verl_glue.workers` so the driver can reach
+the optimizer, LambdaLR and loss function. Everything else (replay buffer, checkpoint
+layout, resume) behaves as ``trainer_mode=sync``: the base class keys those on the mode
+name, so the subclass reports ``sync`` once its class has been chosen.
+
+SIGUSR1: the trainer runs in a Ray actor, not in the process the watchdog started. The
+launcher (:mod:`trainer.verl_glue.runner`) only makes SIGUSR1 harmless there; the actor
+reads control.json at every step boundary anyway and a verl step cannot be interrupted,
+so the signal changes nothing but the latency of a paused run (the pause loop polls
+every second).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from omegaconf import OmegaConf
+from verl.trainer.ppo.v1.trainer_base import register_trainer
+from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+from trainer import rundir
+from trainer.exporter import MetricsExporter
+from trainer.verl_glue import apply, workers
+from trainer.verl_glue.boundary import ControlBoundary, LiveSettings, RunRecorder, VerlTargets
+from trainer.verl_glue.manifest import write_manifest
+
+log = logging.getLogger(__name__)
+
+#: ``trainer.v1.trainer_mode`` that selects this trainer.
+TRAINER_MODE = "watchdog_sync"
+#: Config node the launcher adds: ``watchdog.run_dir``, ``watchdog.metrics_port``, ``watchdog.run_id``.
+GLUE_NODE = "watchdog"
+
+
+class GlueConfigError(ValueError):
+    """The run's config lacks what the glue needs (names the key)."""
+
+
+def glue_settings(config: Any) -> tuple[Path, int, str]:
+    """``(run_dir, metrics_port, run_id)`` from the config's ``watchdog`` node."""
+    node = config.get(GLUE_NODE) if hasattr(config, "get") else None
+    if node is None or not node.get("run_dir"):
+        raise GlueConfigError(
+            f"trainer.v1.trainer_mode={TRAINER_MODE} needs {GLUE_NODE}.run_dir: launch with "
+            "`python -m trainer.verl_glue --run-dir DIR ...` (or pass +watchdog.run_dir=DIR)")
+    run_dir = Path(str(node.run_dir))
+    return run_dir, int(node.get("metrics_port", 0) or 0), str(node.get("run_id") or run_dir.name)
+
+
+def _one_value(results: Any, what: str) -> float:
+    """The common result of a ONE_TO_ALL call (one per rank); ranks that disagree are an error."""
+    values = [float(r) for r in (results if isinstance(results, list) else [results])]
+    if not values or any(abs(v - values[0]) > 1e-12 * max(1.0, abs(values[0])) for v in values):
+        raise RuntimeError(f"{what}: ranks disagree ({values})")
+    return values[0]
+
+
+def _refusal(exc: Exception, key: str, value: Any) -> apply.LiveSettingError:
+    """A worker's exception as a LiveSettingError (Ray wraps it: ``RayTaskError.cause`` is the original)."""
+    cause = getattr(exc, "cause", None) or exc
+    if isinstance(cause, apply.LiveSettingError):
+        return apply.LiveSettingError(cause.key, cause.value, cause.reason)
+    return apply.LiveSettingError(key, value, f"workers refused: {type(cause).__name__}: {cause}")
+
+
+def _json_safe(obj: Any) -> Any:
+    return json.loads(json.dumps(obj, default=str))
+
+
+@register_trainer(TRAINER_MODE)
+class WatchdogPPOTrainer(PPOTrainerSync):
+    """verl's sync trainer plus the run-directory protocol (metrics, events, control.json)."""
+
+    glue: ControlBoundary | None = None
+    recorder: RunRecorder | None = None
+    _training = False
+
+    # -- behave as "sync" -------------------------------------------------------------------
+    def _build_replay_buffer(self) -> Any:
+        # Called from PPOTrainer.__init__ right after it stored the mode name, which picks the
+        # replay buffer, the TransferQueue checkpointing and parameter_sync_step: all "sync".
+        self.trainer_mode = "sync"
+        self.parameter_sync_step = self.config.trainer.v1.get("sync", {}).get("parameter_sync_step", 1)
+        return super()._build_replay_buffer()
+
+    def _init_resource_pool_mgr(self) -> None:
+        super()._init_resource_pool_mgr()
+        swap = {ActorRolloutRefWorker: workers.WatchdogActorRolloutRefWorker,
+                TrainingWorker: workers.WatchdogTrainingWorker}
+        for role, remote_cls in list(self.role_worker_mapping.items()):
+            base = getattr(remote_cls, "__ray_actor_class__", remote_cls)
+            if base in swap:
+                self.role_worker_mapping[role] = ray.remote(swap[base])
+
+    # -- the driver's handles on the workers -------------------------------------------------
+    def _set_lr(self, role: str, lr: float) -> float:
+        key = apply.ACTOR_LR if role == "actor" else apply.CRITIC_LR
+        wg = self.actor_rollout_wg if role == "actor" else getattr(self, "critic_wg", None)
+        if wg is None:
+            raise apply.LiveSettingError(key, lr, "this run has no critic")
+        try:
+            return _one_value(getattr(wg, workers.SET_LR)(lr, key), key)
+        except Exception as exc:  # a worker-side failure must not end training: report it
+            raise _refusal(exc, key, lr) from exc
+
+    def _set_loss_coefs(self, changes: dict[str, float]) -> dict[str, float]:
+        try:
+            results = getattr(self.actor_rollout_wg, workers.SET_LOSS_COEFS)(changes)
+        except Exception as exc:
+            raise _refusal(exc, ", ".join(changes), changes) from exc
+        return dict(results[0] if isinstance(results, list) else results)
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def on_init_end(self) -> None:
+        super().on_init_end()
+        run_dir, port, run_id = glue_settings(self.config)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        exporter = MetricsExporter(run_id, port=port)
+        self.recorder = RunRecorder(run_dir, exporter)
+        settings = LiveSettings(VerlTargets(self.config, getattr(self, "kl_ctrl_in_reward", None),
+                                            self._set_lr, self._set_loss_coefs))
+        self.glue = ControlBoundary(run_dir, settings, self.recorder, self._save_at_boundary)
+        resumed_from = int(self.global_steps)
+        restored = self._config_lr_wins(settings) if resumed_from > 0 else {}
+        applied = self.glue.start(resumed_from)
+        self._write_run_json(run_dir, run_id, exporter.port, settings.live_keys)
+        if threading.current_thread() is threading.main_thread():
+            self.glue.applier.install_signal_handler()  # wakes a paused run at once
+        self.recorder.event("started", resumed_from, resumed_from=resumed_from, applied=applied,
+                            lr_from_config=restored, total_steps=int(self.total_training_steps),
+                            trainer_mode=TRAINER_MODE)
+
+    def _config_lr_wins(self, settings: LiveSettings) -> dict[str, float]:
+        """After a resume: the configured lr, not the checkpoint's (verl reloads the old one)."""
+        wanted = {k: float(OmegaConf.select(self.config, k)) for k in (apply.ACTOR_LR, apply.CRITIC_LR)
+                  if k in settings.live_keys}
+        applied, errors = settings.apply(wanted)
+        for message in errors:
+            assert self.recorder is not None
+            self.recorder.event("error", int(self.global_steps), message=message, source="resume")
+        return applied
+
+    def on_train_begin(self) -> None:
+        super().on_train_begin()
+        self._training = True
+
+    def _validate(self) -> dict[str, float]:
+        val = super()._validate()
+        if self.recorder is not None and not self._training and val:
+            # Validation before training is logged by verl outside _compute_metrics: record it here.
+            self.recorder.metrics(int(self.global_steps), val)
+        return val
+
+    def on_step_begin(self) -> None:
+        super().on_step_begin()
+        if self.glue is not None:
+            self.glue.at_boundary(int(self.global_steps) - 1)
+
+    def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
+        super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
+        if self.recorder is not None:
+            self.recorder.metrics(int(global_steps), metrics)
+
+    def _save_checkpoint(self) -> None:
+        super()._save_checkpoint()
+        if self.recorder is None:
+            return
+        step = int(self.global_steps)
+        path = Path(self.config.trainer.default_local_dir, f"global_step_{step}").resolve()
+        epoch = (step - 1) // max(1, int(self.steps_per_epoch))
+        if self.config.actor_rollout_ref.actor.get("checkpoint", {}).get("async_save", False):
+            # Still being written when verl returns: no manifest, so the watchdog never trusts it.
+            self.recorder.event("checkpoint", step, path=str(path), epoch=epoch, layout="verl", manifest=False)
+            return
+        try:
+            write_manifest(path, step, epoch)
+        except (OSError, ValueError) as exc:
+            self.recorder.event("error", step, message=f"checkpoint manifest not written: {exc}", source="checkpoint")
+            return
+        self.recorder.event("checkpoint", step, path=str(path), epoch=epoch, layout="verl", manifest=True)
+
+    def _save_at_boundary(self) -> None:
+        """Save the state after the last completed step (a ``checkpoint`` or ``stop`` command).
+
+        At the boundary verl's counter already names the next step, so the save is labelled
+        with the step it holds; a step verl already saved on schedule is not saved twice.
+        """
+        done = int(self.global_steps) - 1
+        marker = Path(self.config.trainer.default_local_dir) / rundir.LATEST_MARKER
+        try:
+            if int(marker.read_text().strip()) == done:
+                log.info("step %d is already saved (%s)", done, marker)
+                return
+        except (OSError, ValueError):
+            pass
+        self.global_steps = done
+        try:
+            self._save_checkpoint()
+        finally:
+            self.global_steps = done + 1
+
+    # -- run.json and the end ---------------------------------------------------------------
+    def _write_run_json(self, run_dir: Path, run_id: str, port: int, live_keys: tuple[str, ...]) -> None:
+        info = rundir.read_run_json(run_dir)  # the launcher's: id, command, pid (the process to signal)
+        info.update({
+            "id": info.get("id") or run_id, "live_keys": list(live_keys), "metrics_port": port,
+            "config": _json_safe(OmegaConf.to_container(self.config, resolve=True)),
+            "trainer_pid": os.getpid(), "trainer_host": socket.gethostname(), "trainer_mode": TRAINER_MODE,
+            "total_steps": int(self.total_training_steps), "steps_per_epoch": int(self.steps_per_epoch),
+            "checkpoint_dir": str(Path(self.config.trainer.default_local_dir).resolve()),
+            "exit_codes": {"oom": rundir.EXIT_OOM, "stopped": rundir.EXIT_STOPPED},
+        })
+        info.setdefault("started", time.time())
+        rundir.write_run_json(run_dir, info)
+
+    def watchdog_finish(self, kind: str = "finished", **fields: Any) -> None:
+        """The last event of the run and the exporter closed (the runner calls it)."""
+        if self.recorder is None:
+            return
+        if kind:
+            self.recorder.event(kind, int(self.global_steps) - 1, **fields)
+        self.recorder.exporter.close()
