@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from promserver import get_json, prometheus_server, wait_for
 from typer.testing import CliRunner
 
 from trainer import catalog
@@ -131,146 +132,79 @@ def test_the_trainer_exporter_exposes_every_trainer_metric_the_dashboards_use() 
 # ---- every query returns data from a real Prometheus scraping a real run --------------------
 
 
-def _get(url: str, timeout: float = 5.0) -> dict:
-    import urllib.request
-
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-def _ready(url: str) -> bool:
-    import urllib.error
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            return r.status == 200
-    except urllib.error.HTTPError:  # 503 while starting
-        return False
-
-
-def _wait(pred, timeout: float, what: str, proc=None) -> None:  # type: ignore[no-untyped-def]
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            pytest.fail(f"{what}: process exited with {proc.returncode}")
-        try:
-            if pred():
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"timed out after {timeout}s waiting for {what}")
-
-
 @pytest.mark.slow
 @pytest.mark.prometheus
 def test_every_dashboard_query_returns_data_from_a_real_prometheus_scraping_a_real_run(
     tmp_path: Path, tiny_trainer_args, trainer_env,  # type: ignore[no-untyped-def]
 ) -> None:
     import math
-    import shutil
     import subprocess
     import time
     import urllib.parse
 
-    import yaml
-
     from trainer import rundir
     from trainer.exporter import free_port
-
-    prometheus = shutil.which("prometheus")
-    if prometheus is None:
-        pytest.skip("prometheus not installed (make test installs Debian's prometheus)")
 
     # The watchdog side: its real metrics object, served, fed like the controller feeds it.
     wd = telemetry.WatchdogMetrics()
     wd_port = wd.serve(0)
-    trainer_port, prom_port = free_port(), free_port()
-    sd_dir = tmp_path / "targets"
-    telemetry.write_file_sd(sd_dir, "it", f"127.0.0.1:{trainer_port}")
-    config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [
-            {"job_name": telemetry.TRAINER_JOB, "honor_labels": True,
-             "file_sd_configs": [{"files": [str(sd_dir / "*.json")], "refresh_interval": "1s"}]},
-            {"job_name": telemetry.WATCHDOG_JOB, "honor_labels": True,
-             "static_configs": [{"targets": [f"127.0.0.1:{wd_port}"]}]},
-        ],
-    }
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    base = f"http://127.0.0.1:{prom_port}"
-    prom_log = open(tmp_path / "prometheus.log", "w")  # noqa: SIM115 - closed in finally
-    prom = subprocess.Popen(
-        [prometheus, f"--config.file={tmp_path / 'prometheus.yml'}", f"--storage.tsdb.path={tmp_path / 'data'}",
-         f"--web.listen-address=127.0.0.1:{prom_port}"],
-        stdout=prom_log, stderr=subprocess.STDOUT,
-    )
+    trainer_port = free_port()
     run_dir = tmp_path / "run"
     trainer = None
     try:
-        _wait(lambda: _ready(f"{base}/-/ready"), 30, "prometheus ready", prom)
+        with prometheus_server(tmp_path / "prom", {telemetry.WATCHDOG_JOB: [f"127.0.0.1:{wd_port}"]}) as prom:
+            telemetry.write_file_sd(prom.sd_dir, "it", f"127.0.0.1:{trainer_port}")
 
-        def tick(run: str, n: int) -> None:
-            wd.runs_watched(1)
-            wd.rule_state(run, "kl_high", "firing" if n % 4 == 3 else "inactive")
-            wd.rule_state(run, "nan", "pending" if n % 5 == 4 else "inactive")
-            wd.eval_seconds(0.001 * (1 + n % 7))
-            wd.data_age(run, 0.5 * (n % 3))
-            wd.last_tick(time.time())
-            wd.action(run, "kl_high", "set", "applied")
-            if n % 3 == 0:
-                wd.escalation(run, "kl_high")
-                wd.error(run, "ingest")
+            def tick(run: str, n: int) -> None:
+                wd.runs_watched(1)
+                wd.rule_state(run, "kl_high", "firing" if n % 4 == 3 else "inactive")
+                wd.rule_state(run, "nan", "pending" if n % 5 == 4 else "inactive")
+                wd.eval_seconds(0.001 * (1 + n % 7))
+                wd.data_age(run, 0.5 * (n % 3))
+                wd.last_tick(time.time())
+                wd.action(run, "kl_high", "set", "applied")
+                if n % 3 == 0:
+                    wd.escalation(run, "kl_high")
+                    wd.error(run, "ingest")
 
-        trainer = subprocess.Popen(
-            tiny_trainer_args(run_dir, f"trainer.metrics_port={trainer_port}", "trainer.save_freq=2",
-                              "trainer.test_freq=10",
-                              # A pause near the end keeps the run alive for a few more 1 s scrapes, so
-                              # every counter has the two samples increase() needs even when the
-                              # machine is idle and the 30 steps take only a couple of seconds.
-                              "trainer.faults=hang@28:4", steps=30),
-            env=trainer_env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "trainer.log", "w"),  # noqa: SIM115
-        )
-        _wait(lambda: bool(rundir.read_run_json(run_dir).get("id")), 60, "run.json", trainer)
-        run = rundir.read_run_json(run_dir)["id"]
-        n = 0
-        while trainer.poll() is None:
-            tick(run, n)
-            n += 1
-            time.sleep(0.25)
-        assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()[-2000:]
-        assert n >= 8, "the run ended before Prometheus could scrape it a few times"
+            trainer = subprocess.Popen(
+                tiny_trainer_args(run_dir, f"trainer.metrics_port={trainer_port}", "trainer.save_freq=2",
+                                  "trainer.test_freq=10",
+                                  # A pause near the end keeps the run alive for a few more 1 s scrapes, so
+                                  # every counter has the two samples increase() needs even when the
+                                  # machine is idle and the 30 steps take only a couple of seconds.
+                                  "trainer.faults=hang@28:4", steps=30),
+                env=trainer_env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "trainer.log", "w"),  # noqa: SIM115
+            )
+            wait_for(lambda: bool(rundir.read_run_json(run_dir).get("id")), 60, "run.json", trainer)
+            run = rundir.read_run_json(run_dir)["id"]
+            n = 0
+            while trainer.poll() is None:
+                tick(run, n)
+                n += 1
+                time.sleep(0.25)
+            assert trainer.returncode == 0, (tmp_path / "trainer.log").read_text()[-2000:]
+            assert n >= 8, "the run ended before Prometheus could scrape it a few times"
 
-        # The trainer is gone now; evaluate at the last instant Prometheus scraped it.
-        q = urllib.parse.urlencode({"query": f'max(timestamp(ppo_global_step{{run="{run}"}}))',
-                                    "start": time.time() - 300, "end": time.time(), "step": "1"})
-        series = _get(f"{base}/api/v1/query_range?{q}")["data"]["result"]
-        assert series, "Prometheus never scraped the trainer"
-        at = float(series[0]["values"][-1][1])
+            # The trainer is gone now; evaluate at the last instant Prometheus scraped it.
+            stamps = prom.query(f'max(timestamp(ppo_global_step{{run="{run}"}}))[300s:1s]')
+            assert stamps, "Prometheus never scraped the trainer"
+            at = max(float(v) for r in stamps for _, v in r["values"])
 
-        failures = []
-        for name, query in all_queries():
-            promql = dashboards.to_promql(query, run=run)
-            params = urllib.parse.urlencode({"query": promql, "time": at})
-            result = _get(f"{base}/api/v1/query?{params}")["data"]["result"]
-            if not result:
-                failures.append(f"{name} {query.where}: no data for {promql}")
-            elif not any(math.isfinite(float(r["value"][1])) for r in result):
-                failures.append(f"{name} {query.where}: only NaN for {promql}")
-        assert not failures, "\n".join(failures)
-        labels = _get(f"{base}/api/v1/label/run/values?" + urllib.parse.urlencode({"match[]": "ppo_global_step"}))
-        assert run in labels["data"]
+            failures = []
+            for name, query in all_queries():
+                promql = dashboards.to_promql(query, run=run)
+                result = prom.query(promql, at)
+                if not result:
+                    failures.append(f"{name} {query.where}: no data for {promql}")
+                elif not any(math.isfinite(float(r["value"][1])) for r in result):
+                    failures.append(f"{name} {query.where}: only NaN for {promql}")
+            assert not failures, "\n".join(failures)
+            labels = get_json(f"{prom.url}/api/v1/label/run/values?"
+                              + urllib.parse.urlencode({"match[]": "ppo_global_step"}))
+            assert run in labels["data"]
     finally:
         if trainer is not None and trainer.poll() is None:
             trainer.kill()
             trainer.wait()
-        prom.terminate()
-        try:
-            prom.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            prom.kill()
-        prom_log.close()
         wd.close()

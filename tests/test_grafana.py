@@ -318,3 +318,64 @@ def test_annotator_hooks_onto_the_actuators_on_action_signature(fake_grafana: Fa
 
 def test_no_grafana_url_means_no_annotator() -> None:
     assert grafana.annotator_from_env(None, env={"GRAFANA_TOKEN": TOKEN}) is None
+
+
+def test_the_watchdog_annotates_each_action_on_the_ppo_run_dashboard_without_waiting_for_grafana(
+    fake_grafana: FakeGrafana, tmp_path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trainer import rundir
+    from trainer.control import ControlApplier
+    from watchdog.daemon import build_watchdog
+
+    monkeypatch.setenv(grafana.TOKEN_ENV, TOKEN)
+    monkeypatch.delenv(grafana.TOKEN_FILE_ENV, raising=False)
+    # The same server, answering only when the test lets it: a tick that waited for Grafana would hang.
+    gate = threading.Event()
+
+    class Gated(_make_handler(fake_grafana)):  # type: ignore[misc]
+        def do_POST(self) -> None:
+            gate.wait(30)
+            super().do_POST()
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Gated)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("version: 1\nrules:\n  - name: kl_high\n    description: d\n    expr: kl > 0.1\n"
+                     "    actions:\n      - set: {key: algorithm.kl_ctrl.kl_coef, scale: 2.0}\n")
+    run_dir = tmp_path / "ext"
+    run_dir.mkdir()
+    rundir.append_metrics(run_dir, 1, {"actor/reward_kl_penalty": 0.5, "actor/reward_kl_penalty_coeff": 0.001})
+    wd = build_watchdog(tmp_path / "state", [rules], grafana_url=f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        wd.add_run(run_dir, managed=False)
+        wd.tick()  # kl_high fires: control.json v1
+        applier = ControlApplier(run_dir)  # the trainer's side: apply at its next step boundary
+        changes = applier.poll(2)
+        assert changes is not None
+        applier.mark_applied(changes, 2, changes.changed)
+        wd.tick()  # the applied event confirms the live set: the action's outcome
+        (decision,) = wd.store.decisions("ext")
+        assert decision["status"] == "applied"
+        assert fake_grafana.requests == []  # the tick is over while Grafana has not answered
+    finally:
+        gate.set()
+        wd.close()
+        server.shutdown()
+        server.server_close()
+    (req,) = fake_grafana.requests
+    body = req["body"]
+    assert req["path"] == "/api/annotations" and body["dashboardUID"] == dashboards.PPO_RUN_UID
+    assert {dashboards.ACTION_TAG, "run:ext", "rule:kl_high", "action:live_set"} <= set(body["tags"])
+    assert wd.annotator.posted == 1
+    # The telemetry counter still counts the same action (both hooks see it).
+    assert wd.telemetry.registry.get_sample_value(
+        "watchdog_actions_total", {"run": "ext", "rule": "kl_high", "kind": "live_set", "outcome": "ok"}) == 1
+
+
+def test_a_named_but_unreadable_grafana_token_file_is_a_config_error(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from watchdog.daemon import DaemonConfigError, build_watchdog
+
+    monkeypatch.setenv(grafana.TOKEN_FILE_ENV, str(tmp_path / "missing"))
+    with pytest.raises(DaemonConfigError, match="missing"):
+        build_watchdog(tmp_path / "state", grafana_url="http://127.0.0.1:3000")
