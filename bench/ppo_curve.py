@@ -6,13 +6,17 @@ Runs ``python -m trainer`` three times (fresh run directories under a temp dir):
 
 - ``default``: the shipped defaults; validation accuracy should rise clearly above the
   SFT start and the KL mean to the reference should stay under 0.1 most of the time;
-- ``drift``: ``algorithm.kl_ctrl.kl_coef=0.0001`` with 4x the actor lr: KL passes 0.1
-  and reward falls over tens of steps (the watchdog's KL rule has something to fix);
+- ``drift``: ``algorithm.kl_ctrl.kl_coef=0.0001`` with 4x the actor lr: KL passes 0.1 at
+  once, then the entropy bonus (``entropy_coeff`` 0.05), no longer held by the KL penalty,
+  drives token entropy toward uniform and reward falls over the next tens of steps (the
+  watchdog's KL rules have something to fix first);
 - ``collapse``: 20x the actor lr: the policy collapses within a step or two (only a
   rollback helps).
 
-Writes ``ppo_curve.json`` (per-step series and a summary per config), ``ppo_curve.png``
-(default run) and ``ppo_bad_configs.png`` (all three) under ``--out``.
+Each finished run is then replayed through the default rule pack (``watchdog replay``) and
+the steps each rule fires at are recorded. Writes ``ppo_curve.json`` (per-step series, a
+summary and the rule fires per config), ``ppo_curve.png`` (default run) and
+``ppo_bad_configs.png`` (all three) under ``--out``.
 """
 
 from __future__ import annotations
@@ -48,6 +52,37 @@ SERIES = {
     "step_time": "perf/time_per_step",
 }
 KL_THRESHOLD = 0.1
+SCORE_WINDOW = 10
+
+
+def rule_fires(run_dir: Path) -> dict[str, list[int]]:
+    """Steps at which each rule of the default pack fires when the run is replayed."""
+    proc = subprocess.run([sys.executable, "-m", "watchdog", "replay", "--json", str(run_dir)], cwd=REPO,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"watchdog replay {run_dir} exited {proc.returncode}\n{proc.stderr[-3000:]}")
+    fires: dict[str, list[int]] = {}
+    for d in json.loads(proc.stdout):
+        if d["kind"] == "fire":
+            fires.setdefault(d["rule"], []).append(int(d["step"]))
+    return fires
+
+
+def reward_fall(score: list[float], val: list[tuple[int, float]], sft: float | None) -> dict[str, Any]:
+    """Where the reward peaks and falls: running-mean train score and validation accuracy."""
+    means = [sum(score[max(0, i - SCORE_WINDOW + 1):i + 1]) / len(score[max(0, i - SCORE_WINDOW + 1):i + 1])
+             for i in range(len(score))]
+    out: dict[str, Any] = {}
+    if means:
+        peak = max(range(len(means)), key=lambda i: means[i])
+        out.update(score_mean10_peak=means[peak], score_mean10_peak_step=peak + 1,
+                   score_mean10_after_peak_min=min(means[peak:]), score_mean10_last=means[-1])
+    if val:
+        best = max(range(len(val)), key=lambda i: val[i][1])
+        below = [s for s, v in val[best:] if sft is not None and v < sft]
+        out.update(val_best_step=val[best][0], val_min_after_best=min(v for _, v in val[best:]),
+                   first_val_step_below_sft_after_best=below[0] if below else None)
+    return out
 
 
 def run(name: str, overrides: list[str], steps: int, root: Path) -> dict[str, Any]:
@@ -98,6 +133,8 @@ def run(name: str, overrides: list[str], steps: int, root: Path) -> dict[str, An
         "entropy_last": series["entropy"][-1] if series["entropy"] else None,
         "median_step_seconds": sorted(x for x in series["step_time"] if x is not None)[len(kl) // 2] if kl else None,
     }
+    summary.update(reward_fall(score, val, summary["sft_val_acc"]))
+    summary["rule_fires"] = rule_fires(run_dir)
     return {"summary": summary, "series": series, "val": val}
 
 
@@ -116,7 +153,8 @@ def plot(results: dict[str, Any], out: Path) -> None:
     axes[0].set_title("default: reward")
     axes[0].legend()
     axes[1].plot(steps, d["series"]["kl"], label="KL mean")
-    axes[1].plot(steps, d["series"]["kl_std"], label="KL std", alpha=0.6)
+    axes[1].plot(steps, d["series"]["kl_std"], label="KL std (of the mean, last 10 steps)", alpha=0.6)
+    axes[1].axhline(0.02, color="orange", ls=":", label="0.02 (std target)")
     axes[1].axhline(KL_THRESHOLD, color="r", ls="--", label="0.1")
     axes[1].set_title("default: KL to reference")
     axes[1].legend()
@@ -128,18 +166,20 @@ def plot(results: dict[str, Any], out: Path) -> None:
     fig.savefig(out / "ppo_curve.png", dpi=90)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     for name, r in results.items():
         steps = list(range(1, len(r["series"]["kl"]) + 1))
         axes[0].plot(steps, r["series"]["kl"], label=name)
         axes[1].plot(steps, r["series"]["score"], label=name)
         axes[2].plot([s for s, _ in r["val"]], [v for _, v in r["val"]], "o-", label=name)
+        axes[3].plot(steps, r["series"]["entropy"], label=name)
     axes[0].axhline(KL_THRESHOLD, color="r", ls="--")
     axes[0].set_yscale("symlog", linthresh=0.01)
     axes[0].set_ylim(bottom=0)
     axes[0].set_title("KL mean to reference")
     axes[1].set_title("train score")
     axes[2].set_title("validation accuracy")
+    axes[3].set_title("token entropy (nats)")
     for ax in axes:
         ax.set_xlabel("step")
         ax.legend()

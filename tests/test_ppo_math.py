@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 
 import pytest
 import torch
@@ -68,7 +69,7 @@ def test_score_lands_on_the_last_valid_token() -> None:
     assert tls.tolist() == [[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.5]]
 
 
-def test_kl_penalty_subtracts_beta_times_kl_per_token_and_reports_sequence_mean_and_std() -> None:
+def test_kl_penalty_subtracts_beta_times_kl_per_token_and_reports_the_sequence_mean() -> None:
     ro = _rollout([1.0, 0.0], [2, 4])
     ro.old_log_prob = torch.tensor([[-1.0, -1.0, 0.0, 0.0], [-0.5, -0.5, -0.5, -0.5]])
     ro.ref_log_prob = torch.tensor([[-1.2, -1.4, 0.0, 0.0], [-0.5, -0.7, -0.5, -0.9]])
@@ -79,8 +80,21 @@ def test_kl_penalty_subtracts_beta_times_kl_per_token_and_reports_sequence_mean_
     assert ro.token_level_rewards.tolist() == [pytest.approx(r, abs=1e-6) for r in expected]
     seq = [0.3, 0.15]  # per-sequence masked means
     assert m["actor/reward_kl_penalty"] == pytest.approx(sum(seq) / 2)
-    assert m["actor/reward_kl_penalty_std"] == pytest.approx(abs(seq[0] - seq[1]) / 2)
+    assert "actor/reward_kl_penalty_std" not in m  # over steps, not sequences: ppo.StepStd
     assert m["actor/reward_kl_penalty_coeff"] == 0.5
+
+
+def test_kl_std_is_the_population_std_of_the_step_means_over_the_last_n_steps() -> None:
+    window = ppo.StepStd(3)
+    assert window.push(0.04) == 0.0
+    assert window.push(0.06) == pytest.approx(0.01)
+    window.push(0.5)
+    assert window.push(0.5) == pytest.approx(statistics.pstdev([0.06, 0.5, 0.5]))  # 0.04 has left the window
+    saved = window.state()
+    window.load([])
+    assert window.push(0.5) == 0.0
+    window.load(saved)
+    assert window.push(0.06) == pytest.approx(statistics.pstdev([0.5, 0.5, 0.06]))
 
 
 def test_adaptive_kl_controller_raises_its_value_when_kl_is_above_target() -> None:

@@ -52,7 +52,8 @@ METRICS: tuple[Metric, ...] = (
     ),
     Metric(
         "actor/reward_kl_penalty_std", "ppo_kl_std", "kl_std",
-        "Standard deviation over sequences of the KL to the reference policy.",
+        "Standard deviation of the step KL mean over the last 10 steps (step-to-step movement; the "
+        "rules compute the same as std(kl, 10), so verl runs, which log no KL std, are judged alike).",
     ),
     Metric(
         "actor/reward_kl_penalty_coeff", "ppo_kl_coef", "kl_coef",

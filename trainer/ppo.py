@@ -187,11 +187,38 @@ def apply_kl_penalty(ro: Rollout, kl_ctrl: Any, kl_penalty: str, use_kl_in_rewar
     current_kl = float(per_seq.mean())
     if use_kl_in_reward:
         kl_ctrl.update(current_kl=current_kl, n_steps=ro.batch_size)
-    return {
-        "actor/reward_kl_penalty": current_kl,
-        "actor/reward_kl_penalty_std": float(per_seq.std(unbiased=False)) if ro.batch_size > 1 else 0.0,
-        "actor/reward_kl_penalty_coeff": beta,
-    }
+    # The KL std (actor/reward_kl_penalty_std) is over steps, not sequences: see StepStd.
+    return {"actor/reward_kl_penalty": current_kl, "actor/reward_kl_penalty_coeff": beta}
+
+
+class StepStd:
+    """Population std of a per-step value over the last ``steps`` steps (this one included).
+
+    The KL "std" of the seed's targets (mean < 0.05, std < 0.02) is how much the batch KL
+    mean moves from step to step, not its spread over sequences: the per-sequence std of a
+    short-response policy runs ~3-4x the mean even in a healthy run (a few sequences carry
+    most of the KL), so a 0.02 target on it would fire on every run. Over steps it is the
+    watchdog's ``std(kl, 10)``, which needs nothing verl does not log.
+    """
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self._values: list[float] = []
+
+    def push(self, value: float) -> float:
+        """Add this step's value; returns the std of the window (0.0 for a single value)."""
+        self._values = [*self._values, value][-self.steps:]
+        n = len(self._values)
+        mean = sum(self._values) / n
+        return math.sqrt(sum((v - mean) ** 2 for v in self._values) / n)
+
+    def state(self) -> list[float]:
+        """The values in the window, oldest first (checkpointed, so a resume logs what a straight run would)."""
+        return list(self._values)
+
+    def load(self, values: Sequence[float]) -> None:
+        """Restore the window from :meth:`state`."""
+        self._values = [float(v) for v in values][-self.steps:]
 
 
 def compute_advantages(ro: Rollout, gamma: float, lam: float) -> None:
