@@ -380,3 +380,142 @@ def discard_newer(root: Path | str, step: int) -> list[Path]:
     if step_dir(root, step).is_dir():
         rundir.atomic_write_bytes(Path(root) / rundir.LATEST_MARKER, f"{int(step)}".encode())
     return removed
+
+
+# -- verl's own layout (no manifest) ----------------------------------------------------
+#
+# A checkpoint written by verl itself (``RayPPOTrainer._save_checkpoint`` and its FSDP
+# checkpoint manager) has no manifest::
+#
+#     default_local_dir/
+#       global_step_40/
+#         actor/model_world_size_8_rank_0.pt  optim_world_size_8_rank_0.pt
+#               extra_state_world_size_8_rank_0.pt ({'lr_scheduler': ..., 'rng': ...})  ... every rank
+#         critic/...                           (the same, when the run has a critic)
+#         data.pt                              (the dataloader's state)
+#       latest_checkpointed_iteration.txt      written after all of the above
+#
+# verl writes the marker last, so a ``global_step_N`` counts when N is at or below the
+# marker and it holds every rank's three files for one world size (a restart must use the
+# world size it was saved with) plus ``data.pt``.
+
+VERL_KINDS = ("model", "optim", "extra_state")
+VERL_DATA_FILE = "data.pt"
+_VERL_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+
+
+def verl_file(component_dir: Path | str, kind: str, world_size: int, rank: int) -> Path:
+    """verl's per-rank file name, e.g. ``actor/optim_world_size_8_rank_3.pt``."""
+    if kind not in VERL_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(VERL_KINDS)}, got {kind!r}")
+    return Path(component_dir) / f"{kind}_world_size_{int(world_size)}_rank_{int(rank)}.pt"
+
+
+def verl_components(path: Path | str) -> dict[str, int]:
+    """Component directories of a verl checkpoint holding per-rank files, with their world size.
+
+    Raises :class:`CheckpointError` when one directory mixes world sizes (two saves overlaid).
+    """
+    out: dict[str, int] = {}
+    for sub in sorted(p for p in Path(path).iterdir() if p.is_dir()):
+        sizes = {int(m.group(2)) for f in sub.iterdir() if (m := _VERL_FILE.match(f.name))}
+        if len(sizes) > 1:
+            raise CheckpointError(sub, f"files of several world sizes ({', '.join(map(str, sorted(sizes)))})")
+        if sizes:
+            out[sub.name] = sizes.pop()
+    return out
+
+
+def verl_checkpoint_info(path: Path | str, marker: int | None, world_size: int | None = None) -> CheckpointInfo:
+    """What a manifest-less verl ``global_step_N`` is worth: complete, or not with the reason.
+
+    ``marker`` is the step in ``latest_checkpointed_iteration.txt`` (None: none written yet,
+    so nothing counts); ``world_size`` the run's (None: whatever the files say, as long as
+    every rank of it is there).
+    """
+    path = Path(path)
+    m = _STEP_DIR.match(path.name)
+    if not m:
+        raise ValueError(f"{path}: not a global_step_N directory")
+    step = int(m.group(1))
+    files = [f for f in path.rglob("*") if f.is_file()]
+    ts = max((f.stat().st_mtime for f in files), default=path.stat().st_mtime)
+
+    def incomplete(reason: str) -> CheckpointInfo:
+        return CheckpointInfo(path, step, -1, False, ts, reason)
+
+    if marker is None:
+        return incomplete(f"no {rundir.LATEST_MARKER} beside it (verl writes it after a complete save)")
+    if step > marker:
+        return incomplete(f"newer than {rundir.LATEST_MARKER} ({marker}): a save in progress or abandoned")
+    try:
+        components = verl_components(path)
+    except CheckpointError as exc:
+        return incomplete(str(exc))
+    if "actor" not in components:
+        return incomplete("no actor/ directory with per-rank model files")
+    for name, size in components.items():
+        if world_size is not None and size != world_size:
+            return incomplete(f"{name}/ was saved with world size {size}, the run uses {world_size}")
+        for rank in range(size):
+            for kind in VERL_KINDS:
+                if not verl_file(path / name, kind, size, rank).is_file():
+                    return incomplete(f"missing {name}/{verl_file('', kind, size, rank).name}")
+    if not (path / VERL_DATA_FILE).is_file():
+        return incomplete(f"missing {VERL_DATA_FILE} (the dataloader state verl saves last)")
+    return CheckpointInfo(path, step, -1, True, ts)
+
+
+def list_verl_checkpoints(root: Path | str, world_size: int | None = None) -> list[CheckpointInfo]:
+    """Every ``global_step_N`` under verl's ``default_local_dir``, sorted by step, judged by
+    :func:`verl_checkpoint_info` (no hashing: verl writes no checksums to compare with)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    marker = read_marker(root)
+    out = [verl_checkpoint_info(p, marker, world_size) for p in root.iterdir()
+           if p.is_dir() and _STEP_DIR.match(p.name)]
+    return sorted(out, key=lambda c: c.step)
+
+
+def verl_safe_globals() -> list[Any]:
+    """The numpy types verl's ``extra_state`` holds (``np.random.get_state()`` in its RNG state).
+
+    Allowing exactly these lets ``torch.load(weights_only=True)`` read verl's files: they
+    rebuild arrays and dtypes, never call arbitrary code.
+    """
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed np.core to np._core
+    out: list[Any] = [core.multiarray._reconstruct, np.ndarray, np.dtype]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        out += [dtypes.UInt32DType, dtypes.Float64DType, dtypes.Int64DType]
+    return out
+
+
+def load_verl_file(path: Path | str) -> Any:
+    """``torch.load(weights_only=True)`` of one verl checkpoint file (numpy RNG state allowed).
+
+    Raises :class:`CheckpointError` naming the file when it cannot be loaded that way
+    (a pickle of arbitrary objects, or a type outside the allowlist such as a sharded
+    tensor class): such a file is refused, never loaded with ``weights_only=False``.
+    """
+    import torch
+
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(verl_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(path, "missing") from None
+    except Exception as exc:  # UnpicklingError, RuntimeError, EOFError, ...
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        # torch's UnpicklingError is a page of advice; the line naming the refused type is the news.
+        why = next((ln for ln in lines if "Unsupported global" in ln or "WeightsUnpickler" in ln), lines[0] if lines else "")
+        raise CheckpointError(path, f"cannot be loaded with weights_only=True ({type(exc).__name__}: {why})") from exc
+
+
+def save_verl_file(path: Path | str, obj: Any) -> None:
+    """Write one verl checkpoint file (temp file + rename, so a reader never sees half of it)."""
+    rundir.atomic_write_bytes(path, _serialise(obj))

@@ -26,7 +26,7 @@ import torch
 
 from trainer import checkpoint as ckpt
 from trainer import data as data_mod
-from trainer import ppo, rundir
+from trainer import ppo, rundir, verl_like
 from trainer.config import Config, ConfigError
 from trainer.control import Changes, ControlApplier
 from trainer.exporter import MetricsExporter
@@ -41,6 +41,8 @@ CRITIC_LR = "critic.optim.lr"
 KL_COEF = "algorithm.kl_ctrl.kl_coef"
 ACTOR_MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 CRITIC_MICRO = "critic.ppo_micro_batch_size_per_gpu"
+#: Steps in the KL std window (actor/reward_kl_penalty_std; the rules' std(kl, 10)).
+KL_STD_STEPS = 10
 
 
 class StopTraining(Exception):
@@ -74,6 +76,29 @@ class Summary:
     """The last step's metrics."""
 
 
+@dataclass
+class StepStart:
+    """What a step changes besides the weights, as it was before the step (cheap to keep each step)."""
+
+    sampler: dict[str, int]
+    """Data sampler state before the step's batch was drawn."""
+    rng: torch.Tensor
+    """Sampling generator state."""
+    torch_rng: torch.Tensor
+    """torch's global RNG state."""
+    kl_coef: float
+    """KL controller value (an adaptive one moves during the step)."""
+    kl_std_window: list[float]
+    """Last steps' KL means (the step pushes its own)."""
+    optimizer_steps: tuple[int, int]
+    """Optimizer steps taken so far by the actor and the critic."""
+
+
+def optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Steps the optimizer has taken (Adam's per-parameter ``step``; 0 before the first)."""
+    return max((int(s["step"]) for s in optimizer.state.values() if "step" in s), default=0)
+
+
 def _lambda_warmup(warmup: int) -> Any:
     def f(step: int) -> float:
         return 1.0 if warmup <= 0 else min(1.0, (step + 1) / warmup)
@@ -98,7 +123,10 @@ class Trainer:
         torch.set_num_threads(max(1, t.num_threads))
         self.run_dir = Path(t.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.ckpt_root = self.run_dir / rundir.CHECKPOINTS
+        self.ckpt_root = Path(t.default_local_dir) if t.default_local_dir else self.run_dir / rundir.CHECKPOINTS
+        # false: an unmodified verl run's behaviour (trainer/verl_like.py), for the zero-patch watchdog.
+        self.protocol = t.run_dir_protocol
+        self.tracking: Any = None
         self._term = False
         self._summary = Summary()
         self._t0 = time.time()
@@ -140,6 +168,7 @@ class Trainer:
         self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, _lambda_warmup(a.optim.lr_warmup_steps))
         self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, _lambda_warmup(c.optim.lr_warmup_steps))
         self.kl_ctrl = ppo.kl_controller(cfg.algorithm)
+        self.kl_std = ppo.StepStd(KL_STD_STEPS)
         self.sampler = data_mod.BatchSampler(len(self.train), cfg.data.train_batch_size, t.seed)
         self.gen = torch.Generator().manual_seed(t.seed)
         self.global_step = 0
@@ -149,8 +178,10 @@ class Trainer:
         self.faults = FaultSchedule.parse(t.faults, self.run_dir)
         self.budget = MemoryBudget(t.memory_budget_tokens)
         prev = rundir.read_run_json(self.run_dir)
-        self.run_id = str(prev.get("id") or f"{self.run_dir.name}-{int(time.time())}")
-        self.exporter = MetricsExporter(self.run_id, port=t.metrics_port)
+        # The run is its directory's name, the name the watchdog knows it by, so the `run` label of
+        # its series is the same everywhere (Prometheus source, dashboards); a resume keeps the id.
+        self.run_id = str(prev.get("id") or self.run_dir.name)
+        self.exporter = MetricsExporter(self.run_id, port=t.metrics_port, addr=t.metrics_addr)
         # Control events (applied, error) are recorded by the applier itself; count them on /metrics too.
         self.control = ControlApplier(self.run_dir, on_event=lambda e: self.exporter.count_event(e["kind"]))
         self._poison = False
@@ -167,8 +198,9 @@ class Trainer:
         })
 
     def event(self, kind: str, **fields: Any) -> None:
-        """Record an event (events.jsonl + the exporter's counter)."""
-        rundir.append_event(self.run_dir, kind, self.global_step, **fields)
+        """Record an event (events.jsonl + the exporter's counter); verl-like: the counter only."""
+        if self.protocol:
+            rundir.append_event(self.run_dir, kind, self.global_step, **fields)
         self.exporter.count_event(kind)
         self._summary.events[kind] = self._summary.events.get(kind, 0) + 1
 
@@ -184,6 +216,7 @@ class Trainer:
         }
         extra = {"global_step": self.global_step, "rng": self.gen.get_state(),
                  "torch_rng": torch.get_rng_state(), "kl_coef": float(self.kl_ctrl.value),
+                 "kl_std_window": self.kl_std.state(),
                  "micro_batch": {ACTOR_MICRO: self.cfg.get(ACTOR_MICRO), CRITIC_MICRO: self.cfg.get(CRITIC_MICRO)}}
         return components, extra
 
@@ -199,6 +232,8 @@ class Trainer:
         self.gen.set_state(extra["rng"])
         torch.set_rng_state(extra["torch_rng"])
         self.global_step = int(extra["global_step"])
+        # Checkpoints from before the KL std window was saved restart it empty.
+        self.kl_std.load(extra.get("kl_std_window", []))
         # verl's trap: a checkpoint's lr would silently override a new optim.lr; here the config wins.
         set_lr(self.actor_opt, self.actor_sched, self.cfg.get(ACTOR_LR))
         set_lr(self.critic_opt, self.critic_sched, self.cfg.get(CRITIC_LR))
@@ -208,6 +243,8 @@ class Trainer:
 
     def save(self, reason: str = "schedule") -> Path:
         """Save a checkpoint of the current step and record a ``checkpoint`` event."""
+        if not self.protocol:
+            return verl_like.save(self)
         components, extra = self.state()
         epoch = self.sampler.epoch if self.sampler.position < self.sampler.steps_per_epoch else self.sampler.epoch + 1
         path = ckpt.save_checkpoint(self.ckpt_root, self.global_step, epoch, components, extra,
@@ -219,16 +256,52 @@ class Trainer:
         components, extra = snap
         step = int(extra["global_step"])
         sampler = components["data"]["sampler"]
-        path = ckpt.save_checkpoint(self.ckpt_root, step, int(sampler["epoch"]), components, extra,
+        # Completed epochs, as save() counts them: a sampler at the end of its epoch has finished it.
+        epoch = int(sampler["epoch"]) + (1 if int(sampler["position"]) >= self.sampler.steps_per_epoch else 0)
+        path = ckpt.save_checkpoint(self.ckpt_root, step, epoch, components, extra,
                                     keep=self.cfg.trainer.max_actor_ckpt_to_keep)
-        rundir.append_event(self.run_dir, "checkpoint", step, path=str(path), epoch=int(sampler["epoch"]),
-                            reason=reason)
+        rundir.append_event(self.run_dir, "checkpoint", step, path=str(path), epoch=epoch, reason=reason)
         self.exporter.count_event("checkpoint")
         return path
+
+    def step_start(self) -> StepStart:
+        """The non-weight state before a step (for :meth:`save_after_oom`)."""
+        return StepStart(dict(self.sampler.state_dict()), self.gen.get_state(), torch.get_rng_state(),
+                         float(self.kl_ctrl.value), self.kl_std.state(),
+                         (optimizer_steps(self.actor_opt), optimizer_steps(self.critic_opt)))
+
+    def save_after_oom(self, snap: tuple[dict[str, dict[str, Any]], dict[str, Any]] | None,
+                       start: StepStart) -> Path | None:
+        """Checkpoint the last completed step before exiting 75, so a restart redoes the failed one.
+
+        A deep snapshot (taken when an OOM is foreseeable: a memory budget is set or an oom
+        fault is pending) is saved as it is. Without one, the live weights are still the last
+        step's as long as no optimizer stepped in the failed step (an OOM in the rollout, the
+        log-probs or the first mini batch, where a real one strikes first): they are saved
+        with the sampler, RNGs and KL coefficient of ``start``. After an optimizer step they
+        are half-updated, a state no step produced; guarding against that means copying every
+        weight and optimizer state each step (~20 ms, ~5% of a default step), so instead the
+        restart resumes from the last periodic checkpoint (returns None).
+        """
+        if snap is not None:
+            snap[1]["global_step"] = self.global_step - 1
+            return self._save_snapshot(snap, "oom")
+        if (optimizer_steps(self.actor_opt), optimizer_steps(self.critic_opt)) != start.optimizer_steps:
+            log.warning("out of memory after an optimizer step of step %d: weights are half-updated, not saved; "
+                        "a restart resumes from the last periodic checkpoint", self.global_step)
+            return None
+        components, extra = self.state()
+        components["data"]["sampler"] = start.sampler
+        extra.update(global_step=self.global_step - 1, rng=start.rng, torch_rng=start.torch_rng,
+                     kl_coef=start.kl_coef, kl_std_window=start.kl_std_window)
+        return self._save_snapshot((components, extra), "oom")
 
     def resume(self) -> None:
         """resume_mode auto | disable | resume_path."""
         t = self.cfg.trainer
+        if not self.protocol:
+            verl_like.resume(self)
+            return
         info: ckpt.CheckpointInfo | None = None
         if t.resume_mode == "auto":
             info = ckpt.latest_complete(self.ckpt_root)
@@ -271,6 +344,8 @@ class Trainer:
         """Apply control.json (overrides, then one-shot commands); honour SIGTERM."""
         if self._term:
             self.stop("SIGTERM")
+        if not self.protocol:
+            return  # verl reads no control.json
         changes = self.control.poll(self.global_step)
         if changes is not None:
             self._apply_changes(changes)
@@ -420,6 +495,7 @@ class Trainer:
         ro.values = ppo.values_of(self.critic, ro, cfg.critic.ppo_mini_batch_size)
         # -- KL penalty in the reward, then GAE
         metrics = ppo.apply_kl_penalty(ro, self.kl_ctrl, cfg.algorithm.kl_penalty, cfg.algorithm.use_kl_in_reward)
+        metrics["actor/reward_kl_penalty_std"] = self.kl_std.push(metrics["actor/reward_kl_penalty"])
         ppo.compute_advantages(ro, cfg.algorithm.gamma, cfg.algorithm.lam)
         # -- updates (critic first, as verl does); OOM may come from any micro batch
         retry_possible = self.cfg.trainer.oom_retry_live and (
@@ -502,9 +578,12 @@ class Trainer:
         self.resume()
         resumed_from = self.global_step
         # A restarted trainer re-applies the newest overrides before its first step.
-        applied, errors = self.apply_overrides(self.control.current_overrides())
-        self._write_run_json()
-        self._signals()
+        applied, errors = self.apply_overrides(self.control.current_overrides()) if self.protocol else ({}, [])
+        if self.protocol:
+            self._write_run_json()
+            self._signals()
+        else:
+            self.tracking = verl_like.tracking(self.cfg)
         self.event("started", resumed_from=resumed_from, total_steps=self.total_steps, applied=applied,
                    sft=self.sft_info)
         for message in errors:
@@ -516,7 +595,7 @@ class Trainer:
             if t.val_before_train and self.global_step == 0 and t.test_freq > 0:
                 val = self.validate()
                 if val:
-                    rundir.append_metrics(self.run_dir, 0, dict(val))
+                    self._log_metrics(0, dict(val))
                     self.exporter.update(0, val)
                     self._record_val(val)
             while True:
@@ -528,14 +607,14 @@ class Trainer:
                     self.inject(fault)
                 # A deep copy: state_dict() shares storage with the live weights the update changes.
                 snap = copy.deepcopy(self.state()) if self._may_oom() else None
+                start = self.step_start()
                 epoch, idx = self.sampler.next()
                 try:
                     metrics = self.train_step(idx)
                 except torch.OutOfMemoryError:
-                    # State of the last completed step, so a restart redoes this one.
-                    if snap is not None:
-                        snap[1]["global_step"] = self.global_step - 1
-                        self._save_snapshot(snap, "oom")
+                    if not self.protocol:
+                        raise  # as verl: a traceback and exit code 1, nothing saved
+                    self.save_after_oom(snap, start)
                     raise StopTraining(rundir.EXIT_OOM, "out of memory") from None
                 metrics["training/global_step"] = float(self.global_step)
                 metrics["training/epoch"] = float(epoch)
@@ -543,7 +622,7 @@ class Trainer:
                     val = self.validate()
                     metrics.update(val)
                     self._record_val(val)
-                rundir.append_metrics(self.run_dir, self.global_step, metrics)
+                self._log_metrics(self.global_step, metrics)
                 self.exporter.update(self.global_step, metrics)
                 self._summary.last_metrics = metrics
                 if metrics.get("actor/reward_kl_penalty", 0.0) > 0.1:
@@ -563,6 +642,8 @@ class Trainer:
         finally:
             bar.close()
             self.exporter.close()
+            if self.tracking is not None:
+                self.tracking.finish()
         self._summary.steps = self.global_step
         self._summary.seconds = time.time() - self._t0
         return self._summary.exit_code
@@ -571,7 +652,14 @@ class Trainer:
         # The snapshot costs a copy of all weights and optimizer state; only take it when an
         # OOM without live retry is possible (a budget is set or an oom fault is pending).
         return (self.cfg.trainer.memory_budget_tokens is not None or self._oom_fault) \
-            and not self.cfg.trainer.oom_retry_live
+            and not self.cfg.trainer.oom_retry_live and self.protocol
+
+    def _log_metrics(self, step: int, data: dict[str, float]) -> None:
+        """One step's metrics: run_dir/metrics.jsonl, or (verl-like) verl's Tracking backends."""
+        if self.tracking is not None:
+            self.tracking.log(data=data, step=step)
+        else:
+            rundir.append_metrics(self.run_dir, step, data)
 
     def _due_checkpoint(self, epoch: int) -> bool:
         t = self.cfg.trainer

@@ -246,6 +246,28 @@ def read_jsonl(path: Path | str, offset: int = 0, first_line: int = 1) -> JsonlC
     return JsonlChunk(records, offset + end, errors)
 
 
+def read_jsonl_prefix(path: Path, offset: int) -> list[dict[str, Any]]:
+    """JSON objects of the complete lines in the first ``offset`` bytes of a JSONL file.
+
+    What a reader had consumed at a saved offset (a restarted watchdog rebuilds its window
+    from it); garbled lines are skipped, as the reader skipped them then.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read(offset)
+    except FileNotFoundError:
+        return []
+    out = []
+    for raw in data.splitlines():
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
+
+
 def read_run_json(run_dir: Path | str) -> dict[str, Any]:
     """run.json as a dict (empty when absent)."""
     path = Path(run_dir) / RUN_JSON

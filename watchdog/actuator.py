@@ -35,7 +35,7 @@ from typing import Any
 
 from trainer import rundir
 from watchdog.store import ActionRecord, BadSpan, RunRecord, Store
-from watchdog.supervisor import Backend, TrainerProcess
+from watchdog.supervisor import Backend, BackendUnavailable, TrainerProcess
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,11 @@ class RunHandle:
     """Newest step seen."""
     applied_commands: set[str] = field(default_factory=set)
     """Command ids the trainer reported as executed."""
+    backend: Backend | None = None
+    """This run's own backend (a Ray Job backend for its cluster); None: the actuator's."""
+    glue: Any = None
+    """Zero-patch glue (:class:`watchdog.verl_mode.VerlGlue`) of a run that does not speak the
+    run-directory protocol (unmodified verl); None for the embedded trainer."""
 
 
 @dataclass
@@ -265,14 +270,23 @@ class Actuator:
         if not h.run.command:
             raise ActuatorError(f"run {h.run.run_id}: no command to launch (a watched run without a restart command)")
         cmd = restart_command(h.run.command, h.run.overrides, resume_path)
-        proc = self.backend.start(cmd, cwd=None, log_path=Path(h.run.run_dir) / self.config.log_name)
+        env = None
+        if h.glue is not None:  # verl: file logger, checkpoint dir, KL coefficient carried over
+            cmd, env = h.glue.prepare_launch(cmd, h.run.overrides, resume_path)
+        backend = h.backend or self.backend
+        proc = backend.start(cmd, env=env, cwd=None, log_path=Path(h.run.run_dir) / self.config.log_name)
+        if h.glue is not None:
+            h.glue.launched(proc.pid, cmd, resume_path)
+        # A Ray Job has a submission id instead of a pid; a local process has none.
+        job_id = getattr(proc, "job_id", None)
         h.proc = proc
         h.run.pid = proc.pid
+        h.run.job_id = job_id
         h.run.phase = "running"
         h.run.launched_ts = now
         h.run.last_progress_ts = now
         h.run.exit_code = None
-        self.store.update_run(h.run.run_id, pid=proc.pid, phase="running", launched_ts=now,
+        self.store.update_run(h.run.run_id, pid=proc.pid, job_id=job_id, phase="running", launched_ts=now,
                               last_progress_ts=now, exit_code=None)
         return proc
 
@@ -292,6 +306,10 @@ class Actuator:
             return
         try:
             handler(h, entry, now)
+        except BackendUnavailable as exc:
+            # Nothing was started or stopped (the job server did not answer): the entry stays open
+            # and the next tick drives the same phase again.
+            log.warning("%s: action %d (%s) waits for the backend: %s", h.run.run_id, entry.id, entry.kind, exc)
         except Exception as exc:  # recorded and the loop goes on (a daemon must not die of one run)
             log.exception("%s: action %d (%s) failed", h.run.run_id, entry.id, entry.kind)
             self._finish(h, entry, "failed", error=f"{type(exc).__name__}: {exc}")
@@ -306,6 +324,9 @@ class Actuator:
         self._on_action(h.run.run_id, entry.payload.get("rule", ""), entry.kind, outcome)
 
     def _drive_live_set(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
+        if h.glue is not None and entry.status == "intent":
+            self._drive_zero_patch(h, entry)
+            return
         if entry.status == "intent":
             if entry.control_version is None:
                 overrides = {**h.run.overrides, **entry.payload.get("set", {})}
@@ -329,6 +350,22 @@ class Actuator:
 
     _drive_command = _drive_live_set
 
+    def _drive_zero_patch(self, h: RunHandle, entry: ActionRecord) -> None:
+        """What a live entry becomes for a trainer that reads no control.json (unmodified verl)."""
+        kind = "set" if entry.kind == "live_set" else (entry.payload.get("command") or {}).get("kind", entry.kind)
+        if kind in ("set", "resume"):
+            rid = self.store.add_action(h.run.run_id, "restart", {
+                "rule": entry.payload.get("rule", ""), "resume": "latest", "set": dict(entry.payload.get("set", {})),
+                "reason": f"{kind} in zero-patch mode (verl changes nothing in process)",
+            }, decision_id=entry.decision_id)
+            self._finish(h, entry, "done", outcome=f"by restart (journal {rid}): verl changes nothing in process")
+        elif kind == "pause":
+            code = self.stop(h)
+            self._finish(h, entry, "done", outcome=f"trainer stopped (exit {code}): verl cannot pause in place; "
+                                                    "`watchdog resume` restarts it from its latest checkpoint")
+        else:
+            self._finish(h, entry, "failed", error=f"{kind}: verl reads no control.json (zero-patch mode)")
+
     def _drive_notify(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
         p = entry.payload
         payload = alert_payload(h.run.run_id, p.get("rule", ""), p.get("severity", ""), p.get("summary", ""),
@@ -346,8 +383,19 @@ class Actuator:
                 p["set"] = self._snap(h, p["set"])
             self.store.update_action(entry.id, payload=p)
             entry.payload = p
+        if h.glue is not None and "lr_patch" not in p and "refused" not in p:
+            # verl's resume trap: the checkpoint's lr wins over optim.lr. Resume from a copy that
+            # carries the new lr, or refuse the lr change (audited) rather than lose it silently.
+            p = h.glue.plan_resume(p, {**h.run.overrides, **p.get("set", {})})
+            self.store.update_action(entry.id, payload=p)
+            entry.payload = p
+            if p.get("refused") and not p.get("set") and p.get("resume") == "latest" \
+                    and h.proc is not None and h.proc.alive():
+                self._finish(h, entry, "failed", error=p["refused"])  # nothing left worth a restart
+                return
         code = self.stop(h)
-        overrides = {**h.run.overrides, **p.get("set", {})}
+        overrides = {k: v for k, v in {**h.run.overrides, **p.get("set", {})}.items()
+                     if k not in p.get("refused_keys", ())}
         version = self.reserve_version(h, None, overrides)
         self.write_control(h, version)
         self.launch(h, p["resume_path"], now)
@@ -359,8 +407,10 @@ class Actuator:
             if other.id != entry.id and other.kind == "live_set":
                 self._finish(h, other, "done", outcome=f"applied by restart (v{version})")
         where = f"step {p['resume_step']}" if p.get("resume_step") is not None else "scratch"
-        self._finish(h, entry, "done", outcome=f"restarted from {where} (pid {h.run.pid}, prior exit {code})",
-                     pid=h.run.pid, resume_step=p.get("resume_step"), exit_code=code)
+        notes = "".join(f"; {p[k]}" for k in ("lr_patch", "refused") if p.get(k) and p[k] != "none needed")
+        who = f"ray job {h.run.job_id}" if h.run.job_id else f"pid {h.run.pid}"
+        self._finish(h, entry, "done", outcome=f"restarted from {where} ({who}, prior exit {code}){notes}",
+                     pid=h.run.pid, job_id=h.run.job_id, resume_step=p.get("resume_step"), exit_code=code)
 
     def _drive_rollback(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
         p = dict(entry.payload)
@@ -370,8 +420,9 @@ class Actuator:
                 self._finish(h, entry, "failed", error="no known-good checkpoint to roll back to")
                 return
             p.update(resume_path=str(info.path), resume_step=info.step)
-            if h.proc is None or not h.proc.alive():
-                # No live trainer to restore in process: a restart from that checkpoint carries the sets.
+            if h.proc is None or not h.proc.alive() or h.glue is not None:
+                # No live trainer that restores in process (dead, or verl, which reads no control.json):
+                # a restart from that checkpoint carries the sets.
                 p["resume"] = "path"
                 restart_id = self.store.add_action(h.run.run_id, "restart", p, decision_id=entry.decision_id)
                 self._finish(h, entry, "done", outcome=f"by restart (journal {restart_id}) to step {info.step}")
@@ -436,7 +487,10 @@ class Actuator:
         from trainer import checkpoint as ckpt  # torch-free module; imported late to keep the CLI light
 
         root = Path(h.run.run_dir) / rundir.CHECKPOINTS
-        infos = [c for c in ckpt.list_checkpoints(root) if c.complete] if root.exists() else []
+        if h.glue is not None:  # verl's own layout: no manifest, judged by its marker and files
+            infos = [c for c in h.glue.checkpoints() if c.complete]
+        else:
+            infos = [c for c in ckpt.list_checkpoints(root) if c.complete] if root.exists() else []
         if which == "known_good":
             return choose_known_good(infos, self.store.bad_spans(h.run.run_id))
         return max(infos, key=lambda c: c.step) if infos else None

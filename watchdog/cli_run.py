@@ -22,7 +22,9 @@ from watchdog.daemon import (
     run_daemon,
     state_dir_default,
 )
+from watchdog.promsource import PROMETHEUS_URL_ENV, source_config
 from watchdog.store import Store, StoreError
+from watchdog.supervisor import SupervisorError
 
 run_app = typer.Typer(help="Supervise and remediate training runs.", no_args_is_help=True)
 log = logging.getLogger(__name__)
@@ -63,6 +65,41 @@ def _crash_hook() -> Any:
     return hook
 
 
+def _check_ray(address: str) -> None:
+    """Exit 2 naming the address when its Ray job server does not answer (before anything is written)."""
+    from watchdog.supervisor_ray import check_job_server
+
+    try:
+        version = check_job_server(address)
+    except SupervisorError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    log.info("Ray job server at %s (Ray %s)", address, version)
+
+
+def _prepare_mode(mode: str, cmd: list[str], rd: Path, run_metrics_port: int | None) -> None:
+    """Zero-patch mode writes run.json for verl (which writes none); exit 2 on a bad --mode."""
+    from trainer import rundir
+    from watchdog import verl_mode
+
+    try:
+        resolved = verl_mode.resolve_mode(mode, cmd)
+    except verl_mode.VerlModeError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    if resolved == verl_mode.MODE_VERL:
+        verl_mode.init_run(rd, cmd, metrics_port=run_metrics_port)
+        console.print("zero-patch mode: verl changes nothing live; every change is a restart with resume")
+        return
+    if run_metrics_port is not None:
+        console.print("[red]--run-metrics-port is for --mode verl (the embedded trainer serves its own: "
+                      "trainer.metrics_port)[/red]")
+        raise typer.Exit(2)
+    info = rundir.read_run_json(rd)
+    if info.get("mode") == verl_mode.MODE_VERL:  # the same run dir, now for the embedded trainer
+        rundir.write_run_json(rd, {k: v for k, v in info.items() if k != "mode"})
+
+
 @run_app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def run_cmd(
     command: Annotated[list[str] | None, typer.Argument(help="Trainer command after `--` (default: the "
@@ -74,10 +111,30 @@ def run_cmd(
     faults: Annotated[str, typer.Option("--faults", help="Embedded trainer: fault schedule "
                                         "(trainer.faults), e.g. 'kl_collapse@8,oom@20,lr_spike@30:x20'.")] = "",
     sets: Annotated[list[str] | None, typer.Option("--set", help="Embedded trainer: extra KEY=VALUE.")] = None,
+    mode: Annotated[str, typer.Option("--mode", help="auto | embedded | verl. verl (zero-patch): an unmodified "
+                                      "`python -m verl.trainer.main_ppo ...`, metrics through verl's file "
+                                      "logger, every change by restart with resume. auto: verl for a "
+                                      "verl.trainer.main_ppo command, else embedded.")] = "auto",
+    run_metrics_port: Annotated[int | None, typer.Option(
+        "--run-metrics-port", help="verl mode: the watchdog serves the run's metrics (catalog names) on "
+                                   "127.0.0.1:PORT (-1: any free port; written to run.json).")] = None,
     webhook_url: Annotated[str | None, typer.Option("--webhook-url", help="Alertmanager-compatible webhook "
                                                     "(default $WATCHDOG_WEBHOOK_URL).")] = None,
     metrics_port: Annotated[int | None, typer.Option("--metrics-port", help="Serve the watchdog's "
                                                      "/metrics on 127.0.0.1:PORT.")] = None,
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", envvar="RAY_ADDRESS", show_envvar=True,
+        help="Ray job server (http://HEAD:8265): run the trainer there as a Ray Job, resubmitted for "
+             "restarts. The run directory must be a path the head shares.")] = None,
+    source: Annotated[str, typer.Option("--source", help="Where the rules read the run's metrics: files "
+                                        "(run_dir/metrics.jsonl) or prometheus (Prometheus's HTTP API, aligned "
+                                        "to steps by ppo_global_step; events still from events.jsonl).")] = "files",
+    prometheus_url: Annotated[str | None, typer.Option(
+        "--prometheus-url", envvar=PROMETHEUS_URL_ENV, show_envvar=True,
+        help="Prometheus base URL for --source prometheus, e.g. http://127.0.0.1:9090.")] = None,
+    file_sd_dir: Annotated[str | None, typer.Option(
+        "--file-sd-dir", help="--source prometheus: announce the trainer's /metrics in this Prometheus "
+                              "file_sd directory (withdrawn when the run ends).")] = None,
     restart_budget: Annotated[int, typer.Option(help="Crash/hang restarts before giving up.")] = 3,
     oom_retries: Annotated[int, typer.Option(help="OOM restarts before giving up.")] = 3,
     heartbeat_min: Annotated[float, typer.Option(help="Hang timeout floor in seconds.")] = 30.0,
@@ -89,6 +146,13 @@ def run_cmd(
 ) -> None:
     """Start a trainer, watch it and remediate until it finishes; then summarise."""
     _logging(verbose)
+    if ray_address:
+        _check_ray(ray_address)
+    try:
+        src = source_config(source, prometheus_url, file_sd_dir)
+    except ValueError as exc:
+        console.print(f"[red]--source: {exc}[/red]")
+        raise typer.Exit(2) from exc
     rd = Path(run_dir or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     rd.mkdir(parents=True, exist_ok=True)
     if command:
@@ -98,6 +162,9 @@ def run_cmd(
         if faults:
             cmd.append(f"trainer.faults={faults}")
         cmd += list(sets or [])
+        if src.kind == "prometheus" and not any(s.startswith("trainer.metrics_port=") for s in sets or []):
+            cmd.append("trainer.metrics_port=-1")  # Prometheus must scrape it: any free port, in run.json
+    _prepare_mode(mode, cmd, rd, run_metrics_port)
     wd = build_watchdog(
         state_dir or state_dir_default(), rules, webhook_url,
         controller={"restart_budget": restart_budget, "oom_retry_budget": oom_retries,
@@ -105,14 +172,20 @@ def run_cmd(
         actuator={"live_timeout_s": live_timeout, "stop_grace_s": stop_grace},
         metrics_port=metrics_port, crash_hook=_crash_hook(),
     )
-    ctl = wd.add_run(rd, command=cmd)
+    try:
+        ctl = wd.add_run(rd, command=cmd, ray_address=ray_address, source=src)
+    except SupervisorError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
     console.print(f"watchdog: run [bold]{ctl.run.run_id}[/bold] in {rd} (state {wd.store.path})")
     try:
         wd.serve_forever(tick, until_done=True)
     except KeyboardInterrupt:
         console.print("interrupted: stopping the trainer")
         wd.actuator.stop(ctl.h)
+        wd.close(withdraw_targets=True)
         raise typer.Exit(130) from None
+    wd.close(withdraw_targets=True)
     run = wd.store.require_run(ctl.run.run_id)
     decisions = wd.store.decisions(run.run_id)
     _print_history(decisions, title=f"What the watchdog did in run {run.run_id}")
@@ -149,6 +222,9 @@ def daemon_cmd(
         run_daemon(cfg)
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
+    except DaemonConfigError as exc:  # e.g. a Grafana token file that cannot be read
+        console.print(f"[red]{config}: {exc}[/red]")
+        raise typer.Exit(2) from exc
 
 
 @run_app.command("status")
@@ -169,7 +245,7 @@ def status_cmd(
         engine = (store.load_engine_state(r.run_id) or {}).get("engine", {})
         firing = sorted(n for n, s in engine.get("rules", {}).items() if s.get("status") == "firing")
         open_n = len(store.open_actions(r.run_id))
-        rows.append({"run": r.run_id, "phase": r.phase, "pid": r.pid, "last_step": r.last_step,
+        rows.append({"run": r.run_id, "phase": r.phase, "pid": r.pid, "job_id": r.job_id, "last_step": r.last_step,
                      "control_version": r.control_version, "restarts": r.restarts, "oom_retries": r.oom_retries,
                      "open_actions": open_n, "firing": firing, "overrides": r.overrides, "run_dir": r.run_dir})
     if as_json:

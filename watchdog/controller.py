@@ -13,7 +13,6 @@ actions are then driven from the journal, each phase idempotent.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
@@ -34,6 +33,7 @@ from watchdog.actuator import (
     snap_micro_batch,
 )
 from watchdog.store import OPEN_ACTION_STATUSES, RunRecord, Store
+from watchdog.supervisor import Backend, SupervisorError
 
 log = logging.getLogger(__name__)
 
@@ -253,6 +253,10 @@ class EngineRules:
     def evaluate(self, window: Any, state: Any, step: int) -> tuple[list[Any], Any]:
         return self._engine.evaluate(self.ruleset, window, state, step)
 
+    def rule_names(self) -> list[str]:
+        """Names of the loaded rules, in file order."""
+        return [str(r.name) for r in getattr(self.ruleset, "rules", ())]
+
     def for_steps(self, rule: str) -> int:
         for r in getattr(self.ruleset, "rules", ()):
             if getattr(r, "name", None) == rule:
@@ -290,19 +294,29 @@ class RunController:
 
     def __init__(
         self, store: Store, run_id: str, rules: RulesEngine, actuator: Actuator,
-        config: ControllerConfig | None = None, telemetry: Any = None,
+        config: ControllerConfig | None = None, telemetry: Any = None, backend: Backend | None = None,
+        source: Any = None,
     ) -> None:
+        """``backend``: this run's own (a Ray Job backend for its cluster); default the actuator's.
+        ``source``: what the run's metrics and events are read through (``poll()``, ``offsets``, as
+        :class:`~watchdog.ingest.RunTailer`; e.g. a :class:`~watchdog.promsource.PrometheusSource`);
+        default a RunTailer on the run directory."""
         self.store = store
         self.rules = rules
         self.actuator = actuator
         self.config = config or ControllerConfig()
         self.telemetry = telemetry or NullTelemetry()
         run = store.require_run(run_id)
-        self.h = RunHandle(run)
+        self.h = RunHandle(run, backend=backend)
+        from watchdog.verl_mode import glue_for
+
+        self.h.glue = glue_for(run.run_dir, run_id)  # zero-patch mode: an unmodified verl run
         from watchdog.ingest import RunTailer
 
         saved = store.load_engine_state(run_id) or {}
-        self.tailer = RunTailer(run.run_dir, offsets=saved.get("tailer"))
+        self.tailer = source if source is not None else RunTailer(run.run_dir)
+        if saved.get("tailer"):
+            self.tailer.offsets = saved["tailer"]
         self.window = rules.new_window(self.config.window_size)
         self.state = rules.state_from_json(saved["engine"]) if saved.get("engine") else rules.initial_state()
         self._rebuild_window(saved.get("tailer"))
@@ -321,30 +335,51 @@ class RunController:
         # startup timeout applies instead of the heartbeat. A re-attached run counts as started.
         self._launch_seen: float | None = run.launched_ts if run.last_step is not None else None
         self._started_ts: float | None = run.launched_ts if run.last_step is not None else None
-        if run.pid is not None and run.phase in ("running", "paused", "escalated", "restarting"):
-            proc = actuator.backend.attach(run.pid)
-            if proc.alive():
-                self.h.proc = proc
-                log.info("%s: attached to running trainer pid %d", run_id, run.pid)
+        if run.phase in ("running", "paused", "escalated", "restarting"):
+            self._attach()
 
     @property
     def run(self) -> RunRecord:
         return self.h.run
 
+    def _attach(self) -> None:
+        """Adopt the trainer an earlier watchdog started: by Ray job id, else by pid."""
+        run, backend = self.run, self.h.backend or self.actuator.backend
+        if run.job_id is not None:
+            attach_job = getattr(backend, "attach_job", None)
+            if attach_job is None:
+                raise SupervisorError(f"run {run.run_id}: its trainer runs as Ray job {run.job_id}; "
+                                      "give the run its Ray address to watch it")
+            # Kept even when it has ended: the job server still knows its exit code.
+            self.h.proc = attach_job(run.job_id, Path(run.run_dir) / self.actuator.config.log_name)
+            log.info("%s: attached to Ray job %s", run.run_id, run.job_id)
+        elif run.pid is not None:
+            proc = backend.attach(run.pid)
+            if proc.alive():
+                self.h.proc = proc
+                log.info("%s: attached to running trainer pid %d", run.run_id, run.pid)
+
     def _rebuild_window(self, offsets: Mapping[str, Any] | None) -> None:
         """After a watchdog restart: the window as it stood (records and events read so far)."""
         if not offsets:
+            return
+        replay = getattr(self.tailer, "replay", None)
+        if callable(replay):  # a source other than the run's files (Prometheus) reads its own history
+            records, events = replay()
+            for rec in records:
+                self.window.append_record(rec)
+            self.window.add_events(events)
             return
         from watchdog.ingest import dedup_records
 
         run_dir = Path(self.run.run_dir)
         m_off = int(offsets.get("metrics", {}).get("offset", 0))
         e_off = int(offsets.get("events", {}).get("offset", 0))
-        recs = _read_prefix(run_dir / rundir.METRICS, m_off)
+        recs = rundir.read_jsonl_prefix(run_dir / rundir.METRICS, m_off)
         for rec in dedup_records(r for r in recs if "step" in r):
             self.window.append_record(rec)
         # Events in file order so their sequence numbers match what the engine state remembers.
-        self.window.add_events(_read_prefix(run_dir / rundir.EVENTS, e_off))
+        self.window.add_events(rundir.read_jsonl_prefix(run_dir / rundir.EVENTS, e_off))
 
     # -- tick --------------------------------------------------------------------------
 
@@ -354,6 +389,10 @@ class RunController:
         result = TickResult()
         if self.run.phase == "new":
             self.actuator.launch(self.h, None, now)
+        if self.h.glue is not None:
+            # verl writes no events: relay its metrics, note its checkpoints, classify its exit
+            # (not that of a trainer the watchdog stopped itself to pause the run).
+            self.h.glue.poll(self.h.proc, watch_exit=self.run.phase not in ("paused", "escalated"))
         records, events = self.tailer.poll()
         self._handle_events(events, now)
         decisions = self._evaluate(records, events, now, result)
@@ -365,6 +404,7 @@ class RunController:
             self.actuator.drive(self.h, entry, now)
         if self.latest:
             self.telemetry.data_age(self.run.run_id, max(0.0, now - (self.run.last_progress_ts or now)))
+        self._publish_rule_states()
         result.done = self.run.phase in ("finished", "failed")
         return result
 
@@ -412,6 +452,8 @@ class RunController:
             self.window.append_record(rec)
             data = rec.get("data", {})
             self.latest.update(data)
+            # Older verl keys (critic/kl_coeff) stand in for the current ones (actor/reward_kl_penalty_coeff).
+            self.latest.update({k: v for a, v in data.items() if (k := catalog.canonical_key(a)) and k not in data})
             t = data.get("perf/time_per_step")
             if _finite(t):
                 self._step_times = (self._step_times + [float(t)])[-50:]
@@ -449,12 +491,16 @@ class RunController:
         cfg = run_config(self.run.run_dir)
         alive = self.h.proc is not None and self.h.proc.alive()
         # The trainer says what it can change live (run.json); without that, the configured list.
-        live_keys = rundir.read_run_json(self.run.run_dir).get("live_keys") or self.config.live_keys
+        # An empty list is an answer too: a zero-patch verl run changes nothing live.
+        info = rundir.read_run_json(self.run.run_dir)
+        live_keys = info["live_keys"] if isinstance(info.get("live_keys"), list) else self.config.live_keys
         with self.store.transaction():
             overrides = dict(self.run.overrides)
             for d in decisions:
                 planned = plan_decision(d, overrides, self.latest, cfg, live_keys, alive)
                 covered = ""
+                if self.h.glue is not None:  # zero-patch: every set is a restart; one relaunch carries them all
+                    planned, covered = self._merge_into_pending_restart(planned)
                 if any(p.kind in ("rollback", "restart") for p in planned) and self._rollback_in_flight():
                     covered = "covered by the rollback in progress"
                     planned = []
@@ -468,8 +514,6 @@ class RunController:
                     outcome="" if planned else covered or ("resolved" if d.kind == "resolve" else "no action"),
                 )
                 result.decisions.append(did)
-                state = {"fire": "firing", "escalate": "firing", "resolve": "inactive"}.get(d.kind, "pending")
-                self.telemetry.rule_state(self.run.run_id, d.rule, state)
                 if d.kind == "escalate":
                     self.telemetry.escalation(self.run.run_id, d.rule)
                 if getattr(d, "divergence", False) or any(p.kind == "rollback" for p in planned):
@@ -494,6 +538,30 @@ class RunController:
                                   self.run.last_evaluated_step,
                                   last_progress_ts=self.run.last_progress_ts)
 
+    def _publish_rule_states(self) -> None:
+        """Every rule's state for this run, every tick (a gauge set only on decisions would miss
+        pending, and would keep a state the engine has long left)."""
+        names = getattr(self.rules, "rule_names", None)
+        rule = getattr(self.state, "rule", None)
+        if not callable(names) or not callable(rule):
+            return
+        for name in names():
+            self.telemetry.rule_state(self.run.run_id, name, rule(name).status)
+
+    def _merge_into_pending_restart(self, planned: list[Planned]) -> tuple[list[Planned], str]:
+        """Sets that need a restart join one not carried out yet (instead of being dropped as covered)."""
+        target = next((e for e in self.store.open_actions(self.run.run_id) if e.kind in ("restart", "rollback")
+                       and e.status == "intent" and "resume_path" not in e.payload), None)
+        if target is None:
+            return planned, ""
+        keep = [p for p in planned if not (p.kind == "restart" and p.payload.get("resume") == "latest")]
+        merged = {k: v for p in planned if p not in keep for k, v in p.payload.get("set", {}).items()}
+        if not merged:
+            return planned, ""
+        target.payload = {**target.payload, "set": {**target.payload.get("set", {}), **merged}}
+        self.store.update_action(target.id, payload=target.payload)
+        return keep, f"merged into the pending {target.kind} (journal {target.id})"
+
     def _rollback_in_flight(self) -> bool:
         """A rollback or restart is open, or done but the trainer's metrics do not show it yet."""
         entries = [e for e in self.store.journal(self.run.run_id) if e.kind in ("rollback", "restart")]
@@ -516,9 +584,13 @@ class RunController:
         proc = self.h.proc
         if self._restart_open():
             return
+        if self.h.glue is not None and self.run.phase in ("paused", "escalated"):
+            return  # the zero-patch pause stopped verl on purpose; `watchdog resume` restarts it
         if proc is None or not proc.alive():
             code = proc.poll() if proc is not None else self.run.exit_code
             how = classify_exit(code, self._saw_finished, self._saw_oom is not None)
+            if self.h.glue is not None:
+                how = self.h.glue.exit_class(code).action  # verl exits 1 on any error: its log says which
             self.run.exit_code = code
             self.store.update_run(self.run.run_id, exit_code=code)
             if how == "finished":
@@ -540,6 +612,8 @@ class RunController:
             return
         if self.run.phase != "running":
             return  # paused or escalated: no steps expected
+        if not getattr(self.tailer, "healthy", True):
+            return  # the metric source is down (Prometheus): no new step says nothing about the trainer
         starting = self._launch_seen != self.run.launched_ts  # no step yet since the last launch
         limit = self.config.startup_timeout_s if starting else heartbeat_timeout(self._step_times, self.config)
         idle = now - (self.run.last_progress_ts or now)
@@ -621,24 +695,6 @@ def log_tail(path: Path, lines: int = 3, max_chars: int = 600) -> str:
         return f"(no log at {path})"
     tail = [ln.strip() for ln in text.splitlines() if ln.strip()][-lines:]
     return " | ".join(tail)[-max_chars:]
-
-
-def _read_prefix(path: Path, offset: int) -> list[dict[str, Any]]:
-    """JSON objects of the complete lines in the first ``offset`` bytes of a JSONL file."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(offset)
-    except FileNotFoundError:
-        return []
-    out = []
-    for raw in data.splitlines():
-        try:
-            obj = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        if isinstance(obj, dict):
-            out.append(obj)
-    return out
 
 
 def open_entries(store: Store, run_id: str) -> int:

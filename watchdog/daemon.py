@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -21,9 +21,10 @@ import yaml
 
 from watchdog.actuator import Actuator, ActuatorConfig, Notifier
 from watchdog.controller import ControllerConfig, EngineRules, RulesEngine, RunController
+from watchdog.promsource import SOURCES, SourceConfig, make_source, source_config
 from watchdog.rulefile import default_rules_paths
 from watchdog.store import RunRecord, Store
-from watchdog.supervisor import Backend, LocalBackend
+from watchdog.supervisor import Backend, LocalBackend, SupervisorError
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,12 @@ class RunSpec:
     """Run id (default: the directory's name)."""
     restart_command: list[str] | None = None
     """Command that relaunches the trainer; without it the run gets live actions only."""
+    ray_address: str | None = None
+    """Ray job server (``http://HEAD:8265``): the restart command runs there as a Ray Job."""
+    source: str | None = None
+    """Where this run's metrics are read from: files | prometheus (default: the daemon's ``source``)."""
+    prometheus_url: str | None = None
+    """Prometheus for this run (default: the daemon's ``prometheus_url``)."""
 
 
 @dataclass
@@ -73,10 +80,27 @@ class DaemonConfig:
     """ControllerConfig fields (restart_budget, heartbeat_min_s, ...)."""
     actuator: dict[str, Any] = field(default_factory=dict)
     """ActuatorConfig fields (live_timeout_s, stop_grace_s, ...)."""
+    source: str = "files"
+    """Where runs' metrics are read from: ``files`` (run_dir/metrics.jsonl) or ``prometheus`` (its HTTP
+    API; events still come from run_dir/events.jsonl)."""
+    prometheus_url: str | None = None
+    """Prometheus base URL for the prometheus source (default: $WATCHDOG_PROMETHEUS_URL)."""
+    file_sd_dir: str | None = None
+    """Prometheus file_sd directory where the prometheus source announces each run's trainer (None: not)."""
+    grafana_url: str | None = None
+    """Grafana for an annotation per action on the "PPO run" dashboard (default: $GRAFANA_URL; token from
+    $GRAFANA_TOKEN_FILE or $GRAFANA_TOKEN, never from this file)."""
 
     def __post_init__(self) -> None:
         if self.tick_s <= 0:
             raise DaemonConfigError(f"tick_s must be > 0, got {self.tick_s!r}")
+        if self.source not in SOURCES:
+            raise DaemonConfigError(f"source must be one of {', '.join(SOURCES)}, got {self.source!r}")
+
+    def source_for(self, spec: RunSpec) -> SourceConfig:
+        """The run's metric source: its own ``source``/``prometheus_url`` over the daemon's."""
+        return source_config(spec.source or self.source, spec.prometheus_url or self.prometheus_url,
+                             self.file_sd_dir)
 
 
 def load_daemon_config(path: Path | str) -> DaemonConfig:
@@ -101,9 +125,16 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
     _check_keys(path, "actuator.", doc.get("actuator", {}), {f.name for f in fields(ActuatorConfig)})
     rest = {k: v for k, v in doc.items() if k != "runs"}
     try:
-        return DaemonConfig(runs=runs, **rest)
+        cfg = DaemonConfig(runs=runs, **rest)
     except (TypeError, ValueError) as exc:
         raise DaemonConfigError(f"{path}: {exc}") from exc
+    for i, spec in enumerate(cfg.runs):
+        try:
+            cfg.source_for(spec)
+        except ValueError as exc:
+            where = f"runs[{i}].source" if spec.source else "source"
+            raise DaemonConfigError(f"{path}: {where}: {exc}") from exc
+    return cfg
 
 
 def _check_keys(path: Path, prefix: str, doc: Any, known: set[str]) -> None:
@@ -120,13 +151,16 @@ class Watchdog:
     def __init__(
         self, store: Store, rules: RulesEngine, backend: Backend | None = None, notifier: Notifier | None = None,
         controller_config: ControllerConfig | None = None, actuator_config: ActuatorConfig | None = None,
-        telemetry: Any = None, crash_hook: Any = None,
+        telemetry: Any = None, crash_hook: Any = None, annotator: Any = None,
     ) -> None:
+        """``annotator``: called like the actuator's on_action for each action outcome (a
+        :class:`~watchdog.grafana.ActionAnnotator`); closed by :meth:`close`."""
         self.store = store
         self.rules = rules
         self.telemetry = telemetry
+        self.annotator = annotator
         self.controller_config = controller_config or ControllerConfig()
-        on_action = telemetry.action if telemetry is not None else None
+        on_action = _fan_out(telemetry.action if telemetry is not None else None, annotator)
         self.actuator = Actuator(store, backend or LocalBackend(), notifier, actuator_config, on_action, crash_hook)
         self.controllers: dict[str, RunController] = {}
         self._lock = threading.Lock()
@@ -134,10 +168,19 @@ class Watchdog:
         """Set when every run is finished or given up (``watchdog run`` exits then)."""
 
     def add_run(self, run_dir: Path | str, run_id: str | None = None, command: Sequence[str] | None = None,
-                managed: bool = True) -> RunController:
-        """Register (or take back from the store) a run and build its controller."""
+                managed: bool = True, ray_address: str | None = None,
+                source: SourceConfig | None = None) -> RunController:
+        """Register (or take back from the store) a run and build its controller.
+
+        ``ray_address``: launch the trainer as Ray Jobs on that cluster instead of as a local process.
+        ``source``: where its metrics are read from (default: its files)."""
         run_dir = Path(run_dir).resolve()
         run_id = run_id or run_dir.name
+        backend: Backend | None = None
+        if ray_address:
+            from watchdog.supervisor_ray import RayJobBackend
+
+            backend = RayJobBackend(ray_address, run_id, stop_wait_s=self.actuator.config.stop_grace_s)
         existing = self.store.get_run(run_id)
         if existing is None:
             self.store.upsert_run(RunRecord(run_id, str(run_dir), list(command or []), managed=managed,
@@ -147,7 +190,8 @@ class Watchdog:
             self.store.update_run(run_id, phase="new", command=list(command), restarts=0, oom_retries=0)
         elif command and existing.command != list(command):
             self.store.update_run(run_id, command=list(command))
-        ctl = RunController(self.store, run_id, self.rules, self.actuator, self.controller_config, self.telemetry)
+        ctl = RunController(self.store, run_id, self.rules, self.actuator, self.controller_config, self.telemetry,
+                            backend, source=make_source(source, run_dir, run_id, self.telemetry))
         self.controllers[run_id] = ctl
         return ctl
 
@@ -162,6 +206,11 @@ class Watchdog:
             for run_id, ctl in list(self.controllers.items()):
                 try:
                     all_done &= ctl.tick(now).done
+                except SupervisorError as exc:  # a launch the backend refused (a Ray head down): next tick
+                    log.error("%s: %s", run_id, exc)
+                    if self.telemetry is not None:
+                        self.telemetry.error(run_id, "tick")
+                    all_done = False
                 except Exception:
                     log.exception("%s: tick failed", run_id)
                     if self.telemetry is not None:
@@ -176,6 +225,19 @@ class Watchdog:
             return all_done
         finally:
             self._lock.release()
+
+    def close(self, withdraw_targets: bool = False) -> None:
+        """Post the queued Grafana annotations and close the metric sources (on shutdown).
+
+        ``withdraw_targets``: the trainers are gone too (``watchdog run`` at its end), so their
+        Prometheus file_sd targets go; a daemon that stops leaves running trainers scraped.
+        """
+        if self.annotator is not None:
+            self.annotator.close()
+        for ctl in self.controllers.values():
+            close = getattr(ctl.tailer, "close", None)
+            if callable(close):
+                close(withdraw=withdraw_targets)
 
     def serve_forever(self, tick_s: float, until_done: bool = True, stop: threading.Event | None = None) -> None:
         """Run ticks on an APScheduler 3.x BackgroundScheduler until done (or ``stop`` is set)."""
@@ -206,8 +268,15 @@ def build_watchdog(
     state_dir: str | Path, rule_paths: Sequence[str | Path] | None = None, webhook_url: str | None = None,
     controller: dict[str, Any] | None = None, actuator: dict[str, Any] | None = None,
     metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", crash_hook: Any = None,
+    grafana_url: str | None = None,
 ) -> Watchdog:
-    """A Watchdog from plain settings (the CLI and the daemon config both land here)."""
+    """A Watchdog from plain settings (the CLI and the daemon config both land here).
+
+    With a Grafana URL (``grafana_url`` or ``$GRAFANA_URL``) every action outcome is also posted
+    as an annotation on the "PPO run" dashboard, from a background thread: a slow or down
+    Grafana never holds up a tick. A token file that is named but unreadable is a
+    DaemonConfigError (someone meant to configure one).
+    """
     rules = EngineRules(list(rule_paths) if rule_paths else default_rules_paths())
     telemetry = None
     try:
@@ -223,24 +292,59 @@ def build_watchdog(
     return Watchdog(
         Store(state_dir), rules, LocalBackend(), notifier,
         ControllerConfig(**(controller or {})), ActuatorConfig(**(actuator or {})), telemetry, crash_hook,
+        annotator=_annotator(grafana_url),
     )
+
+
+def _annotator(url: str | None) -> Any:
+    """The background Grafana annotator when a Grafana URL is configured, else None."""
+    if not (url or os.environ.get("GRAFANA_URL")):
+        return None  # watchdog.grafana pulls in the dashboard builders: import it only when used
+    from watchdog import grafana
+    from watchdog.dashboards import PPO_RUN_UID
+
+    try:
+        annotator = grafana.annotator_from_env(url, dashboard_uid=PPO_RUN_UID, background=True)
+    except grafana.TokenError as exc:
+        raise DaemonConfigError(f"Grafana annotations: {exc}") from exc
+    if annotator is not None:
+        log.info("annotating actions in Grafana at %s", grafana.redact_url(url or os.environ["GRAFANA_URL"]))
+    return annotator
+
+
+def _fan_out(*hooks: Callable[[str, str, str, str], None] | None) -> Callable[[str, str, str, str], None] | None:
+    """One on_action callback calling each hook given (None when there is none)."""
+    live = [h for h in hooks if h is not None]
+    if not live:
+        return None
+
+    def on_action(run: str, rule: str, kind: str, outcome: str) -> None:
+        for hook in live:
+            hook(run, rule, kind, outcome)
+
+    return on_action
 
 
 def run_daemon(cfg: DaemonConfig, stop: threading.Event | None = None) -> Watchdog:
     """``watchdog daemon``: watch every configured run until stopped."""
     wd = prepare_daemon(cfg)
-    wd.serve_forever(cfg.tick_s, until_done=False, stop=stop)
+    try:
+        wd.serve_forever(cfg.tick_s, until_done=False, stop=stop)
+    finally:
+        wd.close()
     return wd
 
 
 def prepare_daemon(cfg: DaemonConfig) -> Watchdog:
     """The daemon's Watchdog with every configured run added (adopting trainers already running)."""
     wd = build_watchdog(cfg.state_dir, cfg.rules, cfg.webhook_url, cfg.controller, cfg.actuator,
-                        cfg.metrics_port, cfg.metrics_addr)
+                        cfg.metrics_port, cfg.metrics_addr, grafana_url=cfg.grafana_url)
     for spec in cfg.runs:
         cmd = spec.restart_command
-        ctl = wd.add_run(spec.run_dir, spec.id, cmd, managed=bool(cmd))
-        if cmd and ctl.run.phase == "new":
+        ctl = wd.add_run(spec.run_dir, spec.id, cmd, managed=bool(cmd), ray_address=spec.ray_address,
+                         source=cfg.source_for(spec))
+        # run.json's pid is a process on the Ray head, not one this machine can watch.
+        if cmd and ctl.run.phase == "new" and not spec.ray_address:
             # A run it did not start: adopt the running trainer instead of launching a second one.
             pid = _run_pid(ctl.run.run_dir)
             if pid is not None:
