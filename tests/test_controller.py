@@ -362,3 +362,40 @@ def test_the_daemon_takes_its_rules_from_WATCHDOG_RULES_when_none_are_given(tmp_
     monkeypatch.setenv("WATCHDOG_RULES", str(pack))
     wd = build_watchdog(tmp_path / "state")
     assert [r.name for r in wd.rules.ruleset.rules] == ["only_mine"]
+
+
+@pytest.mark.parametrize("commands, in_process", [(None, True), (["checkpoint", "pause", "resume", "stop"], False)])
+def test_rollback_goes_in_process_only_to_a_trainer_whose_run_json_offers_it(tmp_path, commands, in_process):
+    import torch
+
+    from trainer import checkpoint as ckpt
+    from watchdog.actuator import Actuator, RunHandle
+    from watchdog.store import RunRecord, Store
+    from watchdog.supervisor import LocalBackend
+
+    run = tmp_path / "run"
+    ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 4, 0, {"actor": {"w": torch.zeros(2)}})
+    info = {"id": "run", "live_keys": list(rundir.LIVE_KEYS)}
+    if commands is not None:
+        info["commands"] = commands
+    rundir.write_run_json(run, info)
+    store = Store(tmp_path / "state")
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
+    store.upsert_run(RunRecord("run", str(run), cmd))
+    act = Actuator(store, LocalBackend())
+    h = RunHandle(store.require_run("run"))
+    try:
+        act.launch(h, None, time.time())
+        rb = store.add_action("run", "rollback", {"rule": "kl_far_above", "set": {}})
+        act.drive(h, store.get_action(rb), time.time())
+        control = rundir.read_control(run)
+        sent = [c.kind for c in control.commands] if control else []
+        restarts = [e for e in store.open_actions("run") if e.kind == "restart"]
+        if in_process:
+            assert sent == ["rollback"] and not restarts and store.get_action(rb).status == "sent"
+        else:
+            # No 60 s wait for a confirmation that cannot come: the restart is planned at once.
+            assert sent == [] and store.get_action(rb).status == "done"
+            assert restarts and restarts[0].payload["resume_step"] == 4
+    finally:
+        act.stop(h)

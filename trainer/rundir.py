@@ -3,7 +3,8 @@
 ::
 
     run_dir/
-      run.json          id, command, config snapshot, pid, live-settable keys
+      run.json          id, command, config snapshot, pid, live-settable keys, and the one-shot
+                        commands done in process ("commands"; all of COMMAND_KINDS when absent)
       metrics.jsonl     {"step": N, "data": {...}}  (verl FileLogger format), one line a step
       events.jsonl      {"ts": ..., "step": N, "kind": "...", ...}
       control.json      {"version": 7, "overrides": {...}, "commands": [{"id": ..., "kind": ...}]}

@@ -420,9 +420,10 @@ class Actuator:
                 self._finish(h, entry, "failed", error="no known-good checkpoint to roll back to")
                 return
             p.update(resume_path=str(info.path), resume_step=info.step)
-            if h.proc is None or not h.proc.alive() or h.glue is not None:
-                # No live trainer that restores in process (dead, or verl, which reads no control.json):
-                # a restart from that checkpoint carries the sets.
+            if h.proc is None or not h.proc.alive() or h.glue is not None or not _rolls_back_in_process(h):
+                # No live trainer that restores in process (dead; verl, which reads no control.json; or
+                # a trainer whose run.json leaves rollback out of its commands): a restart from that
+                # checkpoint carries the sets.
                 p["resume"] = "path"
                 restart_id = self.store.add_action(h.run.run_id, "restart", p, decision_id=entry.decision_id)
                 self._finish(h, entry, "done", outcome=f"by restart (journal {restart_id}) to step {info.step}")
@@ -504,6 +505,12 @@ class Actuator:
                 mini = config_value(cfg, MINI_BATCH_OF[key])
                 out[key] = snap_micro_batch(int(out[key]), int(mini) if mini is not None else None)
         return out
+
+
+def _rolls_back_in_process(h: RunHandle) -> bool:
+    """Whether the trainer restores a checkpoint itself: run.json's ``commands`` (all when absent)."""
+    commands = rundir.read_run_json(h.run.run_dir).get("commands")
+    return not isinstance(commands, list) or "rollback" in commands
 
 
 def run_config(run_dir: str | Path) -> dict[str, Any]:

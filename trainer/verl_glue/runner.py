@@ -116,6 +116,8 @@ def _write_launch_json(run_dir: Path, cfg: Any, command: list[str]) -> None:
     info.update({
         "id": str(cfg.watchdog.run_id), "command": command, "pid": os.getpid(), "cwd": os.getcwd(),
         "mode": RUN_MODE, "live_keys": list(live_keys_for(cfg)), "started": time.time(),
+        # One-shot commands done in process; a rollback is the watchdog's restart (see boundary.py).
+        "commands": sorted(rundir.COMMAND_KINDS - {"rollback"}),
         "checkpoint_dir": str(Path(str(cfg.trainer.default_local_dir)).resolve()),
     })
     for stale in ("trainer_pid", "trainer_host", "metrics_port"):
