@@ -399,3 +399,52 @@ def test_rollback_goes_in_process_only_to_a_trainer_whose_run_json_offers_it(tmp
             assert restarts and restarts[0].payload["resume_step"] == 4
     finally:
         act.stop(h)
+
+
+def test_a_rollback_by_restart_skips_batches_for_that_launch_only(tmp_path):
+    import torch
+
+    from trainer import checkpoint as ckpt
+    from watchdog.actuator import Actuator, RunHandle
+    from watchdog.store import RunRecord, Store
+    from watchdog.supervisor import LocalBackend
+
+    run = tmp_path / "run"
+    ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 4, 0, {"actor": {"w": torch.zeros(2)}})
+    rundir.write_run_json(run, {"id": "run", "commands": ["pause"], "skip_batches_key": "trainer.resume_skip_batches"})
+    store = Store(tmp_path / "state")
+    # The "trainer" prints its argv, so the log shows what each launch was given.
+    cmd = [sys.executable, "-c", "import sys, time; print(sys.argv[1:], flush=True); time.sleep(60)", "a=1"]
+    store.upsert_run(RunRecord("run", str(run), cmd))
+    act = Actuator(store, LocalBackend())
+    h = RunHandle(store.require_run("run"))
+
+    def launches():
+        log = run / act.config.log_name
+        return [ln for ln in log.read_text().splitlines() if ln.startswith("[")] if log.exists() else []
+
+    def wait_for_launch(n):
+        deadline = time.time() + 10
+        while time.time() < deadline and len(launches()) < n:
+            time.sleep(0.05)
+
+    def drive_restarts(n):
+        for e in [e for e in store.open_actions("run") if e.kind == "restart"]:
+            act.drive(h, e, time.time())
+        wait_for_launch(n)
+
+    try:
+        act.launch(h, None, time.time())
+        wait_for_launch(1)
+        rb = store.add_action("run", "rollback", {"rule": "kl_far_above", "set": {}, "skip_batches": 2})
+        act.drive(h, store.get_action(rb), time.time())
+        drive_restarts(2)
+        (restart,) = [e for e in store.journal("run") if e.kind == "restart"]
+        assert "skipped 2 batches" in store.get_action(restart.id).result["outcome"]
+        store.add_action("run", "restart", {"rule": "watchdog:crash", "resume": "latest"})
+        drive_restarts(3)
+        first, rolled_back, later = launches()
+        assert "'trainer.resume_skip_batches=2'" in rolled_back
+        assert "skip_batches" not in first and "skip_batches" not in later
+    finally:
+        act.stop(h)

@@ -103,6 +103,31 @@ def test_n_steps_straight_equal_half_then_resume_then_half_at_a_fixed_seed(
     assert ck.read_marker(resumed / rundir.CHECKPOINTS) == 6
 
 
+def test_resume_skip_batches_moves_the_data_past_the_batches_after_the_checkpoint(
+    tmp_path: Path, tiny_trainer_args: Callable[..., list[str]], trainer_env: dict[str, str]
+) -> None:
+    """A rollback by restart that skips the batches which led to a spike (trainer.resume_skip_batches)."""
+    from trainer.data import BatchSampler
+
+    first, skipped = tmp_path / "first", tmp_path / "skipped"
+    a = _run(tiny_trainer_args(first, "trainer.save_freq=2", steps=2), trainer_env)
+    assert a.returncode == 0, a.stderr[-3000:]
+    half = ck.step_dir(first / rundir.CHECKPOINTS, 2)
+    b = _run(tiny_trainer_args(skipped, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={half}",
+                               "trainer.resume_skip_batches=3", "trainer.save_freq=1", steps=3), trainer_env)
+    assert b.returncode == 0, b.stderr[-3000:]
+    assert [e["skipped_batches"] for e in _events(skipped, "started")] == [3]
+    assert rundir.read_run_json(skipped)["skip_batches_key"] == "trainer.resume_skip_batches"
+    # The data state after step 3 is the checkpoint's, moved past 3 batches, then one batch used.
+    saved = ck.load_checkpoint(half)[0]["data"]["sampler"]
+    expect = BatchSampler(saved["n"], saved["batch_size"], saved["seed"])
+    expect.load_state_dict(saved)
+    expect.skip(3)
+    expect.next()
+    got = ck.load_checkpoint(ck.step_dir(skipped / rundir.CHECKPOINTS, 3))[0]["data"]["sampler"]
+    assert got == expect.state_dict() and got != saved
+
+
 # -- live control, garbled control.json, pause/resume, SIGUSR1, /metrics ------------------------------
 
 

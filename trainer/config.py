@@ -231,6 +231,10 @@ class TrainerSection:
     """auto: newest complete checkpoint in run_dir; disable: start fresh; resume_path: resume_from_path."""
     resume_from_path: str = ""
     """Checkpoint directory (global_step_N) for resume_mode=resume_path."""
+    resume_skip_batches: int = 0
+    """With resume_mode=resume_path: move the data past this many batches after loading (a rollback
+    by restart that skips the batches which led to a spike). Not a verl key; the watchdog passes it
+    for one launch only, because run.json names it (``skip_batches_key``)."""
     seed: int = 1
     """Seed of every random choice (sampling, data order, init)."""
     metrics_port: int = 0
@@ -334,6 +338,9 @@ class Config:
         for ckey, choice, allowed in choices:
             if choice not in allowed:
                 raise ConfigError(f"{ckey} must be one of {', '.join(allowed)}; got {choice!r}", ckey, choice)
+        if t.resume_skip_batches < 0:
+            raise ConfigError(f"trainer.resume_skip_batches must be >= 0, got {t.resume_skip_batches!r}",
+                              "trainer.resume_skip_batches", t.resume_skip_batches)
         if t.resume_mode == "resume_path" and not t.resume_from_path:
             raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path",
                               "trainer.resume_from_path", t.resume_from_path)

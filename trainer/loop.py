@@ -172,6 +172,8 @@ class Trainer:
         self.sampler = data_mod.BatchSampler(len(self.train), cfg.data.train_batch_size, t.seed)
         self.gen = torch.Generator().manual_seed(t.seed)
         self.global_step = 0
+        self.skipped_batches = 0
+        """Batches skipped after a resume_path checkpoint (trainer.resume_skip_batches)."""
         self.total_steps = t.total_training_steps or t.total_epochs * self.sampler.steps_per_epoch
 
         # -- run directory plumbing ----------------------------------------------------------
@@ -195,6 +197,7 @@ class Trainer:
             "started": time.time(), "total_steps": self.total_steps,
             "steps_per_epoch": self.sampler.steps_per_epoch, "sft_dir": str(self.sft_dir),
             "exit_codes": {"oom": rundir.EXIT_OOM, "stopped": rundir.EXIT_STOPPED},
+            "skip_batches_key": "trainer.resume_skip_batches",
         })
 
     def event(self, kind: str, **fields: Any) -> None:
@@ -312,6 +315,10 @@ class Trainer:
         components, extra = ckpt.load_checkpoint(info.path)
         self.load_state(components, extra)
         log.info("resumed from %s (step %d)", info.path, self.global_step)
+        if t.resume_mode == "resume_path" and t.resume_skip_batches:
+            self.sampler.skip(t.resume_skip_batches)
+            self.skipped_batches = t.resume_skip_batches
+            log.info("skipped %d batches after the checkpoint", t.resume_skip_batches)
 
     # -- live settings --------------------------------------------------------------------------
     def apply_live(self, key: str, value: Any) -> Any:
@@ -585,7 +592,7 @@ class Trainer:
         else:
             self.tracking = verl_like.tracking(self.cfg)
         self.event("started", resumed_from=resumed_from, total_steps=self.total_steps, applied=applied,
-                   sft=self.sft_info)
+                   sft=self.sft_info, skipped_batches=self.skipped_batches)
         for message in errors:
             self.event("error", message=message, source="control")
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="PPO",

@@ -265,11 +265,18 @@ class Actuator:
 
     # -- processes -------------------------------------------------------------------
 
-    def launch(self, h: RunHandle, resume_path: str | None, now: float) -> TrainerProcess:
-        """Start the run's command with the desired overrides (and resume arguments)."""
+    def launch(self, h: RunHandle, resume_path: str | None, now: float, skip_batches: int = 0) -> TrainerProcess:
+        """Start the run's command with the desired overrides (and resume arguments).
+
+        ``skip_batches`` (a rollback past the batches that led to a spike) goes to this launch
+        only, under the key the trainer's run.json names; see :func:`skip_batches_arg`.
+        """
         if not h.run.command:
             raise ActuatorError(f"run {h.run.run_id}: no command to launch (a watched run without a restart command)")
         cmd = restart_command(h.run.command, h.run.overrides, resume_path)
+        if resume_path and skip_batches:
+            arg = skip_batches_arg(h.run.run_dir, skip_batches)
+            cmd += [arg] if arg else []
         env = None
         if h.glue is not None:  # verl: file logger, checkpoint dir, KL coefficient carried over
             cmd, env = h.glue.prepare_launch(cmd, h.run.overrides, resume_path)
@@ -398,8 +405,12 @@ class Actuator:
                      if k not in p.get("refused_keys", ())}
         version = self.reserve_version(h, None, overrides)
         self.write_control(h, version)
-        self.launch(h, p["resume_path"], now)
-        if p.get("resume") in ("known_good", "path") and p.get("resume_step") is not None:
+        rewinding = p.get("resume") in ("known_good", "path")
+        skip = int(p.get("skip_batches") or 0) if rewinding else 0
+        self.launch(h, p["resume_path"], now, skip_batches=skip)
+        if skip and not skip_batches_arg(h.run.run_dir, skip):
+            p["skip_note"] = f"skip_batches={skip} not done (the trainer offers no key for it)"
+        if rewinding and p.get("resume_step") is not None:
             # Went back past the divergence: checkpoints of these steps written from now on are re-runs.
             self.store.close_bad_spans(h.run.run_id, max(h.run.last_step or 0, int(p["resume_step"])))
         # Live entries older than this restart are carried by it (their overrides are in the args).
@@ -407,7 +418,9 @@ class Actuator:
             if other.id != entry.id and other.kind == "live_set":
                 self._finish(h, other, "done", outcome=f"applied by restart (v{version})")
         where = f"step {p['resume_step']}" if p.get("resume_step") is not None else "scratch"
-        notes = "".join(f"; {p[k]}" for k in ("lr_patch", "refused") if p.get(k) and p[k] != "none needed")
+        notes = "".join(f"; {p[k]}" for k in ("lr_patch", "refused", "skip_note") if p.get(k) and p[k] != "none needed")
+        if skip and not p.get("skip_note"):
+            notes += f"; skipped {skip} batches"
         who = f"ray job {h.run.job_id}" if h.run.job_id else f"pid {h.run.pid}"
         self._finish(h, entry, "done", outcome=f"restarted from {where} ({who}, prior exit {code}){notes}",
                      pid=h.run.pid, job_id=h.run.job_id, resume_step=p.get("resume_step"), exit_code=code)
@@ -505,6 +518,16 @@ class Actuator:
                 mini = config_value(cfg, MINI_BATCH_OF[key])
                 out[key] = snap_micro_batch(int(out[key]), int(mini) if mini is not None else None)
         return out
+
+
+def skip_batches_arg(run_dir: str | Path, n: int) -> str | None:
+    """``KEY=n`` for the key the trainer's run.json offers for skipping batches on resume, else None.
+
+    verl has no such key (Hydra rejects unknown keys), so it is passed only when the trainer asks
+    for it by name; the embedded trainer names ``trainer.resume_skip_batches``.
+    """
+    key = rundir.read_run_json(run_dir).get("skip_batches_key")
+    return f"{key}={int(n)}" if isinstance(key, str) and key and n > 0 else None
 
 
 def _rolls_back_in_process(h: RunHandle) -> bool:
