@@ -448,3 +448,28 @@ def test_a_rollback_by_restart_skips_batches_for_that_launch_only(tmp_path):
         assert "skip_batches" not in first and "skip_batches" not in later
     finally:
         act.stop(h)
+
+
+def test_a_restarted_daemon_does_not_relaunch_a_run_that_already_finished(tmp_path):
+    from watchdog.daemon import prepare_daemon
+
+    (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
+    (tmp_path / "rules.yaml").write_text("version: 1\nrules:\n" + textwrap.dedent(QUIET_RULE))
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(tmp_path / "fake_trainer.py"), f"trainer.run_dir={run_dir}", "steps=3"]
+    cfg_file = tmp_path / "daemon.yaml"
+    cfg_file.write_text(json.dumps({"runs": [{"run_dir": str(run_dir), "restart_command": cmd}],
+                                    "rules": [str(tmp_path / "rules.yaml")], "state_dir": str(tmp_path / "state")}))
+    wd = prepare_daemon(load_daemon_config(cfg_file))
+    _drive(wd, lambda: wd.store.require_run("run").phase == "finished")
+    wd.close()
+    again = prepare_daemon(load_daemon_config(cfg_file))  # the daemon restarted (a deploy, a reboot)
+    for _ in range(5):
+        again.tick()
+    again.close()
+    assert again.store.require_run("run").phase == "finished"
+    assert len(rundir.iter_events(run_dir, ["started"])) == 1
+    # `watchdog run` on the same directory is a request for a new attempt, and still gets one.
+    wd3 = _setup(tmp_path, QUIET_RULE)
+    ctl = wd3.add_run(run_dir, "run", cmd)
+    assert ctl.run.phase == "new"

@@ -10,7 +10,9 @@
 - the run's /metrics served by the watchdog, and `watchdog replay` / `watchdog run` on verl's
   older ``critic/kl`` / ``critic/kl_coeff`` keys written by verl's real FileLogger;
 - end to end: `watchdog run --mode verl` over the embedded trainer behaving like verl
-  (``trainer.run_dir_protocol=false``): an injected OOM and a KL rule, each by restart.
+  (``trainer.run_dir_protocol=false``): an injected OOM and a KL rule, each by restart;
+- the daemon: ``mode: verl`` per run in daemon.yaml (the deploy example parsed), the glue's launch,
+  re-attaching to a live verl run after the daemon restarts, bad modes, and a KL restart end to end.
 """
 
 from __future__ import annotations
@@ -673,3 +675,221 @@ def test_zero_patch_run_restarts_an_oom_smaller_and_a_kl_fire_with_the_new_coef(
     assert info["mode"] == "verl" and info["live_keys"] == []
     assert {e.get("source") for e in rundir.iter_events(run)} == {"watchdog:verl"}
     assert all(math.isfinite(v) for v in logged[9].values() if isinstance(v, float))
+
+
+# -- the daemon: `mode:` per run in daemon.yaml ----------------------------------------------------
+
+DAEMON_YAML = ROOT / "deploy" / "watchdog" / "daemon.yaml"
+QUIET_RULES = textwrap.dedent("""\
+    version: 1
+    rules:
+      - name: kl_absurd
+        description: never fires on these runs
+        expr: kl > 10.0
+        actions: [notify]
+""")
+#: A stand-in for verl that behaves like it towards the glue: it logs through $VERL_FILE_LOGGER_PATH
+#: (step 1 at once, step 2 once the file GO exists), records what it was launched with, then runs on.
+STAND_IN = textwrap.dedent("""\
+    import json, os, sys, time
+    from pathlib import Path
+    here = Path(sys.argv[1])
+    (here / "launched.json").write_text(json.dumps({"argv": sys.argv[2:], "env": os.environ.get("VERL_FILE_LOGGER_PATH")}))
+    out = open(os.environ["VERL_FILE_LOGGER_PATH"], "w")
+    def log(step):
+        out.write(json.dumps({"step": step, "data": {"critic/kl": 0.001, "critic/kl_coeff": 0.001}}) + "\\n")
+        out.flush()
+    log(1)
+    while not (here / "GO").exists():
+        time.sleep(0.05)
+    log(2)
+    time.sleep(120)
+""")
+
+
+def _example_verl_run() -> dict:
+    """The commented `mode: verl` entry of deploy/watchdog/daemon.yaml, uncommented and parsed."""
+    lines = DAEMON_YAML.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("  # - run_dir:") and "mode: verl" in
+                 "\n".join(lines[i:i + 4]))
+    block = []
+    for line in lines[start:]:
+        if not line.startswith("  # "):
+            break
+        block.append("  " + line[4:])
+    import yaml
+
+    (run,) = yaml.safe_load("runs:\n" + "\n".join(block))["runs"]
+    return run
+
+
+def _daemon_yaml(path: Path, state: Path, runs: list[dict], rules: Path | None = None) -> Path:
+    import yaml
+
+    doc: dict = {"state_dir": str(state), "tick_s": 0.2, "runs": runs}
+    if rules is not None:
+        doc["rules"] = [str(rules)]
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_the_daemon_examples_verl_run_gets_the_glue_with_verls_own_world_size(tmp_path: Path) -> None:
+    from watchdog.daemon import load_daemon_config, prepare_daemon
+
+    example = _example_verl_run()
+    assert example["mode"] == "verl" and verl_mode.is_verl_command(example["restart_command"])
+    run = tmp_path / "qwen"
+    cfg = load_daemon_config(_daemon_yaml(tmp_path / "daemon.yaml", tmp_path / "state",
+                                          [{**example, "run_dir": str(run), "run_metrics_port": None}]))
+    assert cfg.runs[0].mode == "verl"
+    wd = prepare_daemon(cfg)  # no tick: nothing is launched (verl itself would start here)
+    try:
+        ctl = wd.controllers["qwen2-7b-gsm8k"]
+        assert isinstance(ctl.h.glue, verl_mode.VerlGlue) and ctl.run.phase == "new"
+        info = rundir.read_run_json(run)
+        assert info["mode"] == "verl" and info["live_keys"] == [] and info["world_size"] == 8
+        assert info["checkpoint_dir"] == str(run / "checkpoints") and info["config"][KL] == 0.001
+    finally:
+        wd.close()
+
+
+def test_the_daemon_launches_a_verl_run_with_the_glue_and_re_attaches_after_its_own_restart(tmp_path: Path) -> None:
+    import time
+
+    from watchdog.daemon import load_daemon_config, prepare_daemon
+
+    (tmp_path / "stand_in.py").write_text(STAND_IN)
+    (tmp_path / "rules.yaml").write_text(QUIET_RULES)
+    run = tmp_path / "run"
+    command = [sys.executable, str(tmp_path / "stand_in.py"), str(tmp_path), "trainer.logger=[console]",
+               f"{MICRO}=4", f"{KL}=0.001"]
+    cfg_file = _daemon_yaml(tmp_path / "daemon.yaml", tmp_path / "state", [
+        {"run_dir": str(run), "mode": "verl", "run_metrics_port": -1, "restart_command": command}],
+        tmp_path / "rules.yaml")
+
+    def drive(wd, until) -> None:
+        deadline = time.monotonic() + 30
+        while not until():
+            assert time.monotonic() < deadline, "condition not reached in 30 s"
+            wd.tick()
+            time.sleep(0.1)
+
+    def steps() -> list[int]:
+        return [r["step"] for r in rundir.read_jsonl(run / rundir.METRICS).records]
+
+    wd = prepare_daemon(load_daemon_config(cfg_file))
+    wd2 = None
+    pid = None
+    try:
+        drive(wd, lambda: steps() == [1])
+        ctl = wd.controllers["run"]
+        pid = ctl.h.proc.pid
+        # What the process was really started with: the glue's logger, checkpoint dir and file-logger env.
+        launched = json.loads((tmp_path / "launched.json").read_text())
+        a = _args(launched["argv"])
+        assert a["trainer.logger"] == "[console,file]" and a["trainer.default_local_dir"] == str(run / "checkpoints")
+        assert a[MICRO] == "4" and launched["env"] == str(run / "verl" / "metrics.1.jsonl")
+        launched_cmd = rundir.read_run_json(run)["command"]
+        assert _args(launched_cmd)["trainer.logger"] == "[console,file]"
+        wd.close()  # the daemon goes away; the trainer runs on
+
+        wd2 = prepare_daemon(load_daemon_config(cfg_file))
+        ctl2 = wd2.controllers["run"]
+        assert ctl2.h.proc is not None and ctl2.h.proc.pid == pid and ctl2.h.proc.alive()
+        assert ctl2.h.glue.state.attempt == 1 and ctl2.h.glue.state.relay_offset > 0  # re-attached, not re-initialised
+        assert rundir.read_run_json(run)["command"] == launched_cmd
+        (tmp_path / "GO").touch()
+        drive(wd2, lambda: steps() == [1, 2])
+        wd2.tick()
+        assert steps() == [1, 2]  # step 1 not relayed twice
+        assert [e["attempt"] for e in rundir.iter_events(run, ["started"])] == [1]
+        assert ctl2.h.proc.pid == pid and wd2.store.require_run("run").restarts == 0
+        port = rundir.read_run_json(run)["metrics_port"]
+        body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert 'ppo_global_step{run="run"} 2.0' in body
+    finally:
+        for w in (wd2, wd):
+            if w is not None and "run" in w.controllers and w.controllers["run"].h.proc is not None:
+                w.actuator.stop(w.controllers["run"].h)
+                break
+        if wd2 is not None:
+            wd2.close()
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"mode": "megatron", "restart_command": ["python3", "-m", "verl.trainer.main_ppo"]},
+     "runs[0].mode must be one of auto, embedded, verl, got 'megatron'"),
+    ({"mode": "verl"}, "runs[0].mode: verl needs a restart_command"),
+    ({"run_metrics_port": 9500, "restart_command": ["python3", "-m", "trainer"]},
+     "runs[0].run_metrics_port is for mode verl"),
+])
+def test_a_bad_mode_in_the_daemon_config_is_an_error_naming_the_file_and_key(
+    tmp_path: Path, entry: dict, message: str
+) -> None:
+    from typer.testing import CliRunner
+
+    from watchdog.cli_run import run_app
+    from watchdog.daemon import DaemonConfigError, load_daemon_config
+
+    cfg_file = _daemon_yaml(tmp_path / "daemon.yaml", tmp_path / "state", [{"run_dir": str(tmp_path / "r"), **entry}])
+    with pytest.raises(DaemonConfigError) as err:
+        load_daemon_config(cfg_file)
+    assert str(err.value).startswith(f"{cfg_file}: ") and message in str(err.value)
+    out = CliRunner().invoke(run_app, ["daemon", "--config", str(cfg_file)])
+    assert out.exit_code == 2 and "runs[0]." in out.output
+    assert not (tmp_path / "r").exists()  # stopped before touching any run directory
+
+
+@pytest.mark.slow
+def test_the_daemon_restarts_a_zero_patch_run_with_the_kl_rules_new_coef(
+    tmp_path: Path, tiny_trainer_args, trainer_env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import time
+
+    from watchdog.daemon import load_daemon_config, prepare_daemon
+
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(textwrap.dedent("""\
+        version: 1
+        rules:
+          - name: kl_high
+            description: any KL at all raises kl_coef (fires on the first steps)
+            expr: kl > 0.0
+            actions:
+              - set: {key: algorithm.kl_ctrl.kl_coef, scale: 2.0, max: 1.0}
+            cooldown: 1000
+            severity: warning
+    """))
+    run = tmp_path / "run"
+    # As in the `watchdog run` test above: the hang at step 3 holds the first attempt until the restart.
+    trainer = tiny_trainer_args(run, "trainer.run_dir_protocol=false", "trainer.save_freq=2",
+                                "trainer.faults=hang@3:5", "actor_rollout_ref.actor.entropy_coeff=1.0",
+                                "actor_rollout_ref.actor.optim.lr=0.003", f"{KL}=0.1", steps=5)
+    for key in ("PPO_WATCHDOG_CACHE", "OMP_NUM_THREADS", "TRAINER_LOG_LEVEL", "PYTHONPATH"):
+        monkeypatch.setenv(key, trainer_env[key])  # the daemon's children inherit its environment
+    cfg_file = _daemon_yaml(tmp_path / "daemon.yaml", tmp_path / "state",
+                            [{"run_dir": str(run), "mode": "verl", "restart_command": trainer}], rules)
+    cfg = load_daemon_config(cfg_file)
+    cfg.actuator = {"stop_grace_s": 5.0}
+    wd = prepare_daemon(cfg)
+    ctl = wd.controllers["run"]
+    try:
+        deadline = time.monotonic() + 240
+        while ctl.run.phase not in ("finished", "failed"):
+            assert time.monotonic() < deadline, rundir.read_jsonl(run / rundir.EVENTS).records
+            wd.tick()
+            time.sleep(0.3)
+    finally:
+        if ctl.h.proc is not None:
+            wd.actuator.stop(ctl.h)
+        wd.close()
+    assert ctl.run.phase == "finished"
+    launches = [_args(x["command"]) for x in rundir.read_run_json(run)["launches"]]
+    assert len(launches) >= 2 and launches[0][KL] == "0.1"
+    assert launches[1][KL] == "0.2" and launches[1]["trainer.resume_mode"] == "resume_path"
+    assert all(a["trainer.logger"] == "[console,file]" for a in launches)
+    (d,) = [d for d in wd.store.decisions("run") if d["rule"] == "kl_high"]
+    assert d["outcome"] and d["status"] != "skipped"
+    logged = {r["step"]: r["data"] for r in rundir.read_jsonl(run / rundir.METRICS).records}
+    assert max(logged) == 5 and logged[5]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.2)
+    assert {e.get("source") for e in rundir.iter_events(run)} == {"watchdog:verl"}

@@ -79,25 +79,15 @@ def _check_ray(address: str) -> None:
 
 def _prepare_mode(mode: str, cmd: list[str], rd: Path, run_metrics_port: int | None) -> None:
     """Zero-patch mode writes run.json for verl (which writes none); exit 2 on a bad --mode."""
-    from trainer import rundir
     from watchdog import verl_mode
 
-    try:
-        resolved = verl_mode.resolve_mode(mode, cmd)
+    try:  # shared with the daemon (Watchdog.add_run), so both set a verl run up alike
+        resolved = verl_mode.prepare_run(rd, cmd, mode, metrics_port=run_metrics_port)
     except verl_mode.VerlModeError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
     if resolved == verl_mode.MODE_VERL:
-        verl_mode.init_run(rd, cmd, metrics_port=run_metrics_port)
         console.print("zero-patch mode: verl changes nothing live; every change is a restart with resume")
-        return
-    if run_metrics_port is not None:
-        console.print("[red]--run-metrics-port is for --mode verl (the embedded trainer serves its own: "
-                      "trainer.metrics_port)[/red]")
-        raise typer.Exit(2)
-    info = rundir.read_run_json(rd)
-    if info.get("mode") == verl_mode.MODE_VERL:  # the same run dir, now for the embedded trainer
-        rundir.write_run_json(rd, {k: v for k, v in info.items() if k != "mode"})
 
 
 @run_app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

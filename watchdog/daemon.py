@@ -25,6 +25,7 @@ from watchdog.promsource import SOURCES, SourceConfig, make_source, source_confi
 from watchdog.rulefile import default_rules_paths
 from watchdog.store import RunRecord, Store
 from watchdog.supervisor import Backend, LocalBackend, SupervisorError
+from watchdog.verl_mode import MODE_VERL, MODES, VerlModeError, prepare_run, resolve_mode
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,14 @@ class RunSpec:
     """Where this run's metrics are read from: files | prometheus (default: the daemon's ``source``)."""
     prometheus_url: str | None = None
     """Prometheus for this run (default: the daemon's ``prometheus_url``)."""
+    mode: str = "auto"
+    """auto | embedded | verl, as ``watchdog run --mode``. verl (zero-patch): the restart_command is an
+    unmodified ``python -m verl.trainer.main_ppo ...``; the daemon relays verl's file logger and makes
+    every change a restart with resume. auto: verl for a verl.trainer.main_ppo restart_command, else
+    embedded; without a restart_command, what run.json already says."""
+    run_metrics_port: int | None = None
+    """verl mode: the daemon serves the run's metrics (catalog names) on 127.0.0.1:PORT (-1: any free
+    port, written to run.json), as ``watchdog run --run-metrics-port``."""
 
 
 @dataclass
@@ -134,7 +143,21 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
         except ValueError as exc:
             where = f"runs[{i}].source" if spec.source else "source"
             raise DaemonConfigError(f"{path}: {where}: {exc}") from exc
+        _check_mode(path, f"runs[{i}].", spec)
     return cfg
+
+
+def _check_mode(path: Path, prefix: str, spec: RunSpec) -> None:
+    """A run's mode checked at load time, so a typo stops the daemon before it touches any run dir."""
+    if spec.mode not in MODES:
+        raise DaemonConfigError(f"{path}: {prefix}mode must be one of {', '.join(MODES)}, got {spec.mode!r}")
+    if spec.mode == MODE_VERL and not spec.restart_command:
+        raise DaemonConfigError(f"{path}: {prefix}mode: verl needs a restart_command (the verl command line): "
+                                "the daemon launches every attempt itself")
+    if spec.run_metrics_port is not None and (
+            not spec.restart_command or resolve_mode(spec.mode, spec.restart_command) != MODE_VERL):
+        raise DaemonConfigError(f"{path}: {prefix}run_metrics_port is for mode verl with a restart_command (the "
+                                "embedded trainer serves its own: trainer.metrics_port)")
 
 
 def _check_keys(path: Path, prefix: str, doc: Any, known: set[str]) -> None:
@@ -169,13 +192,26 @@ class Watchdog:
 
     def add_run(self, run_dir: Path | str, run_id: str | None = None, command: Sequence[str] | None = None,
                 managed: bool = True, ray_address: str | None = None,
-                source: SourceConfig | None = None) -> RunController:
+                source: SourceConfig | None = None, mode: str | None = None,
+                run_metrics_port: int | None = None, retry_ended: bool = True) -> RunController:
         """Register (or take back from the store) a run and build its controller.
 
         ``ray_address``: launch the trainer as Ray Jobs on that cluster instead of as a local process.
-        ``source``: where its metrics are read from (default: its files)."""
+        ``source``: where its metrics are read from (default: its files).
+        ``mode``: auto | embedded | verl: the run directory is set up for it first
+        (:func:`~watchdog.verl_mode.prepare_run`, as ``watchdog run`` does), and the controller
+        builds the zero-patch glue from that; None: the run directory is taken as it is.
+        ``run_metrics_port``: verl mode's /metrics for the run (-1: any free port).
+        ``retry_ended``: a run that finished or was given up is launched again (``watchdog run``
+        on the same directory: the user asks for a new attempt); the daemon passes False, so
+        restarting the daemon does not relaunch the runs of its config that already ended."""
         run_dir = Path(run_dir).resolve()
         run_id = run_id or run_dir.name
+        if mode is not None:
+            try:
+                prepare_run(run_dir, command, mode, metrics_port=run_metrics_port)
+            except VerlModeError as exc:
+                raise VerlModeError(f"run {run_id}: {exc}") from exc
         backend: Backend | None = None
         if ray_address:
             from watchdog.supervisor_ray import RayJobBackend
@@ -185,7 +221,7 @@ class Watchdog:
         if existing is None:
             self.store.upsert_run(RunRecord(run_id, str(run_dir), list(command or []), managed=managed,
                                             phase="new" if (managed and command) else "detached"))
-        elif existing.phase in ("finished", "failed") and managed and command:
+        elif existing.phase in ("finished", "failed") and managed and command and retry_ended:
             # Same run directory again: a new attempt (the trainer resumes from its checkpoints).
             self.store.update_run(run_id, phase="new", command=list(command), restarts=0, oom_retries=0)
         elif command and existing.command != list(command):
@@ -238,6 +274,8 @@ class Watchdog:
             close = getattr(ctl.tailer, "close", None)
             if callable(close):
                 close(withdraw=withdraw_targets)
+            if ctl.h.glue is not None:  # its /metrics server: a daemon restarted in process must rebind
+                ctl.h.glue.close()
 
     def serve_forever(self, tick_s: float, until_done: bool = True, stop: threading.Event | None = None) -> None:
         """Run ticks on an APScheduler 3.x BackgroundScheduler until done (or ``stop`` is set)."""
@@ -342,7 +380,8 @@ def prepare_daemon(cfg: DaemonConfig) -> Watchdog:
     for spec in cfg.runs:
         cmd = spec.restart_command
         ctl = wd.add_run(spec.run_dir, spec.id, cmd, managed=bool(cmd), ray_address=spec.ray_address,
-                         source=cfg.source_for(spec))
+                         source=cfg.source_for(spec), mode=spec.mode, run_metrics_port=spec.run_metrics_port,
+                         retry_ended=False)
         # run.json's pid is a process on the Ray head, not one this machine can watch.
         if cmd and ctl.run.phase == "new" and not spec.ray_address:
             # A run it did not start: adopt the running trainer instead of launching a second one.

@@ -232,8 +232,49 @@ def init_run(run_dir: Path | str, command: Sequence[str], metrics_port: int | No
         "checkpoint_dir": str(checkpoint_dir(command, run_dir, cwd)), "world_size": run_world_size(command),
         "run_metrics_port": metrics_port,
     }
+    if is_same_run(prev, command):
+        # A watchdog restarted over its own run (the trainer may still be live): the command as last
+        # launched (overrides, logger, resume) is what an OOM event reads its micro batch from, and the
+        # checkpoint dir stays where verl saves, whatever the new watchdog's working directory.
+        info["command"] = prev.get("command") or info["command"]
+        info["checkpoint_dir"] = prev.get("checkpoint_dir") or info["checkpoint_dir"]
     rundir.write_run_json(run_dir, info)
     return info
+
+
+def is_same_run(info: Mapping[str, Any], command: Sequence[str]) -> bool:
+    """True when run.json is the glue's for this very base command (a watchdog re-attaching)."""
+    return info.get("mode") == MODE_VERL and info.get("base_command") == list(command)
+
+
+def prepare_run(run_dir: Path | str, command: Sequence[str] | None, mode: str = "auto",
+                metrics_port: int | None = None, cwd: Path | str | None = None) -> str:
+    """Set a run directory up for its mode before the watchdog registers it; returns the mode resolved.
+
+    The one place ``watchdog run`` and the daemon share: ``verl`` writes the glue's run.json
+    (:func:`init_run`; the controller then builds the :class:`VerlGlue` from it), ``embedded``
+    drops a ``mode`` an earlier zero-patch run left in the same directory. Without a command
+    (a run the watchdog only watches) ``auto`` changes nothing: run.json's own mode stands.
+    """
+    cmd = list(command or [])
+    resolved = resolve_mode(mode, cmd)
+    if not cmd and mode == "auto":
+        if metrics_port is not None:
+            raise VerlModeError("the run metrics port (--run-metrics-port, run_metrics_port) is for mode verl, "
+                                "which needs the trainer command")
+        return str(rundir.read_run_json(run_dir).get("mode") or MODE_EMBEDDED)
+    if not cmd and resolved == MODE_VERL:
+        raise VerlModeError("mode verl needs the trainer command: the glue launches every attempt itself")
+    if resolved == MODE_VERL:
+        init_run(run_dir, cmd, metrics_port=metrics_port, cwd=cwd)
+        return resolved
+    if metrics_port is not None:
+        raise VerlModeError("the run metrics port (--run-metrics-port, run_metrics_port) is for mode verl "
+                            "(the embedded trainer serves its own: trainer.metrics_port)")
+    info = rundir.read_run_json(run_dir)
+    if info.get("mode") == MODE_VERL:  # the same run dir, now for the embedded trainer
+        rundir.write_run_json(run_dir, {k: v for k, v in info.items() if k != "mode"})
+    return resolved
 
 
 def glue_for(run_dir: Path | str, run_id: str) -> VerlGlue | None:
