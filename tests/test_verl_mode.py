@@ -612,6 +612,18 @@ def test_watchdog_run_reads_the_older_critic_kl_keys_and_restarts_with_the_new_k
     assert steps.count(records[-1]["step"]) >= 1 and steps.count(1) == 2
 
 
+#: A KL rule that fires on the first steps (any KL at all), so a restart comes quickly.
+KL_ANY_RULE = textwrap.indent(textwrap.dedent("""\
+    - name: kl_high
+      description: any KL at all raises kl_coef (fires on the first steps)
+      expr: kl > 0.0
+      actions:
+        - set: {key: algorithm.kl_ctrl.kl_coef, scale: 2.0, max: 1.0}
+      cooldown: 1000
+      severity: warning
+"""), "  ")
+
+
 # -- end to end: the embedded trainer standing in for verl -----------------------------------------
 
 
@@ -620,16 +632,7 @@ def test_zero_patch_run_restarts_an_oom_smaller_and_a_kl_fire_with_the_new_coef(
     tmp_path: Path, tiny_trainer_args, trainer_env
 ) -> None:
     rules = tmp_path / "rules.yaml"
-    rules.write_text(textwrap.dedent("""\
-        version: 1
-        rules:
-          - name: kl_high
-            description: any KL at all raises kl_coef (fires on the first steps)
-            expr: kl > 0.0
-            actions:
-              - set: {key: algorithm.kl_ctrl.kl_coef, scale: 2.0, max: 1.0}
-            cooldown: 1000
-            severity: warning
+    rules.write_text("version: 1\nrules:\n" + KL_ANY_RULE + textwrap.indent(textwrap.dedent("""\
           - name: oom
             description: out of memory -> one micro batch smaller, resume (as in the default pack)
             expr: event("oom") > 0
@@ -637,7 +640,7 @@ def test_zero_patch_run_restarts_an_oom_smaller_and_a_kl_fire_with_the_new_coef(
               - set: {key: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, add: -1, min: 1}
               - set: {key: critic.ppo_micro_batch_size_per_gpu, add: -1, min: 1}
             severity: critical
-    """))
+    """), "  "))
     run = tmp_path / "run"
     # KL is above 0 from step 2 on; the 5 s hang at step 3 keeps the first attempt there until the
     # watchdog has acted on it, so the OOM at step 6 comes in the attempt after the KL restart. (An OOM
@@ -849,17 +852,7 @@ def test_the_daemon_restarts_a_zero_patch_run_with_the_kl_rules_new_coef(
     from watchdog.daemon import load_daemon_config, prepare_daemon
 
     rules = tmp_path / "rules.yaml"
-    rules.write_text(textwrap.dedent("""\
-        version: 1
-        rules:
-          - name: kl_high
-            description: any KL at all raises kl_coef (fires on the first steps)
-            expr: kl > 0.0
-            actions:
-              - set: {key: algorithm.kl_ctrl.kl_coef, scale: 2.0, max: 1.0}
-            cooldown: 1000
-            severity: warning
-    """))
+    rules.write_text("version: 1\nrules:\n" + KL_ANY_RULE)
     run = tmp_path / "run"
     # As in the `watchdog run` test above: the hang at step 3 holds the first attempt until the restart.
     trainer = tiny_trainer_args(run, "trainer.run_dir_protocol=false", "trainer.save_freq=2",
