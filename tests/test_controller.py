@@ -473,3 +473,19 @@ def test_a_restarted_daemon_does_not_relaunch_a_run_that_already_finished(tmp_pa
     wd3 = _setup(tmp_path, QUIET_RULE)
     ctl = wd3.add_run(run_dir, "run", cmd)
     assert ctl.run.phase == "new"
+
+
+def test_status_lists_runs_as_json_and_says_where_it_looked_when_there_are_none(tmp_path):
+    from watchdog.cli import app
+    from watchdog.store import RunRecord, Store
+
+    state = tmp_path / "state"
+    r = CliRunner().invoke(app, ["status", "--state-dir", str(state)])
+    assert r.exit_code == 0 and "no runs in" in r.output and "watchdog.db" in r.output
+    Store(state).upsert_run(RunRecord("a", str(tmp_path / "a"), ["python", "-m", "trainer"], phase="running"))
+    r = CliRunner().invoke(app, ["status", "--state-dir", str(state), "--json"])
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads(r.output)
+    assert row["run"] == "a" and row["phase"] == "running" and row["firing"] == []
+    r = CliRunner().invoke(app, ["status", "nope", "--state-dir", str(state)])
+    assert r.exit_code == 1 and "nope" in r.output

@@ -241,6 +241,9 @@ def status_cmd(
     if as_json:
         typer.echo(json.dumps(rows, indent=2, sort_keys=True))
         return
+    if not rows:
+        console.print(f"no runs in {store.path} (give --state-dir or set $WATCHDOG_STATE_DIR to look elsewhere)")
+        return
     t = Table(title="watchdog runs")
     for col in ("run", "phase", "pid", "last_step", "control_version", "restarts", "oom_retries", "open_actions",
                 "firing"):
