@@ -315,7 +315,9 @@ def test_a_job_is_attached_by_id_stopped_through_the_head_and_its_log_copied_onc
         assert proc.alive() and time.monotonic() < deadline, log_path.read_text() if log_path.exists() else ""
         time.sleep(0.3)
     assert proc.signal(signal.SIGUSR1) is False  # Ray jobs take no signals: control.json is read at a step
-    # A restarted watchdog: a new backend attaches by submission id and carries on with the same log.
+    # A restarted watchdog (the first one's log stream gone with it): a new backend attaches by
+    # submission id and carries on with the same log.
+    proc.close()
     again = RayJobBackend(ray_head.address, "attach-me", stop_wait_s=2, log_interval_s=0)
     adopted = again.attach_job(proc.job_id, log_path)
     assert adopted.alive()
@@ -383,3 +385,139 @@ def test_oom_in_a_ray_job_is_resubmitted_with_a_smaller_micro_batch_and_finishes
     log = (run_dir / "trainer.log").read_text()
     for job in ("run-1", "run-2"):
         assert LOG_HEADER.format(job_id=job) in log and f"Running entrypoint for job {job}" in log
+
+
+# -- the log copy, the job id in run.json, adoption by the daemon --------------------------------
+
+
+def test_the_log_copy_skips_what_the_file_holds_wherever_the_bytes_come_from(tmp_path):
+    from watchdog.supervisor_ray import _copied_so_far, _LogSink
+
+    path = tmp_path / "trainer.log"
+    path.write_bytes(b"local run output\n")
+    first = _LogSink(path, "r-1", fresh=True)
+    first.write_at(0, b"a\nb\n")
+    first.write_at(0, b"a\nb\nc\n")  # a stream read again from the log's start: only c is new
+    first.write_at(6, b"d\n")
+    first.close()
+    header = ("\n" + LOG_HEADER.format(job_id="r-1") + "\n").encode()
+    assert path.read_bytes() == b"local run output\n" + header + b"a\nb\nc\nd\n"
+    # A restarted watchdog finds where the job's part ends, even with the header across a block edge.
+    for block in (3, 7, len(header), 1 << 20):
+        assert _copied_so_far(path, header, block=block) == len(b"a\nb\nc\nd\n")
+    assert _copied_so_far(path, ("\n" + LOG_HEADER.format(job_id="r-2") + "\n").encode(), block=5) == -1
+    again = _LogSink(path, "r-1", fresh=False)
+    again.write_at(0, b"a\nb\nc\nd\ne\n")
+    again.close()
+    assert path.read_bytes().count(b"c\n") == 1 and path.read_bytes().endswith(header + b"a\nb\nc\nd\ne\n")
+
+
+def _wait_for(what: str, cond, proc, timeout: float = 60.0) -> None:
+    """Poll the job (as the controller's tick does) until ``cond()``; fail if the job ends first."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert proc.alive(), f"job ended before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+        time.sleep(0.2)
+
+
+def test_a_running_jobs_log_is_copied_as_it_grows_once_each_line_across_a_watchdog_restart(
+    ray_head, tmp_path, monkeypatch,
+):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    log_path, gate = tmp_path / "trainer.log", tmp_path / "gate"
+    # Three batches of lines; the job waits for gate-1 and gate-2 (files) before the 2nd and 3rd.
+    code = ("import os, sys, time\n"
+            "for batch in range(3):\n"
+            "    while batch and not os.path.exists(sys.argv[1] + '-' + str(batch)): time.sleep(0.05)\n"
+            "    for i in range(10): print(f'line {batch * 10 + i:02d}', flush=True)\n")
+    backend = RayJobBackend(ray_head.address, "tail-me", stop_wait_s=2, log_interval_s=0)
+    whole_log_fetches: list[str] = []
+    real_job_logs = backend.job_logs
+    backend.job_logs = lambda job_id: whole_log_fetches.append(job_id) or real_job_logs(job_id)  # type: ignore[method-assign]
+    proc = backend.start([sys.executable, "-c", code, str(gate)], log_path=log_path)
+
+    def text() -> str:
+        return log_path.read_text() if log_path.exists() else ""
+
+    _wait_for("the first batch in trainer.log", lambda: "line 09" in text(), proc)
+    assert "line 10" not in text()  # the job is still waiting: the copy follows it while it runs
+    proc.close()  # the watchdog goes away; the job carries on and prints its 2nd batch meanwhile
+    gate.with_name("gate-1").touch()
+    again = RayJobBackend(ray_head.address, "tail-me", stop_wait_s=2, log_interval_s=0)
+    again.job_logs = lambda job_id: whole_log_fetches.append(job_id) or real_job_logs(job_id)  # type: ignore[method-assign]
+    adopted = again.attach_job(proc.job_id, log_path)
+    _wait_for("the second batch in trainer.log", lambda: "line 19" in text(), adopted)
+    assert whole_log_fetches == []  # no poll of a running job downloaded its whole log
+    gate.with_name("gate-2").touch()
+    deadline = time.monotonic() + 60
+    while adopted.alive():
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert adopted.poll() == 0
+    lines = [ln for ln in text().splitlines() if ln.startswith("line ")]
+    assert lines == [f"line {i:02d}" for i in range(30)]  # complete at the end, none twice
+    assert text().count(LOG_HEADER.format(job_id=proc.job_id)) == 1
+    assert again.adopt_job(proc.job_id) is None  # an ended job is not adopted
+
+
+@pytest.fixture(scope="module")
+def embedded_job(ray_head, tmp_path_factory, tiny_trainer_args):
+    """The embedded trainer submitted as a Ray job (hanging at step 2 until stopped), once run.json is written."""
+    run_dir = tmp_path_factory.mktemp("adopt") / "adopted"
+    command = tiny_trainer_args(run_dir, "trainer.faults=hang@2:300", steps=4)
+    backend = RayJobBackend(ray_head.address, run_dir.name, stop_wait_s=2)
+    proc = backend.start(command, log_path=run_dir / "trainer.log")
+    try:
+        _wait_for("run.json", lambda: "pid" in rundir.read_run_json(run_dir), proc, timeout=120)
+        yield run_dir, command, proc
+    finally:
+        proc.stop(grace=5)
+        proc.close()
+
+
+def test_the_embedded_trainer_run_as_a_ray_job_records_its_submission_id_in_run_json(embedded_job):
+    run_dir, _, proc = embedded_job
+    meta = rundir.read_run_json(run_dir)
+    assert meta["ray_job_id"] == proc.job_id == f"{run_dir.name}-1"
+
+
+def test_the_daemon_adopts_the_running_ray_job_run_json_names_instead_of_submitting_another(
+    embedded_job, ray_head, tmp_path, monkeypatch,
+):
+    from watchdog.daemon import load_daemon_config, prepare_daemon
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    run_dir, command, proc = embedded_job
+    jobs_before = {j.submission_id for j in _client(ray_head).list_jobs()}
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(QUIET_RULE)
+    config = tmp_path / "daemon.yaml"
+    config.write_text(json.dumps({
+        "state_dir": str(tmp_path / "state"), "rules": [str(rules)],
+        "runs": [{"run_dir": str(run_dir), "restart_command": command, "ray_address": ray_head.address}],
+    }))
+    wd = prepare_daemon(load_daemon_config(config))
+    try:
+        ctl = wd.controllers[run_dir.name]
+        assert ctl.run.phase == "running" and ctl.run.job_id == proc.job_id
+        for _ in range(3):
+            assert wd.tick() is False
+        record = wd.store.require_run(run_dir.name)
+        assert record.phase == "running" and record.job_id == proc.job_id and record.restarts == 0
+        assert ctl.h.proc is not None and ctl.h.proc.alive()
+    finally:
+        wd.close()
+        wd.store.close()
+    assert {j.submission_id for j in _client(ray_head).list_jobs()} == jobs_before  # no second job
+    assert [j.submission_id for j in RayJobBackend(ray_head.address, run_dir.name).run_jobs()] == [proc.job_id]
+
+
+def test_the_submission_id_is_read_from_the_job_config_ray_gives_the_entrypoint():
+    from trainer.loop import RAY_JOB_CONFIG_ENV, ray_job_id
+
+    config = {"runtime_env": {}, "metadata": {"job_submission_id": "exp-3", "app": "ppo-watchdog"}}
+    assert ray_job_id({RAY_JOB_CONFIG_ENV: json.dumps(config)}) == "exp-3"
+    assert ray_job_id({}) is None  # not a Ray job
+    assert ray_job_id({RAY_JOB_CONFIG_ENV: "{not json"}) is None
+    assert ray_job_id({RAY_JOB_CONFIG_ENV: json.dumps({"metadata": None})}) is None

@@ -10,6 +10,7 @@ control.json and checkpoints/ in verl's layout.
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import math
 import os
@@ -198,6 +199,7 @@ class Trainer:
             "steps_per_epoch": self.sampler.steps_per_epoch, "sft_dir": str(self.sft_dir),
             "exit_codes": {"oom": rundir.EXIT_OOM, "stopped": rundir.EXIT_STOPPED},
             "skip_batches_key": "trainer.resume_skip_batches",
+            **({"ray_job_id": job} if (job := ray_job_id(os.environ)) else {}),
         })
 
     def event(self, kind: str, **fields: Any) -> None:
@@ -679,6 +681,29 @@ class Trainer:
     def summary(self) -> Summary:
         """The run's summary (complete after :meth:`run`)."""
         return self._summary
+
+
+#: What Ray's job supervisor gives a job's entrypoint: the job's config as JSON, with the
+#: submission id at ``metadata.job_submission_id``.
+RAY_JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
+def ray_job_id(environ: Any) -> str | None:
+    """The Ray Job submission id this trainer runs as (None outside a Ray Job), for run.json.
+
+    Read from the environment Ray's job supervisor sets, not ``ray.get_runtime_context()``: that
+    gives the driver's job id (``02000000``), not the submission id the job server knows, and
+    would import ray into a trainer that does not use it. A daemon with no record of the run
+    adopts the job by this id instead of submitting a second one."""
+    raw = environ.get(RAY_JOB_CONFIG_ENV)
+    if not raw:
+        return None
+    try:
+        job = json.loads(raw).get("metadata", {}).get("job_submission_id")
+    except (ValueError, AttributeError):
+        log.warning("$%s is not the JSON Ray writes; no ray_job_id in run.json", RAY_JOB_CONFIG_ENV)
+        return None
+    return job if isinstance(job, str) and job else None
 
 
 def _smaller_micro(micro: int, mini: int) -> int | None:

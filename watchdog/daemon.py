@@ -276,6 +276,9 @@ class Watchdog:
                 close(withdraw=withdraw_targets)
             if ctl.h.glue is not None:  # its /metrics server: a daemon restarted in process must rebind
                 ctl.h.glue.close()
+            close_proc = getattr(ctl.h.proc, "close", None)  # a Ray job's log stream (the job runs on)
+            if callable(close_proc):
+                close_proc()
 
     def serve_forever(self, tick_s: float, until_done: bool = True, stop: threading.Event | None = None) -> None:
         """Run ticks on an APScheduler 3.x BackgroundScheduler until done (or ``stop`` is set)."""
@@ -382,8 +385,10 @@ def prepare_daemon(cfg: DaemonConfig) -> Watchdog:
         ctl = wd.add_run(spec.run_dir, spec.id, cmd, managed=bool(cmd), ray_address=spec.ray_address,
                          source=cfg.source_for(spec), mode=spec.mode, run_metrics_port=spec.run_metrics_port,
                          retry_ended=False)
-        # run.json's pid is a process on the Ray head, not one this machine can watch.
-        if cmd and ctl.run.phase == "new" and not spec.ray_address:
+        if cmd and ctl.run.phase == "new" and spec.ray_address:
+            # run.json's pid is a process on the Ray head, not one this machine can watch: its job id.
+            _adopt_ray_job(wd, ctl)
+        elif cmd and ctl.run.phase == "new":
             # A run it did not start: adopt the running trainer instead of launching a second one.
             pid = _run_pid(ctl.run.run_dir)
             if pid is not None:
@@ -391,6 +396,27 @@ def prepare_daemon(cfg: DaemonConfig) -> Watchdog:
                 ctl.h.run.phase, ctl.h.run.pid = "running", pid
                 ctl.h.proc = wd.actuator.backend.attach(pid)
     return wd
+
+
+def _adopt_ray_job(wd: Watchdog, ctl: RunController) -> None:
+    """A Ray run with no record here: attach to the job run.json names while it runs, rather than
+    submitting a second trainer into the same run directory."""
+    from trainer import rundir
+
+    job_id = rundir.read_run_json(ctl.run.run_dir).get("ray_job_id")
+    adopt = getattr(ctl.h.backend, "adopt_job", None)
+    if not isinstance(job_id, str) or not job_id or adopt is None:
+        return
+    try:
+        proc = adopt(job_id, Path(ctl.run.run_dir) / wd.actuator.config.log_name)
+    except SupervisorError as exc:
+        log.error("%s: ray job %s from run.json not adopted: %s", ctl.run.run_id, job_id, exc)
+        return
+    if proc is not None:
+        wd.store.update_run(ctl.run.run_id, phase="running", job_id=job_id)
+        ctl.h.run.phase, ctl.h.run.job_id = "running", job_id
+        ctl.h.proc = proc
+        log.info("%s: adopted running ray job %s (from run.json)", ctl.run.run_id, job_id)
 
 
 def _run_pid(run_dir: str) -> int | None:

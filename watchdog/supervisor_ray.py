@@ -20,7 +20,12 @@ dashboard address, ``http://HEAD:8265``) and hands out handles with the same pro
 - ``signal``: a Ray Job cannot be signalled from outside, so it returns False; the trainer
   still reads control.json at its next step boundary and confirms with ``applied``.
 - The job's log is copied into the run directory's trainer.log (one header line a job), so
-  humans and log readers find it where a local run puts it.
+  humans and log readers find it where a local run puts it. The copy follows the job as it
+  writes (:meth:`JobSubmissionClient.tail_job_logs`, a websocket, read by one thread a live
+  job): a poll costs a status request, not a download of the whole log, which matters for a
+  run that lasts days. The stream always starts at the log's first byte, so a re-attached
+  watchdog skips what trainer.log already holds; the job's end waits for the stream to reach
+  the log's end (or fetches the rest once) before the exit is classified.
 
 A job server that cannot be reached raises :class:`~watchdog.supervisor.BackendUnavailable`
 naming the address: the actuator keeps the action open and tries again at the next tick.
@@ -28,11 +33,13 @@ naming the address: the actuator keeps the action open and tries again at the ne
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
 import re
 import shlex
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -132,17 +139,20 @@ def check_address_env(address: str, environ: Mapping[str, str] | None = None) ->
 class RayJobProcess:
     """A trainer running as one Ray Job (the protocol of :class:`~watchdog.supervisor.TrainerProcess`)."""
 
-    def __init__(self, backend: RayJobBackend, job_id: str, log_path: Path | str | None = None) -> None:
+    def __init__(
+        self, backend: RayJobBackend, job_id: str, log_path: Path | str | None = None, fresh: bool = False,
+    ) -> None:
+        """``fresh``: a job just submitted, so none of its log is in ``log_path`` yet (no need to look)."""
         self._backend = backend
         self.job_id = job_id
         """Ray submission id (recorded in the store in place of a pid)."""
-        self._log_path = Path(log_path) if log_path is not None else None
+        self._sink = _LogSink(Path(log_path), job_id, fresh) if log_path is not None else None
+        self._tail: _LogTail | None = None
         self._exit: int | None = None
         self._terminal = False
         self._status: str | None = None
         self._status_ts = -math.inf
-        self._logs_ts = -math.inf
-        self._log_copied: int | None = None
+        self._tail_ts = -math.inf
         self._unreachable = False
 
     @property
@@ -170,13 +180,16 @@ class RayJobProcess:
         if info is None:  # deleted from the cluster (or a head restarted without its job table)
             log.warning("job %s: unknown to the job server; counting it as ended, exit code unknown", self.job_id)
             self._status, self._terminal = "MISSING", True
+            self._finish_logs(fetch=False)
             return self._status
         self._status = str(getattr(info.status, "value", info.status))
         if self._status in TERMINAL:
             self._terminal = True
             self._exit = exit_code_for(self._status, info.driver_exit_code, info.message or "")
             log.info("job %s: %s (exit %s)", self.job_id, self._status, self._exit)
-        self._copy_logs(final=self._terminal)
+            self._finish_logs(fetch=True)  # before anyone reads the exit: the classifier reads trainer.log
+        else:
+            self._follow_logs(now)
         return self._status
 
     def poll(self) -> int | None:
@@ -207,48 +220,184 @@ class RayJobProcess:
         log.warning("ray job %s did not end within %.0fs of the stop request", self.job_id, grace)
         return None
 
+    def close(self) -> None:
+        """Stop following the job's log (the watchdog is shutting down; the job itself runs on)."""
+        if self._tail is not None:
+            self._tail.stop()
+            self._tail = None
+        if self._sink is not None:
+            self._sink.close()
+
     # -- logs ------------------------------------------------------------------------
 
-    def _copy_logs(self, final: bool) -> None:
-        """Append what is new in the job's log to the run's log file (at most every ``log_interval_s``)."""
-        if self._log_path is None:
+    def _follow_logs(self, now: float) -> None:
+        """Keep one log stream open while the job runs; reopen one that broke (at most every
+        ``log_interval_s``: each reopening reads the log from its start again)."""
+        if self._sink is None or (self._tail is not None and self._tail.running()):
             return
-        now = time.monotonic()
-        if not final and now - self._logs_ts < self._backend.log_interval_s:
+        if self._tail is not None:
+            if now - self._tail_ts < self._backend.log_interval_s:
+                return
+            log.warning("job %s: log stream ended while the job runs (%s); following it again",
+                        self.job_id, self._tail.error or "closed by the server")
+        self._tail_ts = now
+        self._tail = _LogTail(self._backend.connect(), self.job_id, self._sink)
+
+    def _finish_logs(self, fetch: bool) -> None:
+        """Complete the job's log in trainer.log now that it has ended.
+
+        The stream ends by itself once the job has ended and its log is read to the end (Ray's
+        job manager checks both); waited for up to ``log_final_wait_s``. Without a stream that
+        got there (none was open, it broke, it was slow), the whole log is fetched once and
+        what trainer.log lacks appended."""
+        if self._sink is None:
             return
-        self._logs_ts = now
+        complete = False
+        if self._tail is not None:
+            complete = self._tail.join(self._backend.log_final_wait_s)
+            self._tail.stop()
+            self._tail = None
+        if not complete and fetch:
+            try:
+                text = self._backend.job_logs(self.job_id)
+            except SupervisorError as exc:
+                log.warning("job %s: logs not fetched: %s", self.job_id, exc)
+            else:
+                self._sink.write_at(0, text.encode("utf-8", "replace"))
+        self._sink.close()
+
+
+class _LogSink:
+    """This job's part of the run's log file: its header once, then each byte of the job's log once.
+
+    Writers give the offset of their bytes in the job's log; what the file already holds is
+    skipped, so a stream that starts again from the log's beginning (a reconnect, a restarted
+    watchdog) or a final whole-log fetch never duplicates a line."""
+
+    def __init__(self, path: Path, job_id: str, fresh: bool) -> None:
+        self.path = path
+        self.job_id = job_id
+        self._header = ("\n" + LOG_HEADER.format(job_id=job_id) + "\n").encode()
+        self._copied: int | None = -1 if fresh else None
+        """Bytes of the job's log in the file; -1: not even its header; None: not looked yet."""
+        self._file: Any = None
+        self._lock = threading.Lock()
+
+    def write_at(self, offset: int, data: bytes) -> None:
+        """Append the part of ``data`` (the job's log from byte ``offset``) the file does not hold yet."""
+        with self._lock:
+            try:
+                if self._copied is None:
+                    self._copied = _copied_so_far(self.path, self._header)
+                if self._file is None:
+                    self.path.parent.mkdir(parents=True, exist_ok=True)
+                    self._file = open(self.path, "ab")  # noqa: SIM115 - held open while the job's log flows
+                if self._copied < 0:
+                    self._file.write(self._header)
+                    self._copied = 0
+                skip = self._copied - offset
+                if skip < 0:  # bytes between what was copied and this chunk are missing: never seen
+                    log.warning("job %s: %d bytes of its log missing from %s", self.job_id, -skip, self.path)
+                    skip = 0
+                if skip < len(data):
+                    self._file.write(data[skip:])
+                    self._file.flush()  # readers (a human, the exit classifier) see it now
+                    self._copied = offset + len(data)
+            except OSError as exc:
+                log.warning("job %s: cannot write %s: %s", self.job_id, self.path, exc)
+
+    def close(self) -> None:
+        """Close the file (reopened by the next write)."""
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
+
+
+class _LogTail:
+    """One daemon thread following a job's log through ``tail_job_logs`` into a :class:`_LogSink`.
+
+    ``tail_job_logs`` is an async generator over a websocket, so the thread runs its own
+    asyncio loop; :meth:`stop` cancels the stream from any thread."""
+
+    def __init__(self, client: Any, job_id: str, sink: _LogSink) -> None:
+        self.job_id = job_id
+        self.ended = False
+        """The stream ended by itself: Ray's job manager closes it once the job has ended and its
+        log is read to the end."""
+        self.error: BaseException | None = None
+        """Why the stream broke (head unreachable, connection lost), if it did."""
+        self._client = client
+        self._sink = sink
+        self._stopping = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._thread = threading.Thread(target=self._run, name=f"ray-log-{job_id}", daemon=True)
+        self._thread.start()
+
+    def running(self) -> bool:
+        """True while the stream is open (or opening)."""
+        return self._thread.is_alive()
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` for the stream to end by itself; True when it did."""
+        self._thread.join(timeout)
+        return self.ended
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel the stream and wait for the thread (what was read so far is written)."""
+        self._stopping.set()
+        loop, task = self._loop, self._task
+        if loop is not None and task is not None:
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # the loop has already closed: the thread is ending
+                pass
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
         try:
-            text = self._backend.job_logs(self.job_id)
-        except SupervisorError as exc:
-            log.warning("job %s: logs not fetched: %s", self.job_id, exc)
+            asyncio.run(self._follow())
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - recorded; the process reopens a broken stream
+            self.error = exc
+            log.debug("job %s: log stream broke: %s", self.job_id, exc)
+
+    async def _follow(self) -> None:
+        self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+        if self._stopping.is_set():  # stop() came before the loop existed
             return
-        data = text.encode("utf-8", "replace")
-        try:
-            self._log_path.parent.mkdir(parents=True, exist_ok=True)
-            if self._log_copied is None:
-                self._log_copied = _copied_so_far(self._log_path, self.job_id)
-            with open(self._log_path, "ab") as f:
-                if self._log_copied < 0:
-                    f.write(("\n" + LOG_HEADER.format(job_id=self.job_id) + "\n").encode())
-                    self._log_copied = 0
-                if len(data) > self._log_copied:
-                    f.write(data[self._log_copied:])
-                    self._log_copied = len(data)
-        except OSError as exc:
-            log.warning("job %s: cannot write %s: %s", self.job_id, self._log_path, exc)
+        offset = 0
+        async for chunk in self._client.tail_job_logs(self.job_id):
+            data = chunk.encode("utf-8", "replace")
+            self._sink.write_at(offset, data)
+            offset += len(data)
+        self.ended = True
 
 
-def _copied_so_far(path: Path, job_id: str) -> int:
-    """Bytes of this job's log already in ``path`` (after its header); -1 when it has no header yet.
+def _copied_so_far(path: Path, header: bytes, block: int = 1 << 20) -> int:
+    """Bytes after the last ``header`` in ``path`` (this job's log copied so far); -1 without one.
 
-    A watchdog restarted while the job runs re-attaches and carries on where the file ends."""
-    header = ("\n" + LOG_HEADER.format(job_id=job_id) + "\n").encode()
+    A watchdog restarted while the job runs re-attaches and carries on where the file ends.
+    Read backwards a block at a time: the job's part is at the end of a log that may be large."""
     try:
-        content = path.read_bytes()
+        f = open(path, "rb")  # noqa: SIM115
     except FileNotFoundError:
         return -1
-    at = content.rfind(header)
-    return -1 if at < 0 else len(content) - at - len(header)
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        end = size
+        while end > 0:
+            start = max(0, end - block)
+            f.seek(start)
+            # Overlap the next block by a header's length so a header across the boundary is found.
+            data = f.read(min(size, end + len(header)) - start)
+            at = data.rfind(header)
+            if at >= 0:
+                return size - (start + at + len(header))
+            end = start
+    return -1
 
 
 # -- the backend ----------------------------------------------------------------------
@@ -259,14 +408,17 @@ class RayJobBackend:
 
     def __init__(
         self, address: str, run_id: str, stop_wait_s: float = 15.0, log_interval_s: float = 5.0,
-        status_ttl_s: float = 0.5, client: Any = None,
+        status_ttl_s: float = 0.5, client: Any = None, log_final_wait_s: float = 10.0,
     ) -> None:
         """``address``: the job server (Ray dashboard), e.g. ``http://127.0.0.1:8265``.
         ``run_id``: the run whose jobs these are (submission ids derive from it).
         ``stop_wait_s``: the head's SIGTERM grace before SIGKILL (the trainer checkpoints on SIGTERM).
-        ``log_interval_s``: how often a running job's log is copied (each copy fetches the whole log).
+        ``log_interval_s``: least seconds between reopenings of a job's log stream that broke (each
+        reads the log from its start again).
         ``status_ttl_s``: a job status is reused this long (one tick asks several times).
-        ``client``: an already connected JobSubmissionClient (default: connect on first use)."""
+        ``client``: an already connected JobSubmissionClient (default: connect on first use).
+        ``log_final_wait_s``: at a job's end, how long its log stream may take to reach the log's
+        end (Ray's job manager needs a second or two) before the rest is fetched whole."""
         if not address:
             raise SupervisorError("empty Ray address")
         self.address = address
@@ -274,6 +426,7 @@ class RayJobBackend:
         self.stop_wait_s = stop_wait_s
         self.log_interval_s = log_interval_s
         self.status_ttl_s = status_ttl_s
+        self.log_final_wait_s = log_final_wait_s
         self._client = client
         self._attempt: int | None = None
 
@@ -359,14 +512,14 @@ class RayJobBackend:
                     mine = self._same_submission(sid, line)
                     if mine is not None:  # an earlier try went through but its answer was lost
                         self._attempt += 1
-                        return RayJobProcess(self, sid, log_path)
+                        return RayJobProcess(self, sid, log_path, fresh=True)
                     self._attempt += 1  # taken by another launch of this run: the next number
                     continue
                 raise SupervisorError(f"Ray job server at {self.address}: submission of {sid} failed: {exc}") \
                     from exc
             self._attempt += 1
             log.info("submitted ray job %s to %s: %s", job_id, self.address, line)
-            return RayJobProcess(self, str(job_id), log_path)
+            return RayJobProcess(self, str(job_id), log_path, fresh=True)
         raise SupervisorError(f"Ray job server at {self.address}: no free submission id for run {self.run_id}")
 
     def _same_submission(self, sid: str, line: str) -> Any | None:
@@ -383,6 +536,23 @@ class RayJobBackend:
 
     def attach_job(self, job_id: str, log_path: Path | str | None = None) -> RayJobProcess:
         """A handle on a job submitted earlier (a restarted watchdog); its log copy resumes where it ended."""
+        return RayJobProcess(self, job_id, log_path)
+
+    def adopt_job(self, job_id: str, log_path: Path | str | None = None) -> RayJobProcess | None:
+        """A handle on ``job_id`` (named by run.json) while it has not ended on this cluster, else None.
+
+        A head that cannot be reached counts as running: a second trainer submitted into the same
+        run directory is the worse mistake, and the handle learns the job's state when the head answers."""
+        try:
+            info = self.job_info(job_id)
+        except BackendUnavailable as exc:
+            log.warning("run %s: adopting ray job %s unchecked: %s", self.run_id, job_id, exc)
+            return RayJobProcess(self, job_id, log_path)
+        status = None if info is None else str(getattr(info.status, "value", info.status))
+        if status is None or status in TERMINAL:
+            log.info("run %s: ray job %s from run.json is %s; not adopted", self.run_id, job_id,
+                     (status or "unknown to the job server").lower())
+            return None
         return RayJobProcess(self, job_id, log_path)
 
 
