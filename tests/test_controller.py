@@ -9,6 +9,7 @@ timeout are tested on real processes without PPO's start-up cost.
 from __future__ import annotations
 
 import json
+import signal
 import sys
 import textwrap
 import threading
@@ -22,7 +23,13 @@ from typer.testing import CliRunner
 
 from trainer import rundir
 from watchdog.actions import CheckpointAction, PauseAction, RollbackAction, SetAction
-from watchdog.actuator import alert_payload, choose_known_good, restart_command, snap_micro_batch
+from watchdog.actuator import (
+    ActuatorConfig,
+    alert_payload,
+    choose_known_good,
+    restart_command,
+    snap_micro_batch,
+)
 from watchdog.controller import (
     ControllerConfig,
     classify_exit,
@@ -489,3 +496,80 @@ def test_status_lists_runs_as_json_and_says_where_it_looked_when_there_are_none(
     assert row["run"] == "a" and row["phase"] == "running" and row["firing"] == []
     r = CliRunner().invoke(app, ["status", "nope", "--state-dir", str(state)])
     assert r.exit_code == 1 and "nope" in r.output
+
+
+def test_a_divergence_before_the_first_checkpoint_rolls_back_to_the_start(tmp_path):
+    from watchdog.actuator import Actuator, RunHandle
+    from watchdog.store import RunRecord, Store
+    from watchdog.supervisor import LocalBackend
+
+    run = tmp_path / "run"
+    rundir.write_run_json(run, {"id": "run"})
+    store = Store(tmp_path / "state")
+    # Like the embedded trainer, this one saves a checkpoint when SIGTERM stops it (at step 9 here).
+    trainer = textwrap.dedent(f"""\
+        import signal, sys, time
+        import torch
+        from trainer import checkpoint as ckpt
+        print(sys.argv[1:], flush=True)
+        def save(*_):
+            ckpt.save_checkpoint({str(run / rundir.CHECKPOINTS)!r}, 9, 0, {{"actor": {{"w": torch.zeros(2)}}}})
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, save)
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    cmd = [sys.executable, "-c", trainer, "a=1"]
+    store.upsert_run(RunRecord("run", str(run), cmd))
+    act = Actuator(store, LocalBackend(), config=ActuatorConfig(stop_grace_s=20))
+    h = RunHandle(store.require_run("run"))
+    try:
+        act.launch(h, None, time.time())
+        log = run / act.config.log_name
+        deadline = time.time() + 30
+        while time.time() < deadline and "ready" not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.05)
+        rb = store.add_action("run", "rollback", {"rule": "kl_far_above", "set": {KL: 0.0002}, "skip_batches": 2})
+        act.drive(h, store.get_action(rb), time.time())
+        assert store.get_action(rb).status == "done" and "from the start" in store.get_action(rb).result["outcome"]
+        (restart,) = [e for e in store.open_actions("run") if e.kind == "restart"]
+        act.drive(h, restart, time.time())
+        outcome = store.get_action(restart.id).result["outcome"]
+        assert "restarted from the start" in outcome
+        # Relaunched with the rule's set and no resume arguments (nothing to resume from).
+        deadline = time.time() + 10
+        while time.time() < deadline and f"{KL}=0.0002" not in (log.read_text() if log.exists() else ""):
+            time.sleep(0.05)
+        relaunch = [ln for ln in log.read_text().splitlines() if KL in ln]
+        assert len(relaunch) == 1 and "'trainer.resume_mode=disable'" in relaunch[0]
+        assert "resume_from_path" not in relaunch[0] and "skip_batches" not in relaunch[0]
+        assert store.require_run("run").overrides == {KL: 0.0002}
+        # What the stopped trainer saved on the abandoned timeline is kept, but out of reach of a resume.
+        assert not list((run / rundir.CHECKPOINTS).glob("global_step_*"))
+        assert list((run / rundir.CHECKPOINTS).glob("abandoned-*/global_step_9"))
+    finally:
+        act.stop(h)
+
+
+def test_sigusr1_waits_until_the_relaunched_trainer_has_written_its_own_pid(tmp_path):
+    from watchdog.actuator import Actuator, RunHandle
+    from watchdog.store import RunRecord, Store
+    from watchdog.supervisor import LocalBackend
+
+    run = tmp_path / "run"
+    rundir.write_run_json(run, {"id": "run", "live_keys": [KL], "pid": 1})  # the previous launch's run.json
+    store = Store(tmp_path / "state")
+    # A process with SIGUSR1's default action (death), like a trainer still importing torch.
+    store.upsert_run(RunRecord("run", str(run), [sys.executable, "-c", "import time; time.sleep(30)"]))
+    act = Actuator(store, LocalBackend())
+    h = RunHandle(store.require_run("run"))
+    try:
+        act.launch(h, None, time.time())
+        act.drive(h, store.get_action(store.add_action("run", "live_set", {"rule": "r", "set": {KL: 0.2}})), time.time())
+        time.sleep(0.3)
+        assert h.proc.alive() and rundir.read_control(run).overrides == {KL: 0.2}  # written, not signalled
+        rundir.write_run_json(run, {"id": "run", "live_keys": [KL], "pid": h.proc.pid})  # the trainer is up
+        act.drive(h, store.get_action(store.add_action("run", "live_set", {"rule": "r", "set": {KL: 0.4}})), time.time())
+        assert h.proc.wait(5) == -signal.SIGUSR1  # now it is signalled (and this stand-in has no handler)
+    finally:
+        act.stop(h)

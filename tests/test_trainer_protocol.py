@@ -128,6 +128,32 @@ def test_resume_skip_batches_moves_the_data_past_the_batches_after_the_checkpoin
     assert got == expect.state_dict() and got != saved
 
 
+def test_a_restart_from_an_earlier_checkpoint_drops_the_abandoned_timeline_and_survives_an_early_sigusr1(
+    tmp_path: Path, tiny_trainer_args: Callable[..., list[str]], trainer_env: dict[str, str]
+) -> None:
+    """Rollback by restart: resume_path to an older checkpoint of the same run, signalled while starting."""
+    import signal
+
+    run = tmp_path / "run"
+    a = _run(tiny_trainer_args(run, "trainer.save_freq=2", steps=4), trainer_env)
+    assert a.returncode == 0, a.stderr[-3000:]
+    root = run / rundir.CHECKPOINTS
+    assert [c.step for c in ck.list_checkpoints(root)] == [2, 4]
+    proc = subprocess.Popen(tiny_trainer_args(run, "trainer.save_freq=100", "trainer.resume_mode=resume_path",
+                                              f"trainer.resume_from_path={ck.step_dir(root, 2)}", steps=3),
+                            env=trainer_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # The watchdog writes control.json and signals at once, while this process still imports torch.
+    for _ in range(8):
+        time.sleep(0.15)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 0, err[-3000:]
+    # Step 4 of the abandoned timeline is gone, so no later resume can pick it.
+    assert [c.step for c in ck.list_checkpoints(root)] == [2] and ck.read_marker(root) == 2
+    assert [e["resumed_from"] for e in _events(run, "started")] == [0, 2]
+
+
 # -- live control, garbled control.json, pause/resume, SIGUSR1, /metrics ------------------------------
 
 

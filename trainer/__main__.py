@@ -6,6 +6,7 @@ fraction of a second with exit code 2.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from trainer.config import USAGE, ConfigError, load_config, split_cli
@@ -13,6 +14,12 @@ from trainer.config import USAGE, ConfigError, load_config, split_cli
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the config before torch loads (a bad key fails fast), then train; returns the exit code."""
+    # A watchdog signals SIGUSR1 ("read control.json now") as soon as it has written a change,
+    # possibly while this process is still importing torch: until the trainer installs its own
+    # handler, the signal must not kill it (its default action). control.json is read before the
+    # first step anyway.
+    if argv is None:
+        signal.signal(signal.SIGUSR1, lambda signum, frame: None)
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] in ("-h", "--help"):
         sys.stdout.write(USAGE)

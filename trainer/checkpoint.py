@@ -382,6 +382,27 @@ def discard_newer(root: Path | str, step: int) -> list[Path]:
     return removed
 
 
+def set_aside(root: Path | str, label: str) -> Path | None:
+    """Move every ``global_step_N`` and verl's marker into ``root/abandoned-<label>/``.
+
+    For a run that starts over from its initial weights: what it saved on the abandoned
+    timeline (a diverged run's checkpoints, and the one its SIGTERM handler wrote while being
+    stopped) must not be resumed by any later restart, but is kept for a human to inspect.
+    Returns the folder (None when there was nothing to move).
+    """
+    root = Path(root)
+    moved = [p for p in root.iterdir() if _STEP_DIR.match(p.name) or p.name == rundir.LATEST_MARKER] \
+        if root.is_dir() else []
+    if not moved:
+        return None
+    dest = root / f"abandoned-{label}"
+    dest.mkdir(parents=True, exist_ok=True)
+    for p in moved:
+        p.rename(dest / p.name)
+    _fsync_dir(root)
+    return dest
+
+
 # -- verl's own layout (no manifest) ----------------------------------------------------
 #
 # A checkpoint written by verl itself (``RayPPOTrainer._save_checkpoint`` and its FSDP

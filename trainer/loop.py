@@ -317,6 +317,10 @@ class Trainer:
         components, extra = ckpt.load_checkpoint(info.path)
         self.load_state(components, extra)
         log.info("resumed from %s (step %d)", info.path, self.global_step)
+        if t.resume_mode == "resume_path" and info.path.parent.resolve() == self.ckpt_root.resolve():
+            # A rollback by restart: as in process, checkpoints of the abandoned timeline (the one
+            # SIGTERM saved while stopping us included) must not be what a later resume picks up.
+            ckpt.discard_newer(self.ckpt_root, info.step)
         if t.resume_mode == "resume_path" and t.resume_skip_batches:
             self.sampler.skip(t.resume_skip_batches)
             self.skipped_batches = t.resume_skip_batches

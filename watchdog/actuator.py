@@ -255,7 +255,12 @@ class Actuator:
     def _signal(self, h: RunHandle) -> None:
         # Only a trainer that speaks the protocol (its run.json lists live keys) handles SIGUSR1;
         # to any other process (verl's main_ppo) the default action of SIGUSR1 is death.
-        if not rundir.read_run_json(h.run.run_dir).get("live_keys"):
+        info = rundir.read_run_json(h.run.run_dir)
+        if not info.get("live_keys"):
+            return
+        if h.proc is not None and info.get("pid") != h.proc.pid:
+            # Not yet up: a relaunched trainer writes run.json with its pid just before installing
+            # its handler, and reads control.json before its first step anyway.
             return
         if self.config.signal_live and h.proc is not None and h.proc.alive():
             try:
@@ -265,7 +270,8 @@ class Actuator:
 
     # -- processes -------------------------------------------------------------------
 
-    def launch(self, h: RunHandle, resume_path: str | None, now: float, skip_batches: int = 0) -> TrainerProcess:
+    def launch(self, h: RunHandle, resume_path: str | None, now: float, skip_batches: int = 0,
+               fresh: bool = False) -> TrainerProcess:
         """Start the run's command with the desired overrides (and resume arguments).
 
         ``skip_batches`` (a rollback past the batches that led to a spike) goes to this launch
@@ -277,6 +283,8 @@ class Actuator:
         if resume_path and skip_batches:
             arg = skip_batches_arg(h.run.run_dir, skip_batches)
             cmd += [arg] if arg else []
+        if fresh:  # from the initial weights (verl's key, the embedded trainer's too)
+            cmd = [a for a in cmd if not a.lstrip("+").startswith(f"{RESUME_MODE}=")] + [f"{RESUME_MODE}=disable"]
         env = None
         if h.glue is not None:  # verl: file logger, checkpoint dir, KL coefficient carried over
             cmd, env = h.glue.prepare_launch(cmd, h.run.overrides, resume_path)
@@ -401,13 +409,23 @@ class Actuator:
                 self._finish(h, entry, "failed", error=p["refused"])  # nothing left worth a restart
                 return
         code = self.stop(h)
+        if p.get("resume") == "scratch":
+            # Start over from the initial weights: nothing saved on the abandoned timeline (the
+            # stopped trainer's SIGTERM checkpoint included) may be resumed by a later restart.
+            from trainer import checkpoint as ckpt
+
+            root = h.glue.ckpt_dir if h.glue is not None else Path(h.run.run_dir) / rundir.CHECKPOINTS
+            moved = ckpt.set_aside(root, f"{entry.id}")
+            if moved is not None:
+                p["set_aside"] = str(moved)
+                self.store.update_action(entry.id, payload=p)
         overrides = {k: v for k, v in {**h.run.overrides, **p.get("set", {})}.items()
                      if k not in p.get("refused_keys", ())}
         version = self.reserve_version(h, None, overrides)
         self.write_control(h, version)
-        rewinding = p.get("resume") in ("known_good", "path")
-        skip = int(p.get("skip_batches") or 0) if rewinding else 0
-        self.launch(h, p["resume_path"], now, skip_batches=skip)
+        rewinding = p.get("resume") in ("known_good", "path", "scratch")
+        skip = int(p.get("skip_batches") or 0) if rewinding and p["resume_path"] else 0
+        self.launch(h, p["resume_path"], now, skip_batches=skip, fresh=p.get("resume") == "scratch")
         if skip and not skip_batches_arg(h.run.run_dir, skip):
             p["skip_note"] = f"skip_batches={skip} not done (the trainer offers no key for it)"
         if rewinding and p.get("resume_step") is not None:
@@ -417,7 +435,8 @@ class Actuator:
         for other in self.store.open_actions(h.run.run_id):
             if other.id != entry.id and other.kind == "live_set":
                 self._finish(h, other, "done", outcome=f"applied by restart (v{version})")
-        where = f"step {p['resume_step']}" if p.get("resume_step") is not None else "scratch"
+        where = ("the start" if p.get("resume") == "scratch" else
+                 f"step {p['resume_step']}" if p.get("resume_step") is not None else "scratch")
         notes = "".join(f"; {p[k]}" for k in ("lr_patch", "refused", "skip_note") if p.get(k) and p[k] != "none needed")
         if skip and not p.get("skip_note"):
             notes += f"; skipped {skip} batches"
@@ -429,6 +448,16 @@ class Actuator:
         p = dict(entry.payload)
         if entry.status == "intent":
             info = self._resolve_checkpoint(h, "known_good")
+            if info is None and self._resolve_checkpoint(h, "latest") is None:
+                # Diverged before the first checkpoint: the initial weights (the SFT model, which is
+                # also the reference) are the oldest known-good state. Start over with the sets.
+                p.update(resume="scratch", resume_path=None, resume_step=0)
+                if p.get("set"):
+                    p["set"] = self._snap(h, p["set"])
+                restart_id = self.store.add_action(h.run.run_id, "restart", p, decision_id=entry.decision_id)
+                self._finish(h, entry, "done", outcome=f"by restart from the start (journal {restart_id}): "
+                                                       "no checkpoint yet")
+                return
             if info is None:
                 self._finish(h, entry, "failed", error="no known-good checkpoint to roll back to")
                 return
