@@ -270,19 +270,16 @@ class Actuator:
 
     # -- processes -------------------------------------------------------------------
 
-    def launch(self, h: RunHandle, resume_path: str | None, now: float, skip_batches: int = 0,
+    def launch(self, h: RunHandle, resume_path: str | None, now: float, once: Sequence[str] = (),
                fresh: bool = False) -> TrainerProcess:
         """Start the run's command with the desired overrides (and resume arguments).
 
-        ``skip_batches`` (a rollback past the batches that led to a spike) goes to this launch
-        only, under the key the trainer's run.json names; see :func:`skip_batches_arg`.
+        ``once``: arguments for this launch only (e.g. :func:`skip_batches_arg`, a rollback past the
+        batches that led to a spike); ``fresh``: from the initial weights (no resume at all).
         """
         if not h.run.command:
             raise ActuatorError(f"run {h.run.run_id}: no command to launch (a watched run without a restart command)")
-        cmd = restart_command(h.run.command, h.run.overrides, resume_path)
-        if resume_path and skip_batches:
-            arg = skip_batches_arg(h.run.run_dir, skip_batches)
-            cmd += [arg] if arg else []
+        cmd = restart_command(h.run.command, h.run.overrides, resume_path) + list(once)
         if fresh:  # from the initial weights (verl's key, the embedded trainer's too)
             cmd = [a for a in cmd if not a.lstrip("+").startswith(f"{RESUME_MODE}=")] + [f"{RESUME_MODE}=disable"]
         env = None
@@ -425,9 +422,10 @@ class Actuator:
         self.write_control(h, version)
         rewinding = p.get("resume") in ("known_good", "path", "scratch")
         skip = int(p.get("skip_batches") or 0) if rewinding and p["resume_path"] else 0
-        self.launch(h, p["resume_path"], now, skip_batches=skip, fresh=p.get("resume") == "scratch")
-        if skip and not skip_batches_arg(h.run.run_dir, skip):
+        skip_arg = skip_batches_arg(h.run.run_dir, skip) if skip else None
+        if skip and skip_arg is None:
             p["skip_note"] = f"skip_batches={skip} not done (the trainer offers no key for it)"
+        self.launch(h, p["resume_path"], now, once=[skip_arg] if skip_arg else (), fresh=p.get("resume") == "scratch")
         if rewinding and p.get("resume_step") is not None:
             # Went back past the divergence: checkpoints of these steps written from now on are re-runs.
             self.store.close_bad_spans(h.run.run_id, max(h.run.last_step or 0, int(p["resume_step"])))
