@@ -855,7 +855,9 @@ def test_the_daemon_restarts_a_zero_patch_run_with_the_kl_rules_new_coef(
     rules.write_text("version: 1\nrules:\n" + KL_ANY_RULE)
     run = tmp_path / "run"
     # As in the `watchdog run` test above: the hang at step 3 holds the first attempt until the restart.
-    trainer = tiny_trainer_args(run, "trainer.run_dir_protocol=false", "trainer.save_freq=2",
+    # A checkpoint every step: the rule fires on step 2's line, which verl-like training writes before
+    # it saves step 2 but after step 1's save is complete, so the restart always has one to resume.
+    trainer = tiny_trainer_args(run, "trainer.run_dir_protocol=false", "trainer.save_freq=1",
                                 "trainer.faults=hang@3:5", "actor_rollout_ref.actor.entropy_coeff=1.0",
                                 "actor_rollout_ref.actor.optim.lr=0.003", f"{KL}=0.1", steps=5)
     for key in ("PPO_WATCHDOG_CACHE", "OMP_NUM_THREADS", "TRAINER_LOG_LEVEL", "PYTHONPATH"):
