@@ -24,7 +24,9 @@ from typer.testing import CliRunner
 from trainer import rundir
 from watchdog.actions import CheckpointAction, PauseAction, RollbackAction, SetAction
 from watchdog.actuator import (
+    Actuator,
     ActuatorConfig,
+    RunHandle,
     alert_payload,
     choose_known_good,
     restart_command,
@@ -38,7 +40,8 @@ from watchdog.controller import (
     span_start,
 )
 from watchdog.daemon import DaemonConfigError, build_watchdog, load_daemon_config
-from watchdog.store import BadSpan
+from watchdog.store import BadSpan, RunRecord, Store
+from watchdog.supervisor import LocalBackend
 
 KL = "algorithm.kl_ctrl.kl_coef"
 LR = "actor_rollout_ref.actor.optim.lr"
@@ -247,6 +250,14 @@ def _drive(wd, until, timeout=30.0):
     raise AssertionError("condition not reached in time")
 
 
+KL_DOUBLE_RULE = """
+  - name: kl_high
+    description: raise kl_coef
+    expr: kl > 0.1
+    actions:
+      - set: {key: algorithm.kl_ctrl.kl_coef, scale: 2.0, max: 1.0}
+    cooldown: 1000
+"""
 QUIET_RULE = """
   - name: kl_absurd
     description: never fires
@@ -272,14 +283,7 @@ def test_crashing_trainer_is_restarted_within_the_budget_then_handed_to_a_human(
 
 
 def test_unconfirmed_live_change_falls_back_to_a_restart_with_the_override(tmp_path):
-    wd = _setup(tmp_path, """
-      - name: kl_high
-        description: raise kl_coef
-        expr: kl > 0.1
-        actions:
-          - set: {key: algorithm.kl_ctrl.kl_coef, scale: 2.0, max: 1.0}
-        cooldown: 1000
-    """, actuator={"live_timeout_s": 0.5, "stop_grace_s": 2})
+    wd = _setup(tmp_path, KL_DOUBLE_RULE, actuator={"live_timeout_s": 0.5, "stop_grace_s": 2})
     run_dir = tmp_path / "run"
     ctl = wd.add_run(run_dir, command=[sys.executable, str(tmp_path / "fake_trainer.py"),
                                        f"trainer.run_dir={run_dir}", "ignore_control=1", "steps=60"])
@@ -324,14 +328,7 @@ def test_daemon_watches_a_run_it_did_not_start_and_serves_its_own_metrics(tmp_pa
     from watchdog.daemon import prepare_daemon
 
     (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
-    (tmp_path / "rules.yaml").write_text("version: 1\nrules:\n" + textwrap.dedent("""
-      - name: kl_high
-        description: raise kl_coef
-        expr: kl > 0.1
-        actions:
-          - set: {key: algorithm.kl_ctrl.kl_coef, scale: 2.0, max: 1.0}
-        cooldown: 1000
-    """))
+    (tmp_path / "rules.yaml").write_text("version: 1\nrules:\n" + textwrap.dedent(KL_DOUBLE_RULE))
     run_dir = tmp_path / "ext"
     run_dir.mkdir()
     import subprocess
@@ -371,14 +368,28 @@ def test_the_daemon_takes_its_rules_from_WATCHDOG_RULES_when_none_are_given(tmp_
     assert [r.name for r in wd.rules.ruleset.rules] == ["only_mine"]
 
 
+def _actuator_rig(tmp_path: Path, run: Path, command: list[str], **config) -> tuple[Store, Actuator, RunHandle]:
+    """A store with one run ("run") of ``command``, a real local actuator and the run's handle."""
+    store = Store(tmp_path / "state")
+    store.upsert_run(RunRecord("run", str(run), command))
+    return store, Actuator(store, LocalBackend(), config=ActuatorConfig(**config)), RunHandle(store.require_run("run"))
+
+
+def _wait_for_log(path: Path, done, timeout: float = 10.0) -> str:
+    """The log's text once ``done(text)`` holds (or at the timeout, for the assertions to report)."""
+    deadline = time.time() + timeout
+    while True:
+        text = path.read_text() if path.exists() else ""
+        if done(text) or time.time() > deadline:
+            return text
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("commands, in_process", [(None, True), (["checkpoint", "pause", "resume", "stop"], False)])
 def test_rollback_goes_in_process_only_to_a_trainer_whose_run_json_offers_it(tmp_path, commands, in_process):
     import torch
 
     from trainer import checkpoint as ckpt
-    from watchdog.actuator import Actuator, RunHandle
-    from watchdog.store import RunRecord, Store
-    from watchdog.supervisor import LocalBackend
 
     run = tmp_path / "run"
     ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 4, 0, {"actor": {"w": torch.zeros(2)}})
@@ -386,11 +397,7 @@ def test_rollback_goes_in_process_only_to_a_trainer_whose_run_json_offers_it(tmp
     if commands is not None:
         info["commands"] = commands
     rundir.write_run_json(run, info)
-    store = Store(tmp_path / "state")
-    cmd = [sys.executable, "-c", "import time; time.sleep(60)"]
-    store.upsert_run(RunRecord("run", str(run), cmd))
-    act = Actuator(store, LocalBackend())
-    h = RunHandle(store.require_run("run"))
+    store, act, h = _actuator_rig(tmp_path, run, [sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         act.launch(h, None, time.time())
         rb = store.add_action("run", "rollback", {"rule": "kl_far_above", "set": {}})
@@ -412,28 +419,22 @@ def test_a_rollback_by_restart_skips_batches_for_that_launch_only(tmp_path):
     import torch
 
     from trainer import checkpoint as ckpt
-    from watchdog.actuator import Actuator, RunHandle
-    from watchdog.store import RunRecord, Store
-    from watchdog.supervisor import LocalBackend
 
     run = tmp_path / "run"
     ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 4, 0, {"actor": {"w": torch.zeros(2)}})
     rundir.write_run_json(run, {"id": "run", "commands": ["pause"], "skip_batches_key": "trainer.resume_skip_batches"})
-    store = Store(tmp_path / "state")
     # The "trainer" prints its argv, so the log shows what each launch was given.
-    cmd = [sys.executable, "-c", "import sys, time; print(sys.argv[1:], flush=True); time.sleep(60)", "a=1"]
-    store.upsert_run(RunRecord("run", str(run), cmd))
-    act = Actuator(store, LocalBackend())
-    h = RunHandle(store.require_run("run"))
+    store, act, h = _actuator_rig(tmp_path, run, [
+        sys.executable, "-c", "import sys, time; print(sys.argv[1:], flush=True); time.sleep(60)", "a=1"])
+
+    def launch_lines(text):
+        return [ln for ln in text.splitlines() if ln.startswith("[")]
 
     def launches():
-        log = run / act.config.log_name
-        return [ln for ln in log.read_text().splitlines() if ln.startswith("[")] if log.exists() else []
+        return launch_lines(_wait_for_log(run / act.config.log_name, lambda text: True))
 
     def wait_for_launch(n):
-        deadline = time.time() + 10
-        while time.time() < deadline and len(launches()) < n:
-            time.sleep(0.05)
+        _wait_for_log(run / act.config.log_name, lambda text: len(launch_lines(text)) >= n)
 
     def drive_restarts(n):
         for e in [e for e in store.open_actions("run") if e.kind == "restart"]:
@@ -484,7 +485,6 @@ def test_a_restarted_daemon_does_not_relaunch_a_run_that_already_finished(tmp_pa
 
 def test_status_lists_runs_as_json_and_says_where_it_looked_when_there_are_none(tmp_path):
     from watchdog.cli import app
-    from watchdog.store import RunRecord, Store
 
     state = tmp_path / "state"
     r = CliRunner().invoke(app, ["status", "--state-dir", str(state)])
@@ -499,13 +499,9 @@ def test_status_lists_runs_as_json_and_says_where_it_looked_when_there_are_none(
 
 
 def test_a_divergence_before_the_first_checkpoint_rolls_back_to_the_start(tmp_path):
-    from watchdog.actuator import Actuator, RunHandle
-    from watchdog.store import RunRecord, Store
-    from watchdog.supervisor import LocalBackend
 
     run = tmp_path / "run"
     rundir.write_run_json(run, {"id": "run"})
-    store = Store(tmp_path / "state")
     # Like the embedded trainer, this one saves a checkpoint when SIGTERM stops it (at step 9 here).
     trainer = textwrap.dedent(f"""\
         import signal, sys, time
@@ -519,16 +515,11 @@ def test_a_divergence_before_the_first_checkpoint_rolls_back_to_the_start(tmp_pa
         print("ready", flush=True)
         time.sleep(60)
     """)
-    cmd = [sys.executable, "-c", trainer, "a=1"]
-    store.upsert_run(RunRecord("run", str(run), cmd))
-    act = Actuator(store, LocalBackend(), config=ActuatorConfig(stop_grace_s=20))
-    h = RunHandle(store.require_run("run"))
+    store, act, h = _actuator_rig(tmp_path, run, [sys.executable, "-c", trainer, "a=1"], stop_grace_s=20)
     try:
         act.launch(h, None, time.time())
         log = run / act.config.log_name
-        deadline = time.time() + 30
-        while time.time() < deadline and "ready" not in (log.read_text() if log.exists() else ""):
-            time.sleep(0.05)
+        _wait_for_log(log, lambda text: "ready" in text, timeout=30)
         rb = store.add_action("run", "rollback", {"rule": "kl_far_above", "set": {KL: 0.0002}, "skip_batches": 2})
         act.drive(h, store.get_action(rb), time.time())
         assert store.get_action(rb).status == "done" and "from the start" in store.get_action(rb).result["outcome"]
@@ -537,10 +528,8 @@ def test_a_divergence_before_the_first_checkpoint_rolls_back_to_the_start(tmp_pa
         outcome = store.get_action(restart.id).result["outcome"]
         assert "restarted from the start" in outcome
         # Relaunched with the rule's set and no resume arguments (nothing to resume from).
-        deadline = time.time() + 10
-        while time.time() < deadline and f"{KL}=0.0002" not in (log.read_text() if log.exists() else ""):
-            time.sleep(0.05)
-        relaunch = [ln for ln in log.read_text().splitlines() if KL in ln]
+        text = _wait_for_log(log, lambda text: f"{KL}=0.0002" in text)
+        relaunch = [ln for ln in text.splitlines() if KL in ln]
         assert len(relaunch) == 1 and "'trainer.resume_mode=disable'" in relaunch[0]
         assert "resume_from_path" not in relaunch[0] and "skip_batches" not in relaunch[0]
         assert store.require_run("run").overrides == {KL: 0.0002}
@@ -552,17 +541,11 @@ def test_a_divergence_before_the_first_checkpoint_rolls_back_to_the_start(tmp_pa
 
 
 def test_sigusr1_waits_until_the_relaunched_trainer_has_written_its_own_pid(tmp_path):
-    from watchdog.actuator import Actuator, RunHandle
-    from watchdog.store import RunRecord, Store
-    from watchdog.supervisor import LocalBackend
 
     run = tmp_path / "run"
     rundir.write_run_json(run, {"id": "run", "live_keys": [KL], "pid": 1})  # the previous launch's run.json
-    store = Store(tmp_path / "state")
     # A process with SIGUSR1's default action (death), like a trainer still importing torch.
-    store.upsert_run(RunRecord("run", str(run), [sys.executable, "-c", "import time; time.sleep(30)"]))
-    act = Actuator(store, LocalBackend())
-    h = RunHandle(store.require_run("run"))
+    store, act, h = _actuator_rig(tmp_path, run, [sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         act.launch(h, None, time.time())
         act.drive(h, store.get_action(store.add_action("run", "live_set", {"rule": "r", "set": {KL: 0.2}})), time.time())
