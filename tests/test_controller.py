@@ -22,7 +22,6 @@ import pytest
 from typer.testing import CliRunner
 
 from trainer import rundir
-from watchdog.actions import CheckpointAction, PauseAction, RollbackAction, SetAction
 from watchdog.actuator import (
     Actuator,
     ActuatorConfig,
@@ -30,13 +29,11 @@ from watchdog.actuator import (
     alert_payload,
     choose_known_good,
     restart_command,
-    snap_micro_batch,
 )
 from watchdog.controller import (
     ControllerConfig,
     classify_exit,
     heartbeat_timeout,
-    plan_decision,
     span_start,
 )
 from watchdog.daemon import DaemonConfigError, build_watchdog, load_daemon_config
@@ -48,59 +45,7 @@ LR = "actor_rollout_ref.actor.optim.lr"
 LIVE = rundir.LIVE_KEYS
 
 
-def _decision(kind="fire", actions=(), rule="r", step=10):
-    return SimpleNamespace(rule=rule, step=step, kind=kind, actions=list(actions), inputs={}, severity="warning",
-                           message="m")
-
-
 # -- pure core ----------------------------------------------------------------------------
-
-
-def test_live_key_set_is_planned_live_from_the_trainers_current_kl_coef():
-    d = _decision(actions=[SetAction(KL, "scale", 1.2, max=0.02)])
-    (p,) = plan_decision(d, {}, {"actor/reward_kl_penalty_coeff": 0.01}, {}, LIVE, alive=True)
-    assert p.kind == "live_set" and p.payload["set"] == {KL: pytest.approx(0.012)}
-
-
-def test_set_is_clamped_by_the_rules_max():
-    d = _decision(actions=[SetAction(KL, "scale", 1.2, max=0.02)])
-    (p,) = plan_decision(d, {KL: 0.019}, {"actor/reward_kl_penalty_coeff": 0.019}, {}, LIVE, alive=True)
-    assert p.payload["set"][KL] == 0.02
-
-
-def test_a_key_the_trainer_cannot_change_live_is_planned_as_a_restart():
-    d = _decision(actions=[SetAction("algorithm.gamma", "to", 0.99)])
-    (p,) = plan_decision(d, {}, {}, {"algorithm": {"gamma": 1.0}}, LIVE, alive=True)
-    assert p.kind == "restart" and p.payload["set"] == {"algorithm.gamma": 0.99}
-
-
-def test_sets_after_a_rollback_follow_it_instead_of_going_live():
-    d = _decision(actions=[RollbackAction(skip_batches=2), SetAction(LR, "scale", 0.5)])
-    (p,) = plan_decision(d, {}, {}, {"actor_rollout_ref": {"actor": {"optim": {"lr": 2e-4}}}}, LIVE, alive=True)
-    assert p.kind == "rollback" and p.payload["skip_batches"] == 2
-    assert p.payload["set"] == {LR: pytest.approx(1e-4)}
-
-
-def test_micro_batch_set_is_rounded_down_to_a_divisor_of_the_mini_batch():
-    micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
-    cfg = {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8}}}
-    d = _decision(actions=[SetAction(micro, "add", -1, min=1)])
-    (p,) = plan_decision(d, {}, {}, cfg, LIVE, alive=True)
-    assert p.payload["set"] == {micro: 4}
-    assert [snap_micro_batch(v, 12) for v in (12, 11, 5, 1, 0)] == [12, 6, 4, 1, 1]
-
-
-def test_escalation_pauses_and_alerts_even_without_actions():
-    kinds = [(p.kind, p.payload.get("command", {}).get("kind")) for p in
-             plan_decision(_decision("escalate"), {}, {}, {}, LIVE, alive=True)]
-    assert kinds == [("command", "pause"), ("notify", None)]
-
-
-def test_pause_and_checkpoint_actions_become_commands_and_resolve_does_nothing():
-    d = _decision(actions=[CheckpointAction(), PauseAction("too many rollbacks")])
-    assert [p.payload.get("command", {}).get("kind") for p in plan_decision(d, {}, {}, {}, LIVE, True)] == \
-        ["checkpoint", "pause", None]
-    assert plan_decision(_decision("resolve", [SetAction(KL, "scale", 2)]), {}, {}, {}, LIVE, True) == []
 
 
 def test_heartbeat_is_ten_median_step_times_with_a_floor():

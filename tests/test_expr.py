@@ -62,7 +62,7 @@ def test_verl_keys_aliases_and_prometheus_names_resolve_to_short_names() -> None
         ("kl > $", 6, "unexpected character '$'"),
         ('event("oom")', 1, "must be a condition, got a number"),
         ("count_over(event(\"oom\") > 0, 5) > 1", 12, "cannot be used in count_over"),
-        ("avg(kl) > 1", 1, "avg() takes 2 argument(s), got 1"),
+        ("avg(kl) > 1", 1, "avg() takes 2 to 3 argument(s), got 1"),
     ],
 )
 def test_errors_name_the_problem_and_its_column(text: str, col: int, message: str) -> None:
@@ -233,12 +233,18 @@ def test_a_rewritten_step_forgets_that_it_was_non_finite() -> None:
 
 @settings(max_examples=100, deadline=None)
 @given(st.dictionaries(
-    st.sampled_from(["critic/kl", "actor/reward_kl_penalty", "actor/entropy_loss", "actor/entropy",
+    st.sampled_from(["critic/kl", "actor/reward_kl_penalty", "actor/kl_loss", "actor/entropy_loss", "actor/entropy",
                      "val/test_score/openai/gsm8k", "timing/gen", "critic/score/mean", "flag"]),
     st.one_of(st.floats(allow_nan=False), st.booleans(), st.text(max_size=3)),
 ))
-def test_window_key_mapping_agrees_with_the_catalog(data: dict) -> None:
+def test_the_kl_signal_is_the_best_ranked_key_the_record_carries(data: dict) -> None:
     from trainer import catalog
-    from watchdog.series import to_short
 
-    assert to_short(data) == catalog.to_short(data)
+    sources: dict[str, str] = {}
+    out = catalog.to_short(data, sources)
+    numeric = {k for k, v in data.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    want = next((k for k in ("actor/reward_kl_penalty", "critic/kl", "actor/kl_loss") if k in numeric), None)
+    assert sources.get("kl") == want
+    if want is not None:
+        assert out["kl"] == float(data[want])
+    assert ("kl_loss" in out) == ("actor/kl_loss" in numeric)

@@ -193,7 +193,8 @@ def test_a_version_1_state_database_is_migrated_and_keeps_its_runs(tmp_path):
     from watchdog import store as store_mod
 
     db = sqlite3.connect(tmp_path / "watchdog.db")
-    db.executescript(store_mod._SCHEMA.replace("    job_id TEXT,\n", ""))
+    v2 = (Path(__file__).parent / "data" / "store_schema_v2.sql").read_text()
+    db.executescript(v2.replace("    job_id TEXT,\n", ""))
     db.execute("INSERT INTO meta VALUES ('schema_version', '1')")
     db.execute("INSERT INTO runs (run_id, run_dir, pid, created, updated) VALUES ('old', '/r', 42, 1, 1)")
     db.commit()

@@ -97,7 +97,8 @@ def test_the_default_pack_loads_with_a_rationale_for_every_rule() -> None:
             if isinstance(a, act.SetAction):
                 assert a.key in act.TUNABLE_KEYS
     divergence = {r.name for r in rules if r.divergence}
-    assert {"nan_or_inf", "kl_far_above", "reward_collapse", "entropy_collapse"} <= divergence
+    assert {"nan_or_inf", "kl_explosion", "reward_collapse", "value_loss_explosion"} <= divergence
+    assert rules.params and all(len(p.description) > 80 for p in rules.params)  # each number with its reason
     # Every rule that rolls back is a divergence rule (its checkpoints are not known-good).
     for rule in rules:
         if any(isinstance(a, act.RollbackAction) for a in rule.actions):
@@ -108,7 +109,8 @@ def test_kl_coef_raising_is_capped_in_the_default_pack() -> None:
     rules = load_rules([ROOT / "rules" / "default.yaml"])
     for rule in rules:
         for a in rule.actions:
-            if isinstance(a, act.SetAction) and a.key == "algorithm.kl_ctrl.kl_coef" and a.op == "scale" and a.value > 1:
+            if isinstance(a, act.SetAction) and a.key in ("algorithm.kl_ctrl.kl_coef", "kl_coef") \
+                    and a.op == "scale" and a.value > 1:
                 assert a.max is not None and a.max <= 0.05, rule.name
 
 

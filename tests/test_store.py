@@ -25,14 +25,14 @@ def test_store_refuses_a_database_of_another_schema_version(tmp_path):
         Store(tmp_path)
 
 
-def test_run_survives_reopening_with_its_overrides_and_offsets(tmp_path):
+def test_run_survives_reopening_with_its_overrides_and_measured_startup(tmp_path):
     store = Store(tmp_path)
     store.upsert_run(RunRecord("r1", str(tmp_path / "r1"), ["python", "-m", "trainer"]))
-    store.update_run("r1", overrides={"algorithm.kl_ctrl.kl_coef": 0.0012}, control_version=3, metrics_offset=120)
+    store.update_run("r1", overrides={"algorithm.kl_ctrl.kl_coef": 0.0012}, control_version=3, startup_s=12.5)
     store.close()
     run = Store(tmp_path).require_run("r1")
     assert run.overrides == {"algorithm.kl_ctrl.kl_coef": 0.0012}
-    assert (run.control_version, run.metrics_offset, run.command[-1]) == (3, 120, "trainer")
+    assert (run.control_version, run.startup_s, run.command[-1]) == (3, 12.5, "trainer")
 
 
 def test_unknown_run_error_names_the_database_and_the_known_runs(tmp_path):
@@ -101,3 +101,26 @@ def test_a_checkpoint_of_a_diverged_step_retrained_after_the_rollback_is_not_bad
     (span,) = store.bad_spans("r")
     assert span.covers(15, ts=span.closed_ts - 1)
     assert not span.covers(15, ts=span.closed_ts + 1)
+
+
+def test_a_version_2_database_is_migrated_keeping_its_journal_and_dropping_dead_columns(tmp_path):
+    import sqlite3
+    from pathlib import Path
+
+    db = sqlite3.connect(tmp_path / "watchdog.db")
+    db.executescript((Path(__file__).parent / "data" / "store_schema_v2.sql").read_text())
+    db.execute("INSERT INTO meta VALUES ('schema_version', '2')")
+    db.execute("INSERT INTO runs (run_id, run_dir, pid, metrics_offset, created, updated) VALUES ('old', '/r', 7, 99, 1, 1)")
+    db.execute("INSERT INTO journal (run_id, kind, payload, status, depends_on, created, updated)"
+               " VALUES ('old', 'restart', '{\"set\": {}}', 'intent', NULL, 1, 1)")
+    db.commit()
+    db.close()
+    store = Store(tmp_path)
+    assert store.require_run("old").pid == 7
+    (entry,) = store.open_actions("old")
+    assert (entry.kind, entry.payload, entry.status) == ("restart", {"set": {}}, "intent")
+    store.update_action(entry.id, status="dropped")  # a status version 2 did not allow
+    assert store.open_actions("old") == []
+    cols = {r[1] for r in store._db.execute("PRAGMA table_info(runs)")}
+    assert "metrics_offset" not in cols and "startup_s" in cols
+    assert "depends_on" not in {r[1] for r in store._db.execute("PRAGMA table_info(journal)")}

@@ -35,7 +35,7 @@ from trainer import checkpoint as ckpt
 from trainer import rundir
 from watchdog import verl_exits, verl_mode
 from watchdog.actuator import choose_known_good
-from watchdog.store import BadSpan
+from watchdog.store import BadSpan, Store
 from watchdog.verl_lr_patch import LrPatchRefused, checkpoint_lrs, patch_lr_copy, wanted_changes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -584,6 +584,7 @@ def test_watchdog_run_reads_the_older_critic_kl_keys_and_restarts_with_the_new_k
               - set: {key: algorithm.kl_ctrl.kl_coef, scale: 1.2, max: 0.01}
             cooldown: 1000
             severity: warning
+            urgent: true  # the recorded run saves no checkpoint a tuning relaunch would wait for
     """))
     run = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -640,6 +641,7 @@ def test_zero_patch_run_restarts_an_oom_smaller_and_a_kl_fire_with_the_new_coef(
               - set: {key: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, add: -1, min: 1}
               - set: {key: critic.ppo_micro_batch_size_per_gpu, add: -1, min: 1}
             severity: critical
+            urgent: true
     """), "  "))
     run = tmp_path / "run"
     # KL is above 0 from step 2 on; the 5 s hang at step 3 keeps the first attempt there until the
@@ -651,7 +653,8 @@ def test_zero_patch_run_restarts_an_oom_smaller_and_a_kl_fire_with_the_new_coef(
                                 "actor_rollout_ref.actor.optim.lr=0.003", "algorithm.kl_ctrl.kl_coef=0.1", steps=9)
     proc = subprocess.run(
         [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--rules", str(rules), "--run-dir", str(run),
-         "--state-dir", str(tmp_path / "state"), "--tick", "0.3", "--stop-grace", "5", "--no-report", "--",
+         "--state-dir", str(tmp_path / "state"), "--tick", "0.3", "--stop-grace", "5", "--no-report",
+         "--tuning-relaunch-every", "0", "--",  # the tuning set waits for a checkpoint only (save_freq=2)
          *trainer],
         capture_output=True, text=True, timeout=300, env=trainer_env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -678,6 +681,61 @@ def test_zero_patch_run_restarts_an_oom_smaller_and_a_kl_fire_with_the_new_coef(
     assert info["mode"] == "verl" and info["live_keys"] == []
     assert {e.get("source") for e in rundir.iter_events(run)} == {"watchdog:verl"}
     assert all(math.isfinite(v) for v in logged[9].values() if isinstance(v, float))
+
+
+@pytest.mark.slow
+def test_zero_patch_tuning_waits_for_the_next_checkpoint_and_a_divergence_does_not(
+    tmp_path: Path, tiny_trainer_args, trainer_env
+) -> None:
+    rules = tmp_path / "rules.yaml"
+    rules.write_text("version: 1\nrules:\n" + textwrap.indent(textwrap.dedent("""\
+          - name: kl_high
+            description: stands in for a tuning rule that keeps firing from step 2 (its set needs a relaunch)
+            expr: step >= 2
+            clear: step < 0
+            actions:
+              - set: {key: algorithm.kl_ctrl.kl_coef, scale: 2.0, max: 1.0}
+            cooldown: 1000
+          - name: diverged
+            description: stands in for a divergence rule (fires once at step 7), which must not wait
+            expr: step >= 7
+            actions: [rollback]
+            cooldown: 1000
+            divergence: true
+            severity: critical
+    """), "  "))
+    run, state = tmp_path / "run", tmp_path / "state"
+    # The tuning set is decided at step 2 and waits for the step-4 checkpoint; the hangs keep each
+    # attempt at a step long enough for the watchdog's ticks to see it.
+    trainer = tiny_trainer_args(run, "trainer.run_dir_protocol=false", "trainer.save_freq=4",
+                                "trainer.faults=hang@3:2,hang@7:3", "algorithm.kl_ctrl.kl_coef=0.1", steps=10)
+    proc = subprocess.run(
+        [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--rules", str(rules), "--run-dir", str(run),
+         "--state-dir", str(state), "--tick", "0.3", "--stop-grace", "5", "--no-report",
+         "--tuning-relaunch-every", "0", "--", *trainer],
+        capture_output=True, text=True, timeout=300, env=trainer_env)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    decisions = Store(state).decisions("run")
+    tune = next(d for d in decisions if d.get("rule") == "kl_high")
+    div = next(d for d in decisions if d.get("rule") == "diverged")
+    (tune_entry,) = [j for j in tune["journal"] if j["kind"] == "restart"]
+    assert tune["step"] == 2 and "deferred" not in tune["outcome"]  # settled: carried out
+    # The tuning relaunch went at the checkpoint after its decision, resuming from it: no step lost.
+    assert tune_entry["payload"]["resume_step"] >= 4 > tune["step"]
+    assert "tuning relaunch at the step-4 checkpoint" in tune_entry["payload"]["reason"]
+    assert tune_entry["payload"]["cost"]["relaunch"] is True
+    assert "clock" in tune_entry["payload"]  # it was journalled as waiting, at that engine clock
+    # The divergence went at once: its rollback was journalled as an intent with the decision, in the
+    # same transaction (never waiting), and restarted from the known-good step-4 checkpoint.
+    journal = Store(state).journal("run")
+    rollback = next(j for j in journal if j.kind == "rollback" and j.decision_id == div["id"])
+    assert "clock" not in rollback.payload and abs(rollback.created - div["created"]) < 0.1
+    restart = next(j for j in journal if j.kind == "restart" and j.decision_id == div["id"])
+    assert restart.payload["resume_step"] == 4 and restart.status == "done"
+    started = [e for e in rundir.iter_events(run, ["started"]) if e.get("resumed_from") == 4]
+    assert len(started) == 2  # the tuning relaunch and the rollback, each resumed from step 4
+    launches = [_args(x["command"]) for x in rundir.read_run_json(run)["launches"]]
+    assert len(launches) == 3 and launches[0][KL] == "0.1" and launches[1][KL] == "0.2" == launches[2][KL]
 
 
 # -- the daemon: `mode:` per run in daemon.yaml ----------------------------------------------------
@@ -729,7 +787,8 @@ def _example_verl_run() -> dict:
 def _daemon_yaml(path: Path, state: Path, runs: list[dict], rules: Path | None = None) -> Path:
     import yaml
 
-    doc: dict = {"state_dir": str(state), "tick_s": 0.2, "runs": runs}
+    # Tuning relaunches wait for the next checkpoint only: these runs are a few steps long.
+    doc: dict = {"state_dir": str(state), "tick_s": 0.2, "runs": runs, "controller": {"tuning_relaunch_every": 0}}
     if rules is not None:
         doc["rules"] = [str(rules)]
     path.write_text(yaml.safe_dump(doc))

@@ -98,15 +98,16 @@ class MetricsExporter:
     def update(self, step: int, data: Mapping[str, float]) -> None:
         """Set the gauges of one step from verl-keyed data; keys outside the catalog are skipped."""
         with self._lock:
-            for raw, value in data.items():
-                key = catalog.canonical_key(raw)
-                if key is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-                    if raw not in self._unknown_logged:
-                        self._unknown_logged.add(raw)
-                        log.debug("not exported (not in the catalog or not a number): %s", raw)
-                    continue
-                self._gauges[key].labels(self.run_id).set(float(value))
-            if not any(catalog.canonical_key(k) == "training/global_step" for k in data):
+            # The rules' own mapping: the best-ranked key wins, and the KL loss stands in for the KL
+            # penalty a run without use_kl_in_reward lacks, so ppo_kl_mean is the KL the rules judge.
+            shorts = catalog.to_short(data)
+            for short, value in shorts.items():
+                self._gauges[catalog.BY_SHORT[short].key].labels(self.run_id).set(value)
+            for raw in data:
+                if not catalog.sources_of(raw) and raw not in self._unknown_logged:
+                    self._unknown_logged.add(raw)
+                    log.debug("not exported (not in the catalog): %s", raw)
+            if "step" not in shorts:
                 self._gauges["training/global_step"].labels(self.run_id).set(float(step))
             self._last_update.labels(self.run_id).set(self._clock())
 

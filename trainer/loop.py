@@ -478,6 +478,7 @@ class Trainer:
         n = cfg.actor_rollout_ref.rollout.n
         examples = [e for e in examples for _ in range(n)]
         p_ids, p_mask = ppo.encode_prompts(self.tokenizer, [e.prompt for e in examples], cfg.data.max_prompt_length)
+        sampled: list[torch.Tensor] = []
         if cfg.data.offline:
             responses = ppo.encode_responses(self.tokenizer, [e.response or "" for e in examples],
                                              cfg.data.max_response_length)
@@ -485,14 +486,18 @@ class Trainer:
             self.policy.eval()
             responses = ppo.generate(self.policy, p_ids, p_mask, cfg.data.max_response_length,
                                      self.tokenizer.eos_id, self.tokenizer.pad_id,
-                                     temperature=cfg.actor_rollout_ref.rollout.temperature, generator=self.gen)
+                                     temperature=cfg.actor_rollout_ref.rollout.temperature, generator=self.gen,
+                                     log_probs_out=sampled)
         texts = [self.tokenizer.decode(r) for r in responses.tolist()]
         low, high = cfg.algorithm.reward_clip
         scores = []
         for e, text in zip(examples, texts, strict=True):
             s = e.reward if (cfg.data.offline and e.reward is not None) else data_mod.score(text, e.ground_truth)
             scores.append(min(max(s, low), high))
-        return ppo.assemble(self.tokenizer, p_ids, p_mask, responses, torch.tensor(scores), texts)
+        ro = ppo.assemble(self.tokenizer, p_ids, p_mask, responses, torch.tensor(scores), texts)
+        if sampled:
+            ro.rollout_log_prob = sampled[0][:, : responses.shape[1]]
+        return ro
 
     def train_step(self, idx: list[int]) -> dict[str, float]:
         """Rollout, advantages, actor and critic updates for one batch; returns step metrics."""
@@ -508,6 +513,7 @@ class Trainer:
         ro.values = ppo.values_of(self.critic, ro, cfg.critic.ppo_mini_batch_size)
         # -- KL penalty in the reward, then GAE
         metrics = ppo.apply_kl_penalty(ro, self.kl_ctrl, cfg.algorithm.kl_penalty, cfg.algorithm.use_kl_in_reward)
+        metrics.update(ppo.rollout_mismatch(ro))
         metrics["actor/reward_kl_penalty_std"] = self.kl_std.push(metrics["actor/reward_kl_penalty"])
         ppo.compute_advantages(ro, cfg.algorithm.gamma, cfg.algorithm.lam)
         # -- updates (critic first, as verl does); OOM may come from any micro batch

@@ -43,8 +43,11 @@ class Rollout:
     """(B, R) float mask of valid response tokens."""
     scores: torch.Tensor
     """(B,) task scores after reward clipping."""
+    rollout_log_prob: torch.Tensor = field(default_factory=lambda: torch.empty(0))
+    """(B, R) log-probs of the sampled tokens as the sampler computed them (incremental decoding with
+    a KV cache, like a rollout engine); empty offline."""
     old_log_prob: torch.Tensor = field(default_factory=lambda: torch.empty(0))
-    """(B, R) log-probs of the policy that sampled."""
+    """(B, R) log-probs of the policy that sampled, recomputed by the trainer in one forward pass."""
     ref_log_prob: torch.Tensor = field(default_factory=lambda: torch.empty(0))
     """(B, R) log-probs of the reference (SFT) policy."""
     values: torch.Tensor = field(default_factory=lambda: torch.empty(0))
@@ -99,12 +102,17 @@ def response_mask_of(responses: torch.Tensor, eos_id: int) -> torch.Tensor:
 @torch.no_grad()
 def generate(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new: int,
              eos_id: int, pad_id: int, temperature: float = 1.0, generator: torch.Generator | None = None,
-             greedy: bool = False) -> torch.Tensor:
-    """Sample (or greedily decode) up to ``max_new`` tokens; after EOS a row is padded."""
+             greedy: bool = False, log_probs_out: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Sample (or greedily decode) up to ``max_new`` tokens; after EOS a row is padded.
+
+    ``log_probs_out``, when given, receives the (B, R) log-probs of the chosen tokens as computed
+    while sampling (what verl's rollout engine reports as ``rollout_log_probs``).
+    """
     ids, mask = prompt_ids, prompt_mask
     batch = ids.shape[0]
     done = torch.zeros(batch, dtype=torch.bool)
     out = torch.full((batch, max_new), pad_id, dtype=torch.long)
+    logp = torch.zeros((batch, max_new))
     past = None
     for t in range(max_new):
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -121,6 +129,9 @@ def generate(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
             probs = torch.softmax(logits / temperature, dim=-1)
             nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+        if log_probs_out is not None:
+            lp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, nxt[:, None]).squeeze(-1)
+            logp[:, t] = torch.where(done, torch.zeros_like(lp), lp)
         out[:, t] = nxt
         done |= nxt == eos_id
         ids = torch.cat([ids, nxt[:, None]], dim=1)
@@ -129,7 +140,24 @@ def generate(policy: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
         if bool(done.all()):
             out = out[:, :max_new]
             break
+    if log_probs_out is not None:
+        log_probs_out.append(logp)
     return out
+
+
+def rollout_mismatch(ro: Rollout) -> dict[str, float]:
+    """verl's training-inference mismatch metric (``verl.utils.debug.metrics``): how far the
+    sampler's token probabilities are from the trainer's recomputed ones; {} offline."""
+    if ro.rollout_log_prob.numel() == 0:
+        return {}
+    from verl.protocol import DataProto
+    from verl.utils.debug.metrics import calculate_debug_metrics
+
+    m = calculate_debug_metrics(DataProto.from_dict(tensors={
+        "rollout_log_probs": ro.rollout_log_prob, "old_log_probs": ro.old_log_prob,
+        "response_mask": ro.response_mask, "responses": ro.responses,
+    }))
+    return {"training/rollout_probs_diff_mean": float(m["training/rollout_probs_diff_mean"])}
 
 
 def assemble(tokenizer: CharTokenizer, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

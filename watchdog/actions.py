@@ -5,12 +5,15 @@ actuator) carries them out: a live ``set`` through control.json, a restart-only 
 by relaunching with the override, a rollback to the last known-good checkpoint.
 
 Only known tunable keys may be set (:data:`TUNABLE_KEYS`): a typo in a rule file must
-fail the rule check, not silently write an override the trainer ignores.
+fail the rule check, not silently write an override the trainer ignores. One key is not
+verl's: ``kl_coef`` is the coefficient of the KL term the run actually has (the reward
+penalty's ``algorithm.kl_ctrl.kl_coef``, or the KL loss's ``actor_rollout_ref.actor.kl_loss_coef``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,11 @@ class TunableKey:
     """Values are whole numbers (results of scale/add are rounded)."""
     metric: str | None = None
     """Catalog short name whose value is the key's current value, when one is logged."""
+    metric_first: bool = False
+    """The logged metric is the truth, over the config and the overrides (an adaptive KL controller
+    or a fault moves the KL coefficient away from what was configured)."""
+    verl_default: float | None = None
+    """verl's own default (verl/trainer/config), what a run uses when its command does not set the key."""
 
 
 _INTEGER_KEYS = {
@@ -43,6 +51,32 @@ _METRIC_OF = {
     "critic.optim.lr": "critic_lr",
     "actor_rollout_ref.actor.kl_loss_coef": "kl_loss_coef",
 }
+_METRIC_FIRST = {"algorithm.kl_ctrl.kl_coef"}
+#: verl 0.9's defaults (actor/actor.yaml, critic/critic.yaml, ppo_trainer.yaml).
+_VERL_DEFAULTS = {
+    "algorithm.kl_ctrl.kl_coef": 0.001,
+    "actor_rollout_ref.actor.kl_loss_coef": 0.001,
+    "actor_rollout_ref.actor.optim.lr": 1e-6,
+    "critic.optim.lr": 1e-5,
+    "actor_rollout_ref.actor.ppo_epochs": 1,
+    "critic.ppo_epochs": 1,
+    "actor_rollout_ref.actor.entropy_coeff": 0.0,
+    "actor_rollout_ref.actor.clip_ratio": 0.2,
+}
+KL_COEF = "kl_coef"
+"""Not a verl key: the coefficient of whichever KL term the run logs (:func:`resolve_key`)."""
+KL_LOSS_METRIC = "actor/kl_loss"
+
+
+def resolve_key(key: str, signals: Mapping[str, str]) -> str:
+    """The verl key a rule's key means for this run: ``kl_coef`` is ``algorithm.kl_ctrl.kl_coef``
+    (KL in the reward) unless the run's KL signal is verl's KL loss (``use_kl_loss``), whose
+    coefficient is ``actor_rollout_ref.actor.kl_loss_coef``; every other key is itself."""
+    if key != KL_COEF:
+        return key
+    if signals.get("kl") == KL_LOSS_METRIC:
+        return "actor_rollout_ref.actor.kl_loss_coef"
+    return "algorithm.kl_ctrl.kl_coef"
 #: Keys no trainer changes mid-run (they shape batches, buffers or the rollout engine's
 #: memory): the controller applies them by restart with a Hydra override + resume.
 RESTART_KEYS: tuple[TunableKey, ...] = (
@@ -60,10 +94,12 @@ RESTART_KEYS: tuple[TunableKey, ...] = (
 )
 TUNABLE_KEYS: dict[str, TunableKey] = {
     **{
-        k: TunableKey(k, live=True, integer=k in _INTEGER_KEYS, metric=_METRIC_OF.get(k))
+        k: TunableKey(k, live=True, integer=k in _INTEGER_KEYS, metric=_METRIC_OF.get(k),
+                      metric_first=k in _METRIC_FIRST, verl_default=_VERL_DEFAULTS.get(k))
         for k in rundir.LIVE_KEYS
     },
     **{t.key: t for t in RESTART_KEYS},
+    KL_COEF: TunableKey(KL_COEF, live=True, metric="kl_coef", metric_first=True, verl_default=0.001),
 }
 
 SET_OPS = ("scale", "add", "to")
@@ -83,6 +119,10 @@ class SetAction:
     """Lower bound of the result."""
     max: float | None = None
     """Upper bound of the result (the cap that keeps repeated raising safe)."""
+    grow: bool = False
+    """Compound the scale with each repeat of the same cause: the n-th fire within the rule's
+    budget scales by ``value ** n`` (x0.5, then x0.25, then x0.125): a remedy that was too weak
+    once is made stronger, not repeated."""
 
     kind = "set"
 
@@ -98,10 +138,14 @@ class SetAction:
         t = TUNABLE_KEYS.get(self.key)
         return bool(t and t.live)
 
-    def apply(self, current: float) -> float:
+    def factor(self, repeat: int = 1) -> float:
+        """The scale of the ``repeat``-th fire (1-based): ``value``, or ``value ** repeat`` when growing."""
+        return self.value ** max(1, repeat) if self.grow else self.value
+
+    def apply(self, current: float, repeat: int = 1) -> float:
         """The new value from the current one (clamped; whole numbers for integer keys)."""
         if self.op == "scale":
-            new = current * self.value
+            new = current * self.factor(repeat)
         elif self.op == "add":
             new = current + self.value
         else:
@@ -135,6 +179,7 @@ class SetAction:
         sym = {"scale": "x", "add": "+" if self.value >= 0 else "", "to": "= "}[self.op]
         bounds = [f"min {_fmt(self.min)}"] if self.min is not None else []
         bounds += [f"max {_fmt(self.max)}"] if self.max is not None else []
+        bounds += ["growing"] if self.grow else []
         tail = f" ({', '.join(bounds)})" if bounds else ""
         return f"set {self.key} {sym}{_fmt(self.value)}{tail}"
 
@@ -144,6 +189,8 @@ class SetAction:
             d["min"] = self.min
         if self.max is not None:
             d["max"] = self.max
+        if self.grow:
+            d["grow"] = True
         return d
 
 
@@ -221,7 +268,7 @@ def action_from_json(d: dict[str, Any]) -> Action:
     """Inverse of ``to_json`` (for persisted decisions); ValueError on an unknown kind."""
     kind = d.get("kind")
     if kind == "set":
-        return SetAction(d["key"], d["op"], float(d["value"]), d.get("min"), d.get("max"))
+        return SetAction(d["key"], d["op"], float(d["value"]), d.get("min"), d.get("max"), bool(d.get("grow", False)))
     if kind == "rollback":
         return RollbackAction(int(d.get("skip_batches", 0)))
     if kind == "checkpoint":

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import rundir
+from watchdog.planner import MICRO_BATCH_KEYS, MINI_BATCH_OF, config_value, snap_micro_batch
 from watchdog.store import ActionRecord, BadSpan, RunRecord, Store
 from watchdog.supervisor import Backend, BackendUnavailable, TrainerProcess
 
@@ -41,14 +42,6 @@ log = logging.getLogger(__name__)
 
 RESUME_MODE = "trainer.resume_mode"
 RESUME_PATH = "trainer.resume_from_path"
-MICRO_BATCH_KEYS = (
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-    "critic.ppo_micro_batch_size_per_gpu",
-)
-MINI_BATCH_OF = {
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "actor_rollout_ref.actor.ppo_mini_batch_size",
-    "critic.ppo_micro_batch_size_per_gpu": "critic.ppo_mini_batch_size",
-}
 
 
 class ActuatorError(RuntimeError):
@@ -75,16 +68,6 @@ def restart_command(base: Sequence[str], overrides: dict[str, Any], resume_path:
     if resume_path:
         out += [f"{RESUME_MODE}=resume_path", f"{RESUME_PATH}={resume_path}"]
     return out
-
-
-def snap_micro_batch(value: int, mini_batch: int | None) -> int:
-    """The largest micro-batch <= ``value`` that divides the mini batch (the trainer insists), at least 1."""
-    value = max(1, int(value))
-    if not mini_batch or mini_batch < 1:
-        return value
-    while value > 1 and mini_batch % value:
-        value -= 1
-    return value
 
 
 def choose_known_good(checkpoints: Sequence[Any], spans: Sequence[BadSpan]) -> Any | None:
@@ -405,6 +388,7 @@ class Actuator:
                     and h.proc is not None and h.proc.alive():
                 self._finish(h, entry, "failed", error=p["refused"])  # nothing left worth a restart
                 return
+        stopped_ts = time.time()
         code = self.stop(h)
         if p.get("resume") == "scratch":
             # Start over from the initial weights: nothing saved on the abandoned timeline (the
@@ -440,7 +424,17 @@ class Actuator:
             notes += f"; skipped {skip} batches"
         who = f"ray job {h.run.job_id}" if h.run.job_id else f"pid {h.run.pid}"
         self._finish(h, entry, "done", outcome=f"restarted from {where} ({who}, prior exit {code}){notes}",
-                     pid=h.run.pid, job_id=h.run.job_id, resume_step=p.get("resume_step"), exit_code=code)
+                     pid=h.run.pid, job_id=h.run.job_id, resume_step=p.get("resume_step"), exit_code=code,
+                     stopped_ts=stopped_ts)
+
+    def _drive_stop(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
+        """Nothing is left to try and no human waits: stop the trainer and end the run with a verdict."""
+        code = self.stop(h)
+        verdict = str(entry.payload.get("verdict", "escalated"))
+        h.run.phase = "stopped"
+        self.store.update_run(h.run.run_id, phase="stopped")
+        log.warning("%s: run stopped by the watchdog: %s", h.run.run_id, verdict)
+        self._finish(h, entry, "done", outcome=f"run stopped (trainer exit {code}): {verdict}", exit_code=code)
 
     def _drive_rollback(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
         p = dict(entry.payload)
@@ -570,13 +564,4 @@ def run_config(run_dir: str | Path) -> dict[str, Any]:
     return cfg if isinstance(cfg, dict) else {}
 
 
-def config_value(cfg: dict[str, Any], dotted: str) -> Any | None:
-    """A dotted key from a nested (or already flat) config snapshot."""
-    if dotted in cfg:
-        return cfg[dotted]
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
+

@@ -131,6 +131,14 @@ def run_cmd(
     startup_timeout: Annotated[float, typer.Option(help="Seconds allowed until the first step.")] = 600.0,
     live_timeout: Annotated[float, typer.Option(help="Seconds for a live change to be applied.")] = 60.0,
     stop_grace: Annotated[float, typer.Option(help="SIGTERM grace before SIGKILL.")] = 15.0,
+    tuning_relaunch_every: Annotated[int, typer.Option(
+        min=0, help="Steps trained between two relaunches made only for tuning sets (they wait for the next "
+                    "checkpoint and are merged); divergence and OOM relaunches go at once.")] = 100,
+    startup_s: Annotated[float, typer.Option(
+        min=0.0, help="Seconds a relaunch costs before the run has measured its own (pricing).")] = 240.0,
+    on_escalate: Annotated[str, typer.Option(
+        "--on-escalate", help="When a human is needed: pause (wait for `watchdog resume`), stop (end the run "
+                              "with a verdict), or continue (alert only).")] = "pause",
     report: Annotated[bool, typer.Option(help="Write report.html and report.png into the run dir.")] = True,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
@@ -155,13 +163,19 @@ def run_cmd(
         if src.kind == "prometheus" and not any(s.startswith("trainer.metrics_port=") for s in sets or []):
             cmd.append("trainer.metrics_port=-1")  # Prometheus must scrape it: any free port, in run.json
     _prepare_mode(mode, cmd, rd, run_metrics_port)
-    wd = build_watchdog(
-        state_dir or state_dir_default(), rules, webhook_url,
-        controller={"restart_budget": restart_budget, "oom_retry_budget": oom_retries,
-                    "heartbeat_min_s": heartbeat_min, "startup_timeout_s": startup_timeout},
-        actuator={"live_timeout_s": live_timeout, "stop_grace_s": stop_grace},
-        metrics_port=metrics_port, crash_hook=_crash_hook(),
-    )
+    try:
+        wd = build_watchdog(
+            state_dir or state_dir_default(), rules, webhook_url,
+            controller={"restart_budget": restart_budget, "oom_retry_budget": oom_retries,
+                        "heartbeat_min_s": heartbeat_min, "startup_timeout_s": startup_timeout,
+                        "tuning_relaunch_every": tuning_relaunch_every, "startup_s": startup_s,
+                        "on_escalate": on_escalate},
+            actuator={"live_timeout_s": live_timeout, "stop_grace_s": stop_grace},
+            metrics_port=metrics_port, crash_hook=_crash_hook(),
+        )
+    except ValueError as exc:  # a bad setting (--on-escalate maybe): said, not a traceback
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
     try:
         ctl = wd.add_run(rd, command=cmd, ray_address=ray_address, source=src)
     except SupervisorError as exc:

@@ -1,7 +1,8 @@
 """One run's control loop: tail -> rules engine -> decisions -> actuator, one tick at a time.
 
-The pure half (:func:`plan_decision`, :func:`heartbeat_timeout`, :func:`classify_exit`,
-:func:`span_start`) takes data and returns data; :class:`RunController` is the thin shell
+The pure half (:func:`heartbeat_timeout`, :func:`classify_exit`, :func:`span_start`, and
+:mod:`watchdog.planner` and :mod:`watchdog.pricing`, shared with replay and eval) takes data
+and returns data; :class:`RunController` is the thin shell
 that reads the run directory, persists to the store and hands journal entries to the
 :class:`~watchdog.actuator.Actuator`.
 
@@ -23,36 +24,32 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from trainer import catalog, rundir
-from watchdog.actuator import (
+from watchdog.actuator import Actuator, RunHandle, run_config
+from watchdog.engine import BLIND_AFTER_STEPS
+from watchdog.planner import (
     MICRO_BATCH_KEYS,
     MINI_BATCH_OF,
-    Actuator,
-    RunHandle,
+    ON_ESCALATE,
+    PlanContext,
+    Planned,
     config_value,
-    run_config,
+    plan_decision,
     snap_micro_batch,
 )
-from watchdog.store import OPEN_ACTION_STATUSES, RunRecord, Store
+from watchdog.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
+from watchdog.store import OPEN_ACTION_STATUSES, ActionRecord, RunRecord, Store
 from watchdog.supervisor import Backend, SupervisorError
 
 log = logging.getLogger(__name__)
 
 STATE_VERSION = 1
+#: Phases after which a run needs no more watching (``stopped``: ended by the watchdog with a verdict).
+DONE_PHASES = ("finished", "failed", "stopped")
 #: Rule names of the controller's own decisions (not from a rule file).
 RULE_OOM = "watchdog:oom"
 RULE_CRASH = "watchdog:crash"
 RULE_HANG = "watchdog:hang"
 RULE_BUDGET = "watchdog:budget"
-
-#: Keys whose current value is best read from the trainer's own metric (a fault or an
-#: adaptive controller may have moved it away from the config).
-_METRIC_FIRST = {"algorithm.kl_ctrl.kl_coef": "actor/reward_kl_penalty_coeff"}
-_METRIC_FALLBACK = {
-    "actor_rollout_ref.actor.optim.lr": "actor/lr",
-    "critic.optim.lr": "critic/lr",
-    "actor_rollout_ref.actor.kl_loss_coef": "actor/kl_coef",
-}
-
 
 @dataclass
 class ControllerConfig:
@@ -75,6 +72,12 @@ class ControllerConfig:
     the checkpoint at step N holds the weights that produced step N+1's diverged metrics."""
     live_keys: tuple[str, ...] = rundir.LIVE_KEYS
     """Keys the trainer changes at a step boundary; others go by restart."""
+    tuning_relaunch_every: int = 100
+    """Steps trained between two relaunches made only for tuning sets (at most one per this many)."""
+    startup_s: float = DEFAULT_STARTUP_S
+    """Cost of a relaunch before the run has measured its own (stop to first new step), seconds."""
+    on_escalate: str = "pause"
+    """What a pause for a human becomes: pause (wait for `watchdog resume`), stop (end with a verdict), continue."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_min_s <= 0 or self.heartbeat_factor <= 0:
@@ -82,16 +85,14 @@ class ControllerConfig:
                              f"{self.heartbeat_min_s}, {self.heartbeat_factor}")
         if self.restart_budget < 0 or self.oom_retry_budget < 0:
             raise ValueError("budgets must be >= 0")
+        if self.on_escalate not in ON_ESCALATE:
+            raise ValueError(f"on_escalate must be one of {', '.join(ON_ESCALATE)}, got {self.on_escalate!r}")
+        RelaunchPolicy(self.tuning_relaunch_every)  # validates the spacing
 
-
-@dataclass
-class Planned:
-    """One journal entry to write for a decision."""
-
-    kind: str
-    """live_set | restart | rollback | command | notify."""
-    payload: dict[str, Any]
-    """What the actuator needs to carry it out."""
+    @property
+    def relaunch_policy(self) -> RelaunchPolicy:
+        """When a tuning relaunch may go."""
+        return RelaunchPolicy(self.tuning_relaunch_every)
 
 
 # -- pure core ------------------------------------------------------------------------
@@ -118,99 +119,13 @@ def classify_exit(code: int | None, saw_finished: bool, saw_oom: bool) -> str:
     return "crash"
 
 
-def span_start(fire_step: int, for_steps: int, margin: int) -> int:
-    """First step whose checkpoint is suspect when a divergence rule fires at ``fire_step``."""
-    return fire_step - max(1, for_steps) + 1 - max(0, margin)
-
-
-def action_kind(action: Any) -> str:
-    """set | rollback | checkpoint | pause | notify for an engine action object."""
-    name = type(action).__name__.lower()
-    for kind in ("set", "rollback", "checkpoint", "pause", "notify"):
-        if name.startswith(kind):
-            return kind
-    raise ValueError(f"unknown action type {type(action).__name__}")
-
-
-def current_value(key: str, overrides: Mapping[str, Any], latest: Mapping[str, Any], config: Mapping[str, Any]) -> float | None:
-    """The value a ``set`` starts from: metric (where it is the truth), override, config, metric."""
-    if key in _METRIC_FIRST and _finite(latest.get(_METRIC_FIRST[key])):
-        return float(latest[_METRIC_FIRST[key]])
-    if key in overrides:
-        return float(overrides[key])
-    v = config_value(dict(config), key)
-    if isinstance(v, (int, float)) and not isinstance(v, bool):
-        return float(v)
-    m = _METRIC_FALLBACK.get(key)
-    if m and _finite(latest.get(m)):
-        return float(latest[m])
-    return None
-
-
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and catalog.is_finite(float(v))
 
 
-def _set_value(key: str, new: float, config: Mapping[str, Any]) -> float | int:
-    if key in MICRO_BATCH_KEYS:
-        mini = config_value(dict(config), MINI_BATCH_OF[key])
-        return snap_micro_batch(int(round(new)), int(mini) if mini is not None else None)
-    if key.endswith("ppo_epochs"):
-        return max(1, int(round(new)))
-    return float(new)
-
-
-def plan_decision(
-    decision: Any, overrides: Mapping[str, Any], latest: Mapping[str, Any], config: Mapping[str, Any],
-    live_keys: Sequence[str], alive: bool,
-) -> list[Planned]:
-    """Journal entries for one decision (pure: values in, entries out)."""
-    if decision.kind == "resolve":
-        return []
-    rule, severity, message = decision.rule, getattr(decision, "severity", ""), getattr(decision, "message", "")
-    base = {"rule": rule, "step": decision.step}
-    sets: dict[str, Any] = {}
-    rollback: Any = None
-    out: list[Planned] = []
-    for action in decision.actions:
-        kind = action_kind(action)
-        if kind == "set":
-            cur = current_value(action.key, {**overrides, **sets}, latest, config)
-            if cur is None:
-                log.warning("rule %s: no current value for %s; skipping the set", rule, action.key)
-                continue
-            sets[action.key] = _set_value(action.key, action.apply(cur), config)
-        elif kind == "rollback":
-            rollback = action
-        elif kind == "checkpoint":
-            out.append(Planned("command", {**base, "command": {"id": "", "kind": "checkpoint"}}))
-        elif kind == "pause":
-            reason = getattr(action, "reason", "") or message
-            out.append(Planned("command", {**base, "command": {"id": "", "kind": "pause"}, "pause": True}))
-            out.append(Planned("notify", {**base, "severity": severity or "critical",
-                                          "summary": f"{rule}: training paused, a human is needed",
-                                          "description": reason}))
-        elif kind == "notify":
-            out.append(Planned("notify", {**base, "severity": severity or "warning",
-                                          "summary": f"{rule}: {getattr(action, 'message', '') or message}",
-                                          "description": message}))
-    if rollback is not None:
-        # The sets follow the rollback (a restored checkpoint brings back the old lr / kl_coef).
-        out.insert(0, Planned("rollback", {**base, "skip_batches": int(getattr(rollback, "skip_batches", 0)),
-                                           "set": sets}))
-    elif sets:
-        live = {k: v for k, v in sets.items() if k in live_keys}
-        restart = {k: v for k, v in sets.items() if k not in live_keys}
-        if restart:
-            out.insert(0, Planned("restart", {**base, "set": sets, "resume": "latest",
-                                              "reason": f"{rule}: {', '.join(restart)} need a restart"}))
-        elif live:
-            out.insert(0, Planned("live_set", {**base, "set": live}))
-    if decision.kind == "escalate" and not any(p.payload.get("pause") for p in out):
-        out.append(Planned("command", {**base, "command": {"id": "", "kind": "pause"}, "pause": True}))
-        out.append(Planned("notify", {**base, "severity": "critical", "summary": f"{rule}: escalated to a human",
-                                      "description": message}))
-    return out
+def span_start(fire_step: int, for_steps: int, margin: int) -> int:
+    """First step whose checkpoint is suspect when a divergence rule fires at ``fire_step``."""
+    return fire_step - max(1, for_steps) + 1 - max(0, margin)
 
 
 # -- the rules engine, behind a narrow interface ---------------------------------------
@@ -320,7 +235,14 @@ class RunController:
         self.window = rules.new_window(self.config.window_size)
         self.state = rules.state_from_json(saved["engine"]) if saved.get("engine") else rules.initial_state()
         self._rebuild_window(saved.get("tailer"))
-        self.latest: dict[str, Any] = {}
+        self.latest: dict[str, float] = {}
+        """The newest logged value of each metric, by catalog short name (what a set starts from)."""
+        ctl = saved.get("controller") or {}
+        self._last_checkpoint: int | None = ctl.get("last_checkpoint")
+        """Step of the newest checkpoint event (a tuning relaunch waits for one)."""
+        self._last_tuning_clock: int | None = ctl.get("last_tuning_relaunch")
+        """Engine clock at the last relaunch made for tuning only."""
+        self._blind_warned = bool(ctl.get("blind_warned"))
         self._step_times: list[float] = []
         self._saw_finished = False
         self._saw_oom: dict[str, Any] | None = None
@@ -328,7 +250,8 @@ class RunController:
         # True from a rollback (or restart from a checkpoint) being decided until the metrics show
         # the trainer back on an earlier step: divergence rules keep firing on the abandoned steps
         # meanwhile, and those fires are the same divergence, not a new one.
-        self._rewind_pending = any(e.kind in ("rollback", "restart") for e in store.open_actions(run_id))
+        self._rewind_pending = any(e.kind in ("rollback", "restart") and e.status != "waiting"
+                                   for e in store.open_actions(run_id))
         self._rewind_to: int | None = None
         """Step the trainer went back to (its rollback / started event); the next step there ends the wait."""
         # launched_ts of the launch whose first step has been seen; until then the (long)
@@ -405,7 +328,7 @@ class RunController:
         if self.latest:
             self.telemetry.data_age(self.run.run_id, max(0.0, now - (self.run.last_progress_ts or now)))
         self._publish_rule_states()
-        result.done = self.run.phase in ("finished", "failed")
+        result.done = self.run.phase in DONE_PHASES
         return result
 
     def _handle_events(self, events: list[dict[str, Any]], now: float) -> None:
@@ -426,6 +349,8 @@ class RunController:
                 self._set_phase("running")
             elif kind == "finished":
                 self._saw_finished = True
+            elif kind == "checkpoint" and isinstance(e.get("step"), int):
+                self._last_checkpoint = int(e["step"])
             elif kind == "oom":
                 self._saw_oom = e
             elif kind == "started":
@@ -451,9 +376,7 @@ class RunController:
                 self._rewind_pending, self._rewind_to = False, None
             self.window.append_record(rec)
             data = rec.get("data", {})
-            self.latest.update(data)
-            # Older verl keys (critic/kl_coeff) stand in for the current ones (actor/reward_kl_penalty_coeff).
-            self.latest.update({k: v for a, v in data.items() if (k := catalog.canonical_key(a)) and k not in data})
+            self.latest.update(catalog.to_short(data if isinstance(data, Mapping) else {}))
             t = data.get("perf/time_per_step")
             if _finite(t):
                 self._step_times = (self._step_times + [float(t)])[-50:]
@@ -461,6 +384,8 @@ class RunController:
             self.run.last_step = step
             if self._started_ts is not None and self._started_ts >= (self.run.launched_ts or 0):
                 # A step from the process launched last (not a stale line of the one stopped before).
+                if self._launch_seen != self.run.launched_ts:
+                    self._measure_startup(now)
                 self._launch_seen = self.run.launched_ts
             self._events_since_eval = False
             decisions += self._run_engine(step, result)
@@ -476,7 +401,17 @@ class RunController:
             decisions += self._run_engine(step, result)
         return decisions
 
+    def _warn_blind(self) -> None:
+        """Once per run, a few steps in: the rules that read a metric this run does not log, and why."""
+        self._blind_warned = True
+        from watchdog.engine import blind_rules, describe_blind
+
+        for line in describe_blind(blind_rules(getattr(self.rules, "ruleset", ()), self.window.sources)):
+            log.warning("%s: %s", self.run.run_id, line)
+
     def _run_engine(self, step: int, result: TickResult) -> list[Any]:
+        if not self._blind_warned and len(self.window.steps()) >= BLIND_AFTER_STEPS:
+            self._warn_blind()
         try:
             decisions, self.state = self.rules.evaluate(self.window, self.state, step)
         except Exception:  # recorded; the loop goes on with the old state
@@ -486,32 +421,51 @@ class RunController:
         result.new_steps.append(step)
         return list(decisions)
 
-    def _commit(self, decisions: list[Any], result: TickResult) -> None:
-        """Decisions, intents, engine state and offsets in one transaction (before acting)."""
-        cfg = run_config(self.run.run_dir)
-        alive = self.h.proc is not None and self.h.proc.alive()
+    def _plan_context(self, overrides: Mapping[str, Any], cfg: Mapping[str, Any]) -> PlanContext:
         # The trainer says what it can change live (run.json); without that, the configured list.
         # An empty list is an answer too: a zero-patch verl run changes nothing live.
         info = rundir.read_run_json(self.run.run_dir)
         live_keys = info["live_keys"] if isinstance(info.get("live_keys"), list) else self.config.live_keys
+        return PlanContext(overrides, self.latest, cfg, live_keys, dict(self.window.sources), self.config.on_escalate)
+
+    def cost_model(self) -> CostModel:
+        """This run's prices: its measured start-up (else the configured one) and median step time."""
+        times = sorted(self._step_times)
+        return CostModel(self.run.startup_s if self.run.startup_s is not None else self.config.startup_s,
+                         times[len(times) // 2] if times else 0.0)
+
+    def _steps_since_checkpoint(self) -> int:
+        if self.run.last_step is None:
+            return 0
+        return max(0, self.run.last_step - (self._last_checkpoint if self._last_checkpoint is not None else 0))
+
+    def _commit(self, decisions: list[Any], result: TickResult) -> None:
+        """Decisions, intents, engine state and offsets in one transaction (before acting)."""
+        cfg = run_config(self.run.run_dir)
         with self.store.transaction():
-            overrides = dict(self.run.overrides)
+            overrides = {**self.run.overrides, **self._waiting_sets()}
             for d in decisions:
-                planned = plan_decision(d, overrides, self.latest, cfg, live_keys, alive)
+                planned = plan_decision(d, self._plan_context(overrides, cfg))
                 covered = ""
-                if self.h.glue is not None:  # zero-patch: every set is a restart; one relaunch carries them all
-                    planned, covered = self._merge_into_pending_restart(planned)
-                if any(p.kind in ("rollback", "restart") for p in planned) and self._rollback_in_flight():
+                if self._saw_finished and any(p.kind != "notify" for p in planned):
+                    # The trainer wrote its last step and ended: nothing is left to change. Said, not done.
+                    covered = "too late: the trainer had finished"
+                    planned = [p for p in planned if p.kind == "notify"]
+                planned, merged = self._merge_into_pending_relaunch(planned)
+                covered = covered or merged
+                if any(p.relaunch for p in planned) and self._rollback_in_flight():
                     covered = "covered by the rollback in progress"
                     planned = []
                 for p in planned:
-                    overrides.update(p.payload.get("set", {}) if p.kind == "live_set" else {})
+                    if p.kind == "live_set" or self._deferrable(p):
+                        overrides.update(p.payload.get("set", {}))  # a repeat compounds on what is wanted
                 actions = [a.to_json() for a in d.actions]
                 did = self.store.add_decision(
                     self.run.run_id, d.step, d.rule, d.kind, actions, dict(d.inputs),
                     getattr(d, "severity", ""), getattr(d, "message", ""),
                     status="pending" if planned else "skipped",
                     outcome="" if planned else covered or ("resolved" if d.kind == "resolve" else "no action"),
+                    signals=dict(getattr(d, "signals", {}) or {}),
                 )
                 result.decisions.append(did)
                 if d.kind == "escalate":
@@ -520,23 +474,128 @@ class RunController:
                     start = span_start(d.step, self.rules.for_steps(d.rule), self.config.rollback_margin_steps)
                     self.store.open_bad_span(self.run.run_id, d.rule, start, did)
                 for p in planned:
-                    if p.kind in ("rollback", "restart"):
-                        self._rewind_pending = True
-                    if p.kind == "command":
-                        aid = self.store.add_action(self.run.run_id, p.kind, p.payload, decision_id=did)
-                        cmd = {**p.payload["command"], "id": f"c{aid}"}
-                        self.store.update_action(aid, payload={**p.payload, "command": cmd})
-                    else:
-                        self.store.add_action(self.run.run_id, p.kind, p.payload, decision_id=did)
-                    if p.payload.get("pause"):
-                        self._set_phase("escalated" if d.kind == "escalate" else "paused")
+                    self._journal(p, did, d.kind == "escalate")
+            self._release_waiting()
             self.store.save_engine_state(self.run.run_id, {
                 "version": STATE_VERSION, "engine": self.state.to_json(), "tailer": self.tailer.offsets,
+                "controller": {"last_checkpoint": self._last_checkpoint,
+                               "last_tuning_relaunch": self._last_tuning_clock, "blind_warned": self._blind_warned},
             })
             self.store.update_run(self.run.run_id, last_step=self.run.last_step,
                                   last_evaluated_step=result.new_steps[-1] if result.new_steps else
                                   self.run.last_evaluated_step,
                                   last_progress_ts=self.run.last_progress_ts)
+
+    @staticmethod
+    def _deferrable(p: Planned) -> bool:
+        """A relaunch wanted only for tuning: it waits for the next checkpoint."""
+        return p.kind == "restart" and p.payload.get("urgent") is False
+
+    def _journal(self, p: Planned, did: int, escalation: bool) -> None:
+        """Write one planned entry (priced; a tuning relaunch as ``waiting``)."""
+        payload = dict(p.payload)
+        if p.kind == "live_set":
+            payload["cost"] = CostModel.LIVE.to_json()
+        elif p.relaunch:
+            payload["cost"] = self.cost_model().relaunch(self._steps_since_checkpoint()).to_json()
+        if self._deferrable(p):
+            payload["clock"] = self.state.clock
+            self.store.add_action(self.run.run_id, p.kind, payload, decision_id=did, status="waiting")
+            self.store.set_decision(did, "pending", "deferred: waits for the next checkpoint (a relaunch "
+                                                    "loses the steps since the last one)")
+            return
+        if p.relaunch:
+            self._rewind_pending = True
+            payload = self._absorb_waiting(payload)
+        aid = self.store.add_action(self.run.run_id, p.kind, payload, decision_id=did)
+        if p.kind == "command":
+            self.store.update_action(aid, payload={**payload, "command": {**payload["command"], "id": f"c{aid}"}})
+        if p.relaunch:
+            self._settle_absorbed(aid)
+        if payload.get("pause"):
+            self._set_phase("escalated" if escalation else "paused")
+
+    # -- deferred tuning relaunches -------------------------------------------------------
+
+    def _waiting(self) -> list[ActionRecord]:
+        return [e for e in self.store.open_actions(self.run.run_id) if e.status == "waiting"]
+
+    def _waiting_sets(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for e in self._waiting():
+            out.update(e.payload.get("set", {}))
+        return out
+
+    def _as_waiting(self, entries: list[ActionRecord]) -> list[Waiting]:
+        return [Waiting(e.id, str(e.payload.get("rule", "")), int(e.payload.get("step", 0)), e.payload.get("set", {}))
+                for e in entries]
+
+    def _absorb_waiting(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """A relaunch that goes anyway carries every waiting set whose rule still fires (its own sets win)."""
+        entries = self._waiting()
+        if not entries:
+            return payload
+        rel = release(self._as_waiting(entries), firing=self.state.firing(), checkpoint_step=self._last_checkpoint,
+                      clock=self.state.clock, last_tuning_relaunch=self._last_tuning_clock,
+                      policy=self.config.relaunch_policy, relaunching=True)
+        self._drop(rel.dropped)
+        if rel.carry:
+            payload = {**payload, "set": {**rel.merged(), **payload.get("set", {})},
+                       "carried": [w.id for w in rel.carry]}
+        return payload
+
+    def _settle_absorbed(self, relaunch_id: int) -> None:
+        entry = self.store.get_action(relaunch_id)
+        for wid in (entry.payload.get("carried", []) if entry else []):
+            self._close(wid, "done", f"carried by the relaunch of journal {relaunch_id} (it went anyway)")
+
+    def _release_waiting(self) -> None:
+        """Waiting tuning sets: dropped when their rule stopped firing, carried at a checkpoint, merged."""
+        entries = self._waiting()
+        if not entries:
+            return
+        rel = release(self._as_waiting(entries), firing=self.state.firing(), checkpoint_step=self._last_checkpoint,
+                      clock=self.state.clock, last_tuning_relaunch=self._last_tuning_clock,
+                      policy=self.config.relaunch_policy, relaunching=False)
+        self._drop(rel.dropped)
+        if not rel.carry:
+            return
+        first = next(e for e in entries if e.id == rel.carry[0].id)
+        rules = sorted({w.rule for w in rel.carry})
+        payload = {**first.payload, "set": rel.merged(), "resume": "latest",
+                   "cost": self.cost_model().relaunch(self._steps_since_checkpoint()).to_json(),
+                   "reason": f"tuning relaunch at the step-{self._last_checkpoint} checkpoint "
+                             f"({len(rel.carry)} set(s) of {', '.join(rules)} merged)"}
+        self.store.update_action(first.id, status="intent", payload=payload)
+        for w in rel.carry[1:]:
+            self._close(w.id, "done", f"merged into the tuning relaunch of journal {first.id}")
+        self._last_tuning_clock = self.state.clock
+        self._rewind_pending = True
+        log.info("%s: %s", self.run.run_id, payload["reason"])
+
+    def _drop(self, dropped: Sequence[Waiting]) -> None:
+        for w in dropped:
+            self._close(w.id, "dropped", f"dropped: {w.rule} stopped firing while the set waited for a checkpoint")
+
+    def _close(self, action_id: int, status: str, outcome: str) -> None:
+        entry = self.store.get_action(action_id)
+        if entry is None:
+            return
+        self.store.update_action(action_id, status=status, result={**entry.result, "outcome": outcome})
+        if entry.decision_id is not None:
+            self.store.settle_decision(entry.decision_id)
+
+    def _measure_startup(self, now: float) -> None:
+        """The first step of a relaunch: what the relaunch cost, stop to this step (kept for pricing)."""
+        done = [e for e in self.store.journal(self.run.run_id) if e.kind == "restart" and e.status == "done"
+                and isinstance(e.result.get("stopped_ts"), (int, float))]
+        if not done or self.run.launched_ts is None or done[-1].result["stopped_ts"] > self.run.launched_ts:
+            return
+        startup = max(0.0, now - float(done[-1].result["stopped_ts"]))
+        self.run.startup_s = startup
+        self.store.update_run(self.run.run_id, startup_s=startup)
+        self.store.update_action(done[-1].id, result={**done[-1].result, "relaunch_s": round(startup, 3)})
+        log.info("%s: relaunch took %.1f s (stop to first new step)", self.run.run_id, startup)
 
     def _publish_rule_states(self) -> None:
         """Every rule's state for this run, every tick (a gauge set only on decisions would miss
@@ -548,8 +607,8 @@ class RunController:
         for name in names():
             self.telemetry.rule_state(self.run.run_id, name, rule(name).status)
 
-    def _merge_into_pending_restart(self, planned: list[Planned]) -> tuple[list[Planned], str]:
-        """Sets that need a restart join one not carried out yet (instead of being dropped as covered)."""
+    def _merge_into_pending_relaunch(self, planned: list[Planned]) -> tuple[list[Planned], str]:
+        """Sets that need a relaunch join one about to happen (not carried out yet) instead of waiting."""
         target = next((e for e in self.store.open_actions(self.run.run_id) if e.kind in ("restart", "rollback")
                        and e.status == "intent" and "resume_path" not in e.payload), None)
         if target is None:
@@ -564,7 +623,8 @@ class RunController:
 
     def _rollback_in_flight(self) -> bool:
         """A rollback or restart is open, or done but the trainer's metrics do not show it yet."""
-        entries = [e for e in self.store.journal(self.run.run_id) if e.kind in ("rollback", "restart")]
+        entries = [e for e in self.store.journal(self.run.run_id) if e.kind in ("rollback", "restart")
+                   and e.status not in ("waiting", "dropped")]
         if any(e.status in OPEN_ACTION_STATUSES for e in entries):
             return True
         return self._rewind_pending and bool(entries) and entries[-1].status == "done"
@@ -576,10 +636,12 @@ class RunController:
     # -- liveness ------------------------------------------------------------------------
 
     def _restart_open(self) -> bool:
-        return any(e.kind in ("restart", "rollback") for e in self.store.open_actions(self.run.run_id))
+        """A relaunch is under way (a deferred one waiting for a checkpoint is not)."""
+        return any(e.kind in ("restart", "rollback") and e.status != "waiting"
+                   for e in self.store.open_actions(self.run.run_id))
 
     def _watch_liveness(self, now: float) -> None:
-        if not self.run.managed or self.run.phase in ("finished", "failed", "new"):
+        if not self.run.managed or self.run.phase in (*DONE_PHASES, "new"):
             return
         proc = self.h.proc
         if self._restart_open():
@@ -597,6 +659,9 @@ class RunController:
                 log.info("%s: trainer finished (exit %s)", self.run.run_id, code)
                 self._set_phase("finished")
                 for e in self.store.open_actions(self.run.run_id):
+                    if e.status == "waiting":
+                        self._close(e.id, "dropped", "dropped: the run finished before the next checkpoint")
+                        continue
                     self.store.update_action(e.id, status="failed", result={**e.result,
                                              "error": f"run finished before the {e.kind} was confirmed"})
                     if e.decision_id is not None:
@@ -645,8 +710,9 @@ class RunController:
         inputs = {"exit_code": code, "micro_batch_size": failed_mb}
         with self.store.transaction():
             did = self._own_decision(RULE_OOM, f"out of memory at micro batch {failed_mb}: restart smaller", inputs)
-            self.store.add_action(self.run.run_id, "restart", {"rule": RULE_OOM, "resume": "latest", "set": sets,
-                                                              "reason": "oom"}, decision_id=did)
+            payload = self._absorb_waiting({"rule": RULE_OOM, "resume": "latest", "set": sets, "reason": "oom",
+                                            "cost": self.cost_model().relaunch(self._steps_since_checkpoint()).to_json()})
+            self._settle_absorbed(self.store.add_action(self.run.run_id, "restart", payload, decision_id=did))
             self.run.oom_retries += 1
             self._rewind_pending = True
             self.store.update_run(self.run.run_id, oom_retries=self.run.oom_retries, phase="restarting")
@@ -661,8 +727,9 @@ class RunController:
         log.warning("%s: %s: restarting from the last known-good checkpoint", self.run.run_id, message)
         with self.store.transaction():
             did = self._own_decision(rule, message, inputs)
-            self.store.add_action(self.run.run_id, "restart", {"rule": rule, "resume": "known_good",
-                                                              "reason": message}, decision_id=did)
+            payload = self._absorb_waiting({"rule": rule, "resume": "known_good", "reason": message,
+                                            "cost": self.cost_model().relaunch(self._steps_since_checkpoint()).to_json()})
+            self._settle_absorbed(self.store.add_action(self.run.run_id, "restart", payload, decision_id=did))
             self.run.restarts += 1
             self._rewind_pending = True
             self.store.update_run(self.run.run_id, restarts=self.run.restarts, phase="restarting")

@@ -27,6 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from trainer import catalog
 from watchdog.actions import Action, NotifyAction
 from watchdog.rulefile import Rule, RuleSet
 from watchdog.series import Window
@@ -59,6 +60,12 @@ class Decision:
     """One line for people."""
     divergence: bool = False
     """The rule marks checkpoints taken while it fires as not known-good."""
+    urgent: bool = False
+    """A relaunch this decision needs goes at once (divergence and OOM), not at the next checkpoint."""
+    repeat: int = 1
+    """Which fire this is within the rule's budget (1: the first); a growing ``set`` compounds by it."""
+    signals: dict[str, str] = field(default_factory=dict)
+    """The verl key each metric the rule read came from (``kl``: ``actor/kl_loss`` in a GRPO run)."""
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON-able dict (NaN inputs stay floats; the store stringifies them)."""
@@ -66,6 +73,7 @@ class Decision:
             "rule": self.rule, "step": self.step, "kind": self.kind,
             "actions": [a.to_json() for a in self.actions], "inputs": dict(self.inputs),
             "severity": self.severity, "message": self.message, "divergence": self.divergence,
+            "urgent": self.urgent, "repeat": self.repeat, "signals": dict(self.signals),
         }
 
 
@@ -252,6 +260,8 @@ def _fire(rule: Rule, rs: RuleState, w: Window, step: int, clock: int, seq: int,
     fires = rs.fires
     if b is not None:
         fires = tuple(c for c in fires if c > clock - b.window)
+        if b.progress is not None and rs.last_fire is not None and clock - rs.last_fire >= b.progress:
+            fires = ()  # the run trained ``progress`` steps without this cause: it recovered
         if len(fires) >= b.max:
             if rs.escalated_at is not None and clock - rs.escalated_at < b.window:
                 # Already escalated in this window: a human has been called; do not repeat
@@ -269,7 +279,7 @@ def _fire(rule: Rule, rs: RuleState, w: Window, step: int, clock: int, seq: int,
                 fire_count=rs.fire_count + 1, escalated_at=clock,
             )
         fires = fires + (clock,)
-    out.append(_decision(rule, "fire", step, w, seq, rule.actions))
+    out.append(_decision(rule, "fire", step, w, seq, rule.actions, repeat=max(1, len(fires))))
     return replace(
         rs, status=FIRING, clear_since=None, fires=fires, last_fire=clock, last_fire_step=step,
         fire_count=rs.fire_count + 1,
@@ -277,18 +287,63 @@ def _fire(rule: Rule, rs: RuleState, w: Window, step: int, clock: int, seq: int,
 
 
 def _decision(
-    rule: Rule, kind: str, step: int, w: Window, seq: int, actions: Sequence[Action], resolve: bool = False
+    rule: Rule, kind: str, step: int, w: Window, seq: int, actions: Sequence[Action], resolve: bool = False,
+    repeat: int = 1,
 ) -> Decision:
     expr = rule.clear if resolve and rule.clear is not None else rule.expr
     inputs = expr.input_values(w, step, seq)
     shown = ", ".join(f"{k}={v:.4g}" for k, v in list(inputs.items())[:4])
     what = {
-        "fire": "fired", "resolve": "resolved",
+        "fire": "fired" if repeat == 1 else f"fired (repeat {repeat})", "resolve": "resolved",
         "escalate": f"escalated (budget {rule.budget.max if rule.budget else 0} fires"
         f" per {rule.budget.window if rule.budget else 0} steps exhausted)",
     }[kind]
-    msg = f"{rule.name} {what} at step {step}: {expr.source}" + (f" [{shown}]" if shown else "")
-    return Decision(rule.name, step, kind, list(actions), inputs, rule.severity, msg, rule.divergence)
+    signals = {m: w.sources[m] for m in sorted(rule.expr.metrics) if m in w.sources}
+    # Where a metric stands in for another (the KL loss for the KL penalty), say so.
+    read = ", ".join(f"{m} = {k}" for m, k in signals.items() if catalog.BY_SHORT[m].key != k)
+    msg = (f"{rule.name} {what} at step {step}: {expr.source}" + (f" [{shown}]" if shown else "")
+           + (f" ({read})" if read else ""))
+    return Decision(rule.name, step, kind, list(actions), inputs, rule.severity, msg, rule.divergence,
+                    rule.urgent or rule.divergence, repeat, signals)
+
+
+# -- blind rules ------------------------------------------------------------------------
+
+#: Records after which a metric no rule has seen yet counts as not logged by the run.
+BLIND_AFTER_STEPS = 3
+
+
+def blind_rules(rules: Iterable[Rule], seen: Iterable[str]) -> dict[str, list[str]]:
+    """Metrics some rule reads that the run never logged (short name -> the rules reading it)."""
+    have = set(seen)
+    out: dict[str, list[str]] = {}
+    for rule in rules:
+        if not rule.enabled:
+            continue
+        read = rule.expr.required | (rule.clear.required if rule.clear is not None else frozenset())
+        for m in sorted(read - have):
+            out.setdefault(m, []).append(rule.name)
+    return out
+
+
+def describe_blind(blind: Mapping[str, Sequence[str]]) -> list[str]:
+    """One line per missing signal: which rules are blind to it and the verl setting that logs it
+    (metrics one setting turns on together, KL and its coefficient, share a line)."""
+    groups: dict[str, tuple[list[str], list[str]]] = {}
+    for short, names in sorted(blind.items(), key=lambda kv: (kv[0] != "kl", kv[0])):
+        m = catalog.BY_SHORT.get(short)
+        metrics, rules = groups.setdefault(m.needs if m is not None and m.needs else short, ([], []))
+        metrics.append(short)
+        rules += [n for n in names if n not in rules]
+    lines = []
+    for needs, (metrics, rules) in groups.items():
+        first = catalog.BY_SHORT.get(metrics[0])
+        keys = [first.key, *first.aliases, *first.fallbacks] if first is not None else [metrics[0]]
+        what = "no KL to the reference" if metrics[0] == "kl" else f"no {metrics[0]}"
+        hint = f"; verl logs it with {needs}" if first is not None and first.needs else ""
+        lines.append(f"this run logs {what} ({' or '.join(keys)}): rule(s) {', '.join(rules)} "
+                     f"are blind to it{hint}")
+    return lines
 
 
 # -- drivers ----------------------------------------------------------------------------
@@ -301,6 +356,8 @@ class StepResult:
     step: int
     decisions: list[Decision]
     state: EngineState
+    sources: Mapping[str, str] = field(default_factory=dict)
+    """The verl key each short name was read from, as of this step."""
 
 
 def run_series(
@@ -330,8 +387,8 @@ def run_series(
             w.add_event(pending[i])
             i += 1
         decisions, st = evaluate(rules, w, st, step)
-        yield StepResult(step, decisions, st)
+        yield StepResult(step, decisions, st, w.sources)
     if i < len(pending) and step is not None:
         w.add_events(pending[i:])
         decisions, st = evaluate(rules, w, st, step)
-        yield StepResult(step, decisions, st)
+        yield StepResult(step, decisions, st, w.sources)

@@ -8,12 +8,16 @@ Grammar (lowest precedence first)::
     sum      := sum ("+"|"-") term | term
     term     := term ("*"|"/") unary | unary
     unary    := "-" unary | atom
-    atom     := NUMBER | "inf" | "nan" | "step" | METRIC | m("verl/key") | CALL | "(" expr ")"
+    atom     := NUMBER | "inf" | "nan" | "step" | METRIC | m("verl/key") | $PARAM | CALL | "(" expr ")"
 
 METRIC is a short name from ``trainer.catalog`` (``kl``, ``vf_loss``, ``reward``) or a
 Prometheus name; verl keys contain ``/`` and are written ``m("critic/vf_loss")``. ``step``
 is the evaluated training step. Window functions count training steps: ``avg(kl, 10)``
-reads the steps in (step-10, step]. See :data:`FUNCTIONS` for the full list.
+reads the steps in (step-10, step]; an optional third argument shifts the window back:
+``median(kl, 5, 1)`` is the median of the 5 steps before this one, the run's own recent
+baseline. See :data:`FUNCTIONS` for the full list. ``$name`` is a parameter of the rule pack
+(``params:`` in a rule file, overridable by an overlay pack), bound to its number when the
+expression is compiled.
 
 Expressions are type checked (number vs condition) and compiled to nested closures
 ``f(window, at, seq)``: ``at`` is the step evaluated (``count_over`` re-evaluates its
@@ -25,7 +29,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +71,13 @@ class Str:
 
 @dataclass(frozen=True)
 class Step:
+    col: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    """Parameter name, without the ``$``."""
     col: int = field(default=0, compare=False)
 
 
@@ -120,7 +131,7 @@ class Call:
     col: int = field(default=0, compare=False)
 
 
-Node = Num | Str | Step | Metric | Unary | Binary | Compare | BoolOp | Not | Call
+Node = Num | Str | Step | Param | Metric | Unary | Binary | Compare | BoolOp | Not | Call
 
 
 # -- tokenizer ------------------------------------------------------------------------
@@ -130,6 +141,7 @@ _TOKEN = re.compile(
     (?P<ws>\s+)
   | (?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)
   | (?P<ident>[A-Za-z_][A-Za-z0-9_]*)
+  | (?P<param>\$[A-Za-z_][A-Za-z0-9_]*)
   | (?P<str>"[^"\\\n]*"|'[^'\\\n]*')
   | (?P<op><=|>=|==|!=|[-+*/<>(),])
     """,
@@ -140,7 +152,7 @@ _TOKEN = re.compile(
 @dataclass(frozen=True)
 class Token:
     kind: str
-    """num, ident, str, op or eof."""
+    """num, ident, param, str, op or eof."""
     text: str
     col: int
 
@@ -174,7 +186,7 @@ class FuncSpec:
     """Signature of a built-in function: argument kinds and result type."""
 
     args: tuple[str, ...]
-    """Argument kinds: metric, window (positive integer), num, cond, event (string), literal."""
+    """Argument kinds: metric, window (positive integer), lag (integer >= 0), num, cond, event (string), literal."""
     result: str
     doc: str
     optional: int = 0
@@ -183,11 +195,18 @@ class FuncSpec:
     """Any number (0+) of metric arguments."""
 
 
+_LAGGED = ("metric", "window", "lag")
+_LAG_DOC = "; a third argument L ends the window L steps back"
+
 FUNCTIONS: dict[str, FuncSpec] = {
-    "avg": FuncSpec(("metric", "window"), NUM, "mean over the last N steps"),
-    "min": FuncSpec(("metric", "window"), NUM, "minimum over the last N steps"),
-    "max": FuncSpec(("metric", "window"), NUM, "maximum over the last N steps"),
-    "std": FuncSpec(("metric", "window"), NUM, "population standard deviation over the last N steps"),
+    "avg": FuncSpec(_LAGGED, NUM, "mean over the last N steps" + _LAG_DOC, optional=1),
+    "min": FuncSpec(_LAGGED, NUM, "minimum over the last N steps" + _LAG_DOC, optional=1),
+    "max": FuncSpec(_LAGGED, NUM, "maximum over the last N steps" + _LAG_DOC, optional=1),
+    "std": FuncSpec(_LAGGED, NUM, "population standard deviation over the last N steps" + _LAG_DOC, optional=1),
+    "median": FuncSpec(_LAGGED, NUM, "median over the last N steps (robust to one-step spikes)" + _LAG_DOC,
+                       optional=1),
+    "count": FuncSpec(_LAGGED, NUM, "how many of the last N steps have a value (0 when none)" + _LAG_DOC,
+                      optional=1),
     "slope": FuncSpec(("metric", "window"), NUM, "least-squares slope per step over the last N steps"),
     "delta": FuncSpec(("metric", "window"), NUM, "newest minus oldest value within the last N steps"),
     "zscore": FuncSpec(
@@ -195,6 +214,9 @@ FUNCTIONS: dict[str, FuncSpec] = {
     ),
     "best": FuncSpec(("metric", "window"), NUM, "best (max) so far over the run, or over the last N steps", optional=1),
     "since_best": FuncSpec(("metric",), NUM, "steps since the metric last reached a new best"),
+    "lowest": FuncSpec(("metric",), NUM, "lowest value the run has ever logged (rolled-back steps included)"),
+    "holds": FuncSpec(("cond",), BOOL, "the condition, or false when its data is missing: a signal the run does "
+                                       "not log (yet) cannot confirm another"),
     "count_over": FuncSpec(("cond", "window"), NUM, "number of steps in the last N where the condition held"),
     "isnan": FuncSpec(("num",), BOOL, "true when the value is NaN"),
     "isfinite": FuncSpec(("num",), BOOL, "true when the value is a finite number"),
@@ -205,6 +227,8 @@ FUNCTIONS: dict[str, FuncSpec] = {
     "event": FuncSpec(("event",), NUM, 'events of a kind since the last evaluation: event("oom")'),
     "event_count": FuncSpec(("event", "window"), NUM, "events of a kind in the last N steps"),
     "abs": FuncSpec(("num",), NUM, "absolute value"),
+    "clamp_min": FuncSpec(("num", "num"), NUM, "the value, or the lower bound when below it (PromQL's clamp_min)"),
+    "clamp_max": FuncSpec(("num", "num"), NUM, "the value, or the upper bound when above it (PromQL's clamp_max)"),
     "default": FuncSpec(("num", "literal"), NUM, "the value, or the literal when the data is missing"),
 }
 
@@ -279,6 +303,8 @@ class _Parser:
             return inner
         if t.kind == "str":
             return Str(t.text[1:-1], col=t.col)
+        if t.kind == "param":
+            return Param(t.text[1:], col=t.col)
         if t.kind == "ident":
             if t.text == "not":
                 return Not(self.expr(3), col=t.col)
@@ -362,6 +388,8 @@ def unparse(node: Node) -> str:
         return f'"{node.value}"'
     if isinstance(node, Step):
         return "step"
+    if isinstance(node, Param):
+        return f"${node.name}"
     if isinstance(node, Metric):
         return node.name
     if isinstance(node, Unary):
@@ -397,6 +425,9 @@ class Compiled:
     """(label, fn) for each metric and function call, to audit a decision's inputs."""
     metrics: frozenset[str]
     """Short names the expression reads."""
+    required: frozenset[str]
+    """Of them, those read outside ``holds()``: without them the expression cannot be evaluated
+    (a metric read only as an optional confirmation does not blind the rule)."""
     max_window: int
     """Largest window (steps) any function in it reads; 1 when none."""
 
@@ -418,9 +449,12 @@ class Compiled:
 
 
 class _Compiler:
-    def __init__(self) -> None:
+    def __init__(self, params: Mapping[str, float]) -> None:
+        self.params = params
         self.inputs: dict[str, Fn] = {}
         self.metrics: set[str] = set()
+        self.optional_depth = 0
+        self.required: set[str] = set()
         self.max_window = 1
         self.in_count_over = False
 
@@ -432,6 +466,13 @@ class _Compiler:
             raise ExprError(node.col, "a string is only allowed as the argument of event() or m()")
         if isinstance(node, Step):
             return (lambda w, at, seq: float(at)), NUM
+        if isinstance(node, Param):
+            if node.name not in self.params:
+                raise ExprError(node.col, f"unknown parameter ${node.name}{_suggest(node.name, self.params)}"
+                                          " (declare it under params:)")
+            p = float(self.params[node.name])
+            self.inputs.setdefault(f"${node.name}", lambda w, at, seq: p)
+            return (lambda w, at, seq: p), NUM
         if isinstance(node, Metric):
             return self.metric(node), NUM
         if isinstance(node, Unary):
@@ -452,6 +493,12 @@ class _Compiler:
             return (lambda w, at, seq: not f(w, at, seq)), BOOL
         return self.call(node)
 
+    def read(self, name: str) -> None:
+        """Note a metric the expression reads (required unless inside ``holds()``)."""
+        self.metrics.add(name)
+        if not self.optional_depth:
+            self.required.add(name)
+
     def num(self, node: Node, where: str) -> Fn:
         f, t = self.compile(node)
         if t != NUM:
@@ -466,7 +513,7 @@ class _Compiler:
 
     def metric(self, node: Metric) -> Fn:
         name = node.name
-        self.metrics.add(name)
+        self.read(name)
 
         def get(w: Window, at: int, seq: int) -> float:
             return w.value(name, at)
@@ -539,9 +586,11 @@ class _Compiler:
         kinds = spec.args if not spec.variadic else ("metric",) * len(args)
         for a, kind in zip(args, kinds, strict=False):
             self.check_arg(node.func, a, kind)
+        if spec.args == _LAGGED and len(args) == 3:
+            self.max_window = max(self.max_window, int(args[1].value) + int(args[2].value))  # type: ignore[union-attr]
         label = unparse(node)
         fn = _BUILD[node.func](self, node)
-        if node.func not in ("default",):
+        if node.func not in ("default", "holds"):
             self.inputs.setdefault(label, fn)
         return fn, spec.result
 
@@ -552,6 +601,9 @@ class _Compiler:
             if not isinstance(a, Num) or not 1 <= a.value <= 100_000 or a.value != int(a.value):
                 raise ExprError(_col(a), f"{func}() takes a whole number of steps (1..100000) here")
             self.max_window = max(self.max_window, int(a.value))
+        if kind == "lag":
+            if not isinstance(a, Num) or not 0 <= a.value <= 100_000 or a.value != int(a.value):
+                raise ExprError(_col(a), f"{func}() takes a whole number of steps back (0..100000) here")
         if kind == "event":
             if not isinstance(a, Str):
                 raise ExprError(_col(a), f'{func}() takes a quoted event kind, e.g. {func}("oom")')
@@ -587,17 +639,20 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
     def build(c: _Compiler, node: Call) -> Fn:
         name = node.args[0].name  # type: ignore[union-attr]
         n = int(node.args[1].value)  # type: ignore[union-attr]
-        c.metrics.add(name)
+        lag = int(node.args[2].value) if len(node.args) > 2 else 0  # type: ignore[union-attr]
+        c.read(name)
         reduce = _REDUCERS[kind]
+        where = f"in the last {n} steps" if not lag else f"in the {n} steps ending {lag} back"
 
         def f(w: Window, at: int, seq: int) -> float:
-            key = (kind, name, n, at)
+            key = (kind, name, n, lag, at)
             v = w.cache.get(key)
             if v is None:
-                vals = w.values(name, n, at)
-                if not vals:
-                    raise MissingDataError(f"{kind}({name}, {n}): no values in the last {n} steps")
-                v = reduce(vals, w, name, n, at)
+                end = at - lag
+                vals = w.values(name, n, end)
+                if not vals and kind != "count":
+                    raise MissingDataError(f"{kind}({name}, {n}{f', {lag}' if lag else ''}): no values {where}")
+                v = reduce(vals, w, name, n, end)
                 w.cache[key] = v
             return v
 
@@ -635,6 +690,18 @@ def _std(vals: list[float], *_: Any) -> float:
     return math.sqrt(_fsum((v - m) ** 2 for v in vals) / len(vals))
 
 
+def _median(vals: list[float], *_: Any) -> float:
+    if _has_nan(vals):
+        return math.nan
+    srt = sorted(vals)
+    mid = len(srt) // 2
+    return srt[mid] if len(srt) % 2 else (srt[mid - 1] + srt[mid]) / 2
+
+
+def _count(vals: list[float], *_: Any) -> float:
+    return float(len(vals))
+
+
 def _delta(vals: list[float], *_: Any) -> float:
     return vals[-1] - vals[0]
 
@@ -662,13 +729,14 @@ def _zscore(vals: list[float], w: Window, name: str, n: int, at: int) -> float:
 
 
 _REDUCERS: dict[str, Callable[..., float]] = {
-    "avg": _avg, "min": _min, "max": _max, "std": _std, "delta": _delta, "slope": _slope, "zscore": _zscore,
+    "avg": _avg, "min": _min, "max": _max, "std": _std, "median": _median, "count": _count,
+    "delta": _delta, "slope": _slope, "zscore": _zscore,
 }
 
 
 def _build_best(c: _Compiler, node: Call) -> Fn:
     name = node.args[0].name  # type: ignore[union-attr]
-    c.metrics.add(name)
+    c.read(name)
     if len(node.args) == 2:
         n = int(node.args[1].value)  # type: ignore[union-attr]
 
@@ -684,8 +752,30 @@ def _build_best(c: _Compiler, node: Call) -> Fn:
 
 def _build_since_best(c: _Compiler, node: Call) -> Fn:
     name = node.args[0].name  # type: ignore[union-attr]
-    c.metrics.add(name)
+    c.read(name)
     return lambda w, at, seq: float(w.since_best(name, at))
+
+
+def _build_lowest(c: _Compiler, node: Call) -> Fn:
+    name = node.args[0].name  # type: ignore[union-attr]
+    c.read(name)
+    return lambda w, at, seq: w.lowest(name)
+
+
+def _build_holds(c: _Compiler, node: Call) -> Fn:
+    c.optional_depth += 1
+    try:
+        cond = c.cond(node.args[0], "holds()")
+    finally:
+        c.optional_depth -= 1
+
+    def f(w: Window, at: int, seq: int) -> bool:
+        try:
+            return bool(cond(w, at, seq))
+        except MissingDataError:
+            return False
+
+    return f
 
 
 def _build_count_over(c: _Compiler, node: Call) -> Fn:
@@ -723,7 +813,8 @@ def _build_isfinite(c: _Compiler, node: Call) -> Fn:
 
 def _build_nonfinite(c: _Compiler, node: Call) -> Fn:
     names = [a.name for a in node.args]  # type: ignore[union-attr]
-    c.metrics.update(names)
+    for n in names:
+        c.read(n)
     if not names:
         return lambda w, at, seq: at in w.nonfinite_steps
 
@@ -757,6 +848,20 @@ def _build_abs(c: _Compiler, node: Call) -> Fn:
     return lambda w, at, seq: abs(f(w, at, seq))
 
 
+def _build_clamp(op: Callable[[float, float], float], name: str) -> Callable[[_Compiler, Call], Fn]:
+    def build(c: _Compiler, node: Call) -> Fn:
+        f = c.num(node.args[0], f"{name}()")
+        b = c.num(node.args[1], f"{name}()")
+
+        def g(w: Window, at: int, seq: int) -> float:
+            x, bound = f(w, at, seq), b(w, at, seq)
+            return math.nan if math.isnan(x) or math.isnan(bound) else op(x, bound)
+
+        return g
+
+    return build
+
+
 def _build_default(c: _Compiler, node: Call) -> Fn:
     f = c.num(node.args[0], "default()")
     lit = node.args[1]
@@ -775,6 +880,8 @@ _BUILD: dict[str, Callable[[_Compiler, Call], Fn]] = {
     **{k: _window_fn(k) for k in _REDUCERS},
     "best": _build_best,
     "since_best": _build_since_best,
+    "lowest": _build_lowest,
+    "holds": _build_holds,
     "count_over": _build_count_over,
     "isnan": _build_isnan,
     "isfinite": _build_isfinite,
@@ -782,16 +889,22 @@ _BUILD: dict[str, Callable[[_Compiler, Call], Fn]] = {
     "event": _build_event,
     "event_count": _build_event_count,
     "abs": _build_abs,
+    "clamp_min": _build_clamp(max, "clamp_min"),
+    "clamp_max": _build_clamp(min, "clamp_max"),
     "default": _build_default,
 }
 
 
-def compile_expr(text: str, want: str = BOOL) -> Compiled:
-    """Parse, type check and compile an expression; ``want`` is the required result type."""
+def compile_expr(text: str, want: str = BOOL, params: Mapping[str, float] | None = None) -> Compiled:
+    """Parse, type check and compile an expression; ``want`` is the required result type.
+
+    ``params``: the rule pack's parameters (``$name`` in the text), bound as constants here.
+    """
     node = parse(text)
-    c = _Compiler()
+    c = _Compiler(params or {})
     fn, typ = c.compile(node)
     if typ != want:
         hint = ' (compare it, e.g. event("oom") > 0)' if want == BOOL else ""
         raise ExprError(_col(node), f"expression must be a {want}, got a {typ}{hint}")
-    return Compiled(text, node, fn, tuple(c.inputs.items()), frozenset(c.metrics), c.max_window)
+    return Compiled(text, node, fn, tuple(c.inputs.items()), frozenset(c.metrics), frozenset(c.required),
+                    c.max_window)

@@ -2,11 +2,13 @@
 
 The engine is the same pure function the daemon runs live; replay only feeds it the
 recorded steps one at a time (a :class:`~watchdog.series.Window` grown incrementally,
-the engine state carried from step to step) and records every decision. Config values
-a ``set`` action would change come from the log itself where verl logs them
-(``kl_coef`` from ``actor/reward_kl_penalty_coeff``, ``lr`` from ``actor/lr``), else from
-what the caller passes (``--set KEY=VALUE``, or the run directory's run.json), else from
-the previous simulated action on that key. Nothing is written anywhere.
+the engine state carried from step to step) and records every decision. What each
+decision would do comes from :func:`watchdog.planner.plan_decision`, the live controller's
+own planner: values a ``set`` starts from are the log's own where verl logs them
+(``kl_coef`` from ``actor/reward_kl_penalty_coeff``, ``lr`` from ``actor/lr``), else what the
+caller passes (``--set KEY=VALUE``, or the run directory's run.json), else verl's default;
+each planned set becomes the desired value later decisions start from, as it would live.
+Nothing is written anywhere.
 """
 
 from __future__ import annotations
@@ -17,14 +19,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer import catalog
+from trainer import catalog, rundir
 from watchdog import engine as _engine
-from watchdog.actions import TUNABLE_KEYS, SetAction
+from watchdog.actions import resolve_key
+from watchdog.planner import PlanContext, Planned, plan_decision
 
 log = logging.getLogger(__name__)
-
-#: Config keys (verl Hydra names) whose current value verl logs, by catalog short name.
-LOGGED_CONFIG: dict[str, str] = {k: t.metric for k, t in TUNABLE_KEYS.items() if t.metric is not None}
 
 
 @dataclass
@@ -45,12 +45,21 @@ class ReplayDecision:
     """Metric values the condition read (short name -> value)."""
     actions: list[dict[str, Any]]
     """Each action's ``to_json()``; a ``set`` also carries ``from`` and ``to`` when the current value is known."""
+    planned: list[Planned] = field(default_factory=list)
+    """What the live controller would journal for it (:func:`watchdog.planner.plan_decision`)."""
+    signals: dict[str, str] = field(default_factory=dict)
+    """The verl key each metric the rule read came from."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step, "rule": self.rule, "kind": self.kind, "severity": self.severity,
             "message": self.message, "inputs": _json_floats(self.inputs), "actions": self.actions,
+            "signals": self.signals, "planned": [{"kind": p.kind, **_plan_json(p.payload)} for p in self.planned],
         }
+
+
+def _plan_json(payload: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: payload[k] for k in ("set", "from", "skip_batches", "urgent", "verdict") if k in payload}
 
 
 @dataclass
@@ -67,6 +76,8 @@ class ReplayResult:
     """Last step evaluated."""
     unhealthy: dict[str, str] = field(default_factory=dict)
     """Rules that could not be evaluated at the last step (a metric the log lacks ...): name -> error."""
+    blind: dict[str, list[str]] = field(default_factory=dict)
+    """Metrics some rule reads that the log never has (short name -> rules): ``watchdog.engine.describe_blind``."""
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Decisions per rule and kind, e.g. ``{"kl_high": {"fire": 8, "resolve": 1}}``."""
@@ -91,20 +102,17 @@ def replay(
     events: Sequence[Mapping[str, Any]] = (),
     config: Mapping[str, Any] | None = None,
     window_size: int | None = None,
+    live_keys: Sequence[str] = rundir.LIVE_KEYS,
+    on_escalate: str = "pause",
 ) -> ReplayResult:
     """Evaluate ``rules`` after every recorded step; returns the decision timeline.
 
     ``records`` are deduplicated FileLogger records (``watchdog.ingest.read_records``);
     ``events`` are run events, delivered to the window once their step is reached
-    (:func:`watchdog.engine.run_series` drives the engine; this adds the would-set values);
-    ``config`` gives current values for keys the log does not carry.
+    (:func:`watchdog.engine.run_series` drives the engine; the planner adds what each would do);
+    ``config`` gives current values for keys the log does not carry; ``live_keys``: what the
+    trainer changes in process (empty for a zero-patch verl run: every set is a relaunch).
     """
-    known: dict[str, float] = {}
-    for k, v in (config or {}).items():
-        try:
-            known[k] = float(v)
-        except (TypeError, ValueError):
-            log.debug("config %s=%r is not numeric; ignored for replay", k, v)
     ordered = sorted(records, key=lambda r: int(r["step"]))
     logged = {int(r["step"]): catalog.to_short(r.get("data") or {}) for r in ordered}
     # Events without a step (or before the first record) are delivered first, then in step order.
@@ -112,36 +120,50 @@ def replay(
     result = ReplayResult()
     seen: set[int] = set()
     final: _engine.EngineState | None = None
+    latest: dict[str, float] = {}
+    overrides: dict[str, Any] = {}
+    cfg = dict(config or {})
     for sr in _engine.run_series(rules, ordered, evs, size=window_size):
         final = sr.state
         if sr.step not in seen:  # run_series may evaluate the last step once more for late events
             seen.add(sr.step)
             result.steps += 1
-        for key, short in LOGGED_CONFIG.items():
-            v = logged.get(sr.step, {}).get(short)
-            # 0 is skipped: old verl consoles print lr with 3 decimals ("actor/lr:0.000"),
-            # and scaling a zero shows nothing useful anyway.
-            if v is not None and math.isfinite(v) and v != 0:
-                known[key] = v
+        latest.update(logged.get(sr.step, {}))
         for d in sr.decisions:
-            acts: list[dict[str, Any]] = []
-            for a in d.actions:
-                j = dict(a.to_json())
-                j["text"] = a.describe()
-                if isinstance(a, SetAction) and a.key in known:
-                    new = a.apply(known[a.key])
-                    j["from"], j["to"] = known[a.key], new
-                    known[a.key] = new
-                acts.append(j)
-            result.decisions.append(
-                ReplayDecision(d.step, d.rule, d.kind, d.severity, d.message, dict(d.inputs), acts)
-            )
+            ctx = PlanContext(overrides, latest, cfg, live_keys, {**sr.sources, **d.signals}, on_escalate)
+            planned = plan_decision(d, ctx)
+            for p in planned:
+                overrides.update(p.payload.get("set", {}))
+            result.decisions.append(ReplayDecision(
+                d.step, d.rule, d.kind, d.severity, d.message, dict(d.inputs), _described(d.actions, planned, ctx.signals),
+                planned, dict(d.signals)))
         if result.first_step is None:
             result.first_step = sr.step
         result.last_step = sr.step
     if final is not None:
         result.unhealthy = {n: rs.last_error or "" for n, rs in final.rules.items() if rs.health != "ok"}
+    result.blind = _engine.blind_rules(rules, {k for row in logged.values() for k in row})
     return result
+
+
+def _described(actions: Sequence[Any], planned: Sequence[Planned], signals: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Each action's JSON with its text, and ``from``/``to`` for a set the planner could value."""
+    new: dict[str, Any] = {}
+    old: dict[str, Any] = {}
+    for p in planned:
+        new.update(p.payload.get("set", {}))
+        old.update(p.payload.get("from", {}))
+    out = []
+    for a in actions:
+        j = dict(a.to_json())
+        j["text"] = a.describe()
+        key = resolve_key(a.key, signals) if j["kind"] == "set" else None
+        if key in new and key in old:
+            j["from"], j["to"] = old[key], new[key]
+            if key != a.key:
+                j["resolved_key"] = key  # kl_coef: the KL term this run has
+        out.append(j)
+    return out
 
 
 def config_from_run_json(info: Mapping[str, Any]) -> dict[str, Any]:

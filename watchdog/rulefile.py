@@ -3,6 +3,11 @@
 Format (``version: 1``)::
 
     version: 1
+    params:                                # named numbers the expressions read as $name
+      kl_jump:
+        value: 2.0
+        description: why this number       # required: the rationale
+        calibrate: {stat: "kl / clamp_min(median(kl, 5, 1), 0.05)", margin: 1.25, min: 1.5}
     rules:
       - name: kl_high                      # [a-z][a-z0-9_]*, unique over all files
         description: why this rule exists  # required: the rationale
@@ -12,6 +17,7 @@ Format (``version: 1``)::
         keep_firing_for: 0                 # steps the clear condition must hold before resolving
         actions:                           # run in order when the rule fires
           - set: {key: algorithm.kl_ctrl.kl_coef, scale: 1.2, max: 0.02}
+          - set: {key: actor_rollout_ref.actor.optim.lr, scale: 0.5, grow: true}   # x0.5, x0.25, ...
           - rollback: {skip_batches: 2}
           - checkpoint
           - pause: {reason: "..."}
@@ -23,6 +29,12 @@ Format (``version: 1``)::
         labels: {team: rl}
         enabled: true
         divergence: false                  # firing marks checkpoints as not known-good
+        urgent: false                      # a relaunch it needs goes at once (else: at the next checkpoint)
+
+An *overlay* pack holds only ``params:`` with new values (``kl_jump: 2.5``) for parameters a
+pack loaded before it declares; ``watchdog rules calibrate`` writes one for a family of runs.
+A ``budget`` may also say ``progress: N``: every fire is forgotten once the run has trained N
+steps since the last one (it recovered), which is also when a growing ``set`` starts over.
 
 YAML is composed to nodes (``yaml.compose`` with the safe loader, no object
 construction from tags) so every value keeps its line and column for messages.
@@ -41,7 +53,7 @@ from typing import Any
 import yaml
 
 from watchdog import actions as act
-from watchdog.expr import BOOL, Compiled, ExprError, compile_expr
+from watchdog.expr import BOOL, NUM, Compiled, ExprError, compile_expr
 
 RULES_VERSION = 1
 SEVERITIES = ("info", "warning", "critical")
@@ -108,6 +120,42 @@ class Budget:
     """Window in steps."""
     escalate: tuple[act.Action, ...] = (act.PauseAction("budget exhausted"), act.NotifyAction())
     """Actions of an escalation (default: pause and notify a human)."""
+    progress: int | None = None
+    """Steps trained without a fire after which every earlier fire is forgotten (the run recovered)."""
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How ``watchdog rules calibrate`` proposes a parameter from healthy runs."""
+
+    stat: Compiled
+    """A number per step whose largest value on a healthy run the parameter must stay above."""
+    when: Compiled | None
+    """Steps that count (the rule's own warm-up gate); None: every step where the stat has data."""
+    margin: float
+    """Proposed value = margin x the largest stat seen on the healthy runs."""
+    min: float | None = None
+    """The proposal never goes below this (a principle, not a fit: e.g. KL at least doubles)."""
+    max: float | None = None
+    """The proposal never goes above this."""
+
+
+@dataclass(frozen=True)
+class Param:
+    """A named number of a rule pack, read as ``$name`` in expressions."""
+
+    name: str
+    """Parameter name."""
+    value: float
+    """Its value (an overlay's, when one overrode it)."""
+    description: str
+    """Why this number."""
+    calibrate: Calibration | None = None
+    """How to propose it from healthy runs; None: not calibrated (a principle, not a noise level)."""
+    source: str = ""
+    """file:line of the declaration."""
+    overridden_by: str = ""
+    """file:line of the overlay that set ``value``, if any."""
 
 
 @dataclass(frozen=True)
@@ -142,6 +190,9 @@ class Rule:
     """Disabled rules are loaded and checked but never evaluated."""
     divergence: bool = False
     """While this rule fires, checkpoints taken are not known-good."""
+    urgent: bool = False
+    """A relaunch this rule's sets need goes at once; otherwise it waits for the next checkpoint
+    (divergence rules are always urgent: they roll back)."""
     source: str = ""
     """file:line where the rule is defined."""
 
@@ -159,6 +210,8 @@ class RuleSet:
     """The rules."""
     sources: tuple[str, ...] = ()
     """Files they came from."""
+    params: tuple[Param, ...] = ()
+    """The pack's parameters, after overlays."""
 
     def __iter__(self) -> Iterator[Rule]:
         return iter(self.rules)
@@ -185,7 +238,7 @@ class RuleSet:
         missing = [n for n in names if self.get(n) is None]
         if missing:
             raise KeyError(f"unknown rule(s): {', '.join(missing)}")
-        return RuleSet(tuple(r for r in self.rules if r.name in names), self.sources)
+        return RuleSet(tuple(r for r in self.rules if r.name in names), self.sources, self.params)
 
 
 # -- marked YAML helpers (shared with ruletest) ----------------------------------------
@@ -309,11 +362,12 @@ def _show(v: Any) -> str:
 
 _RULE_KEYS = (
     "name", "description", "expr", "for", "clear", "keep_firing_for", "actions", "cooldown", "repeat",
-    "budget", "severity", "labels", "enabled", "divergence",
+    "budget", "severity", "labels", "enabled", "divergence", "urgent",
 )
 
 
-def _expr(r: YamlReader, node: yaml.Node, where: str) -> Compiled | None:
+def _expr(r: YamlReader, node: yaml.Node, where: str, params: dict[str, float] | None = None,
+          want: str = BOOL) -> Compiled | None:
     text = r.scalar(node)
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         text = str(text)
@@ -321,7 +375,7 @@ def _expr(r: YamlReader, node: yaml.Node, where: str) -> Compiled | None:
         r.error(node, f"{where} must be an expression string, got {_show(text)}")
         return None
     try:
-        return compile_expr(text, BOOL)
+        return compile_expr(text, want, params or {})
     except ExprError as exc:
         # A plain or quoted one-line scalar maps expression columns onto file columns.
         style = getattr(node, "style", None)
@@ -334,7 +388,7 @@ def _expr(r: YamlReader, node: yaml.Node, where: str) -> Compiled | None:
 
 
 def _set_action(r: YamlReader, node: yaml.Node, where: str) -> act.Action | None:
-    m = r.mapping(node, where, ("key", "scale", "add", "to", "min", "max"), required=("key",))
+    m = r.mapping(node, where, ("key", "scale", "add", "to", "min", "max", "grow"), required=("key",))
     if m is None:
         return None
     key = r.string(m["key"][1], f"{where}.key") if "key" in m else None
@@ -357,9 +411,13 @@ def _set_action(r: YamlReader, node: yaml.Node, where: str) -> act.Action | None
     if lo is not None and hi is not None and lo > hi:
         r.error(m["min"][1], f"{where}: min {lo:g} is above max {hi:g}")
         return None
-    if key is None or value is None or ("min" in m and lo is None) or ("max" in m and hi is None):
+    grow = r.boolean(m["grow"][1], f"{where}.grow") if "grow" in m else False
+    if grow and op != "scale":
+        r.error(m["grow"][1], f"{where}.grow compounds a scale (x0.5, then x0.25, ...); it needs scale, not {op}")
         return None
-    return act.SetAction(key, op, value, lo, hi)
+    if key is None or value is None or grow is None or ("min" in m and lo is None) or ("max" in m and hi is None):
+        return None
+    return act.SetAction(key, op, value, lo, hi, grow=grow)
 
 
 def _action(r: YamlReader, node: yaml.Node, where: str) -> act.Action | None:
@@ -426,18 +484,79 @@ def _actions(r: YamlReader, node: yaml.Node, where: str) -> tuple[act.Action, ..
 
 
 def _budget(r: YamlReader, node: yaml.Node, where: str) -> Budget | None:
-    m = r.mapping(node, where, ("max", "window", "escalate"), required=("max", "window"))
+    m = r.mapping(node, where, ("max", "window", "escalate", "progress"), required=("max", "window"))
     if m is None or "max" not in m or "window" not in m:
         return None
     mx = r.integer(m["max"][1], f"{where}.max", minimum=1)
     win = r.integer(m["window"][1], f"{where}.window", minimum=1)
     esc = _actions(r, m["escalate"][1], f"{where}.escalate") if "escalate" in m else Budget.escalate
-    if mx is None or win is None or esc is None:
+    progress = r.integer(m["progress"][1], f"{where}.progress", minimum=1) if "progress" in m else None
+    if mx is None or win is None or esc is None or ("progress" in m and progress is None):
         return None
-    return Budget(mx, win, esc)
+    return Budget(mx, win, esc, progress)
 
 
-def _rule(r: YamlReader, node: yaml.Node, index: int) -> Rule | None:
+_PARAM_KEYS = ("value", "description", "calibrate")
+_CALIBRATE_KEYS = ("stat", "when", "margin", "min", "max")
+
+
+def _params(r: YamlReader, node: yaml.Node) -> list[tuple[str, yaml.Node, float, dict[str, Any] | None]]:
+    """``params:`` entries as (name, node, value, declaration or None for a value-only override)."""
+    m = r.mapping(node, "params", _AnyKeys())
+    out: list[tuple[str, yaml.Node, float, dict[str, Any] | None]] = []
+    for name, (knode, vnode) in (m or {}).items():
+        where = f"params.{name}"
+        if not _NAME.match(name):
+            r.error(knode, f"{where}: a parameter name must match [a-z][a-z0-9_]*")
+            continue
+        if not isinstance(vnode, yaml.MappingNode):
+            value = r.number(vnode, where)
+            if value is not None and _finite(r, vnode, where, value):
+                out.append((name, knode, value, None))
+            continue
+        pm = r.mapping(vnode, where, _PARAM_KEYS, required=("value",))
+        if pm is None or "value" not in pm:
+            continue
+        value = r.number(pm["value"][1], f"{where}.value")
+        if value is None or not _finite(r, pm["value"][1], f"{where}.value", value):
+            continue
+        decl: dict[str, Any] | None = None
+        if "description" in pm or "calibrate" in pm:
+            desc = r.string(pm["description"][1], f"{where}.description") if "description" in pm else None
+            if desc is None:
+                r.error(vnode, f"{where}: a declared parameter needs a description (why this number)")
+                continue
+            decl = {"description": " ".join(desc.split()), "calibrate": pm.get("calibrate", (None, None))[1]}
+        out.append((name, knode, value, decl))
+    return out
+
+
+def _finite(r: YamlReader, node: yaml.Node, where: str, value: float) -> bool:
+    if value != value or value in (float("inf"), float("-inf")):
+        r.error(node, f"{where} must be a finite number, got {value}")
+        return False
+    return True
+
+
+def _calibration(r: YamlReader, node: yaml.Node, where: str, params: dict[str, float]) -> Calibration | None:
+    m = r.mapping(node, where, _CALIBRATE_KEYS, required=("stat", "margin"))
+    if m is None or "stat" not in m or "margin" not in m:
+        return None
+    stat = _expr(r, m["stat"][1], f"{where}.stat", params, want=NUM)
+    when = _expr(r, m["when"][1], f"{where}.when", params) if "when" in m else None
+    margin = r.number(m["margin"][1], f"{where}.margin")
+    if margin is not None and margin <= 0:
+        r.error(m["margin"][1], f"{where}.margin must be > 0, got {margin:g}")
+        margin = None
+    lo = r.number(m["min"][1], f"{where}.min") if "min" in m else None
+    hi = r.number(m["max"][1], f"{where}.max") if "max" in m else None
+    if stat is None or margin is None or ("min" in m and lo is None) or ("max" in m and hi is None) \
+            or ("when" in m and when is None):
+        return None
+    return Calibration(stat, when, margin, lo, hi)
+
+
+def _rule(r: YamlReader, node: yaml.Node, index: int, params: dict[str, float] | None = None) -> Rule | None:
     where = f"rules[{index}]"
     if isinstance(node, yaml.MappingNode):
         # Name the rule in every message, even those found before its name is validated.
@@ -455,15 +574,15 @@ def _rule(r: YamlReader, node: yaml.Node, index: int) -> Rule | None:
         where = f"rule {name!r}"
     ok = name is not None
     desc = r.string(m["description"][1], f"{where}: description") if "description" in m else None
-    expr = _expr(r, m["expr"][1], f"{where}: expr") if "expr" in m else None
-    clear = _expr(r, m["clear"][1], f"{where}: clear") if "clear" in m else None
+    expr = _expr(r, m["expr"][1], f"{where}: expr", params) if "expr" in m else None
+    clear = _expr(r, m["clear"][1], f"{where}: clear", params) if "clear" in m else None
     actions = _actions(r, m["actions"][1], f"{where}: actions") if "actions" in m else None
     ints: dict[str, int | None] = {
         k: r.integer(m[k][1], f"{where}: {k}") if k in m else 0 for k in ("for", "keep_firing_for", "cooldown")
     }
     bools: dict[str, bool | None] = {
         k: r.boolean(m[k][1], f"{where}: {k}") if k in m else default
-        for k, default in (("repeat", False), ("enabled", True), ("divergence", False))
+        for k, default in (("repeat", False), ("enabled", True), ("divergence", False), ("urgent", False))
     }
     budget = _budget(r, m["budget"][1], f"{where}: budget") if "budget" in m else None
     severity = "warning"
@@ -508,6 +627,7 @@ def _rule(r: YamlReader, node: yaml.Node, index: int) -> Rule | None:
         labels=labels,
         enabled=bool(bools["enabled"]),
         divergence=bool(bools["divergence"]),
+        urgent=bool(bools["urgent"]),
         source=f"{r.file}:{node.start_mark.line + 1}",
     )
 
@@ -519,26 +639,32 @@ class _AnyKeys(tuple):  # type: ignore[type-arg]
         return True
 
 
-def parse_rules(text: str, file: str = "<string>") -> tuple[list[Rule], list[RuleError]]:
-    """Parse one rule file's text; returns the valid rules and every error found."""
-    r = YamlReader(file)
+def _compose_pack(r: YamlReader, text: str) -> dict[str, tuple[yaml.Node, yaml.Node]] | None:
+    """The top-level entries of one rule file (version checked); None when nothing is usable."""
     root = r.compose(text)
     if root is None:
         if not r.errors:
             r.error(None, "empty rule file: expected 'version: 1' and 'rules:'")
-        return [], r.errors
-    m = r.mapping(root, "rule file", ("version", "rules"), required=("version", "rules"))
+        return None
+    m = r.mapping(root, "rule file", ("version", "params", "rules"), required=("version",))
     if m is None:
-        return [], r.errors
+        return None
     if "version" in m:
         v = r.scalar(m["version"][1])
         if v != RULES_VERSION:
             r.error(m["version"][1], f"unsupported version {_show(v)} (this watchdog reads version {RULES_VERSION})")
+    if "rules" not in m and "params" not in m:
+        r.error(root, "rule file: missing required key 'rules' (an overlay pack has 'params' instead)")
+        return None
+    return m
+
+
+def _pack_rules(r: YamlReader, m: dict[str, tuple[yaml.Node, yaml.Node]], params: dict[str, float]) -> list[Rule]:
     rules: list[Rule] = []
     items = r.sequence(m["rules"][1], "rules") if "rules" in m else None
     seen: dict[str, int] = {}
     for i, item in enumerate(items or []):
-        rule = _rule(r, item, i)
+        rule = _rule(r, item, i, params)
         if rule is None:
             continue
         if rule.name in seen:
@@ -546,7 +672,56 @@ def parse_rules(text: str, file: str = "<string>") -> tuple[list[Rule], list[Rul
             continue
         seen[rule.name] = item.start_mark.line + 1
         rules.append(rule)
-    return rules, r.errors
+    return rules
+
+
+class _ParamTable:
+    """Parameters over the files of one load: declarations, then overlays' values, in file order."""
+
+    def __init__(self) -> None:
+        self.decl: dict[str, tuple[YamlReader, yaml.Node, dict[str, Any], str]] = {}
+        self.values: dict[str, float] = {}
+        self.overridden: dict[str, str] = {}
+
+    def add(self, r: YamlReader, m: dict[str, tuple[yaml.Node, yaml.Node]]) -> None:
+        if "params" not in m:
+            return
+        for name, knode, value, decl in _params(r, m["params"][1]):
+            at = f"{r.file}:{knode.start_mark.line + 1}"
+            if decl is not None:
+                if name in self.decl:
+                    r.error(knode, f"params.{name} is already declared at {self.decl[name][3]}")
+                    continue
+                self.decl[name] = (r, knode, decl, at)
+                self.values.setdefault(name, value)
+            elif name not in self.decl:
+                close = difflib.get_close_matches(name, list(self.decl), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                r.error(knode, f"params.{name}: no pack loaded before this overlay declares it{hint}")
+            else:
+                self.values[name] = value
+                self.overridden[name] = at
+
+    def build(self) -> tuple[Param, ...]:
+        out = []
+        for name, (r, _knode, decl, at) in self.decl.items():
+            cal = decl.get("calibrate")
+            calibration = _calibration(r, cal, f"params.{name}.calibrate", self.values) if cal is not None else None
+            out.append(Param(name, self.values[name], decl["description"], calibration, at,
+                             self.overridden.get(name, "")))
+        return tuple(out)
+
+
+def parse_rules(text: str, file: str = "<string>") -> tuple[list[Rule], list[RuleError]]:
+    """Parse one rule file's text (its own ``params`` bound); returns the valid rules and every error found."""
+    r = YamlReader(file)
+    m = _compose_pack(r, text)
+    if m is None:
+        return [], r.errors
+    table = _ParamTable()
+    table.add(r, m)
+    table.build()
+    return _pack_rules(r, m, table.values), r.errors
 
 
 def _expand(paths: Sequence[str | Path]) -> list[Path]:
@@ -568,14 +743,25 @@ def load_rules(paths: Sequence[str | Path]) -> RuleSet:
     errors: list[RuleError] = []
     rules: list[Rule] = []
     where: dict[str, str] = {}
+    packs: list[tuple[YamlReader, dict[str, tuple[yaml.Node, yaml.Node]]]] = []
+    table = _ParamTable()
     for f in files:
         try:
             text = f.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
             errors.append(RuleError(str(f), 1, 1, f"cannot read rule file: {exc}"))
             continue
-        got, errs = parse_rules(text, str(f))
-        errors += errs
+        r = YamlReader(str(f))
+        m = _compose_pack(r, text)
+        if m is not None:
+            table.add(r, m)
+            packs.append((r, m))
+        else:
+            errors += r.errors
+    params = table.build()  # every overlay's values are in before any expression is compiled
+    for r, m in packs:
+        got = _pack_rules(r, m, table.values)
+        errors += r.errors
         for rule in got:
             if rule.name in where:
                 line = int(rule.source.rsplit(":", 1)[1])
@@ -587,4 +773,4 @@ def load_rules(paths: Sequence[str | Path]) -> RuleSet:
         errors.append(RuleError("<none>", 1, 1, "no rule files given"))
     if errors:
         raise RuleFileError(errors)
-    return RuleSet(tuple(rules), tuple(str(f) for f in files))
+    return RuleSet(tuple(rules), tuple(str(f) for f in files), params)

@@ -40,37 +40,10 @@ class MissingDataError(EvalError, LookupError):
     """A metric (or enough points of it) is absent at the evaluated step."""
 
 
-_KEY_CACHE: dict[str, tuple[str, bool] | None] = {}
-
-
-def to_short(data: Mapping[str, Any]) -> dict[str, float]:
-    """``catalog.to_short`` with the key lookup memoised: a daemon maps the same few dozen
-    verl keys for every run every tick, and the catalog's per-data-source patterns are regexes."""
-    out: dict[str, float] = {}
-    exact: set[str] = set()
-    for raw, value in data.items():
-        if raw in _KEY_CACHE:
-            hit = _KEY_CACHE[raw]
-        else:
-            if len(_KEY_CACHE) > 10_000:
-                _KEY_CACHE.clear()  # bounded: a log with ever-new key names must not grow memory
-            key = catalog.canonical_key(raw)
-            hit = _KEY_CACHE[raw] = (catalog.BY_KEY[key].short, raw == key) if key else None
-        if hit is None or isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        short, is_exact = hit
-        if not is_exact and short in exact:
-            continue  # the current key wins over an older alias in the same record
-        out[short] = float(value)
-        if is_exact:
-            exact.add(short)
-    return out
-
-
 class _Series:
     """Steps and values of one metric, ascending by step; ``best`` is the running max."""
 
-    __slots__ = ("steps", "values", "best", "best_at", "evicted_best", "evicted_best_at")
+    __slots__ = ("steps", "values", "best", "best_at", "evicted_best", "evicted_best_at", "lowest")
 
     def __init__(self) -> None:
         self.steps: list[int] = []
@@ -81,6 +54,8 @@ class _Series:
         # The running max of values already trimmed away, so best-so-far covers the whole run.
         self.evicted_best = -math.inf
         self.evicted_best_at = 0
+        self.lowest = math.inf
+        """Lowest value ever appended (also from a rolled-back branch; NaN never)."""
 
 
 class Window:
@@ -102,6 +77,8 @@ class Window:
         """Steps at which some metric was NaN or inf (``nonfinite()`` without arguments)."""
         self.cache: dict[tuple[Any, ...], float] = {}
         """Window-function results at the current data; cleared on every append."""
+        self.sources: dict[str, str] = {}
+        """The verl key each short name was last read from (``kl``: ``actor/kl_loss`` in a GRPO run)."""
 
     # -- building ---------------------------------------------------------------------
 
@@ -126,7 +103,7 @@ class Window:
     def append_record(self, record: Mapping[str, Any]) -> None:
         """Append one FileLogger record; verl keys (and their aliases) map through the catalog."""
         data = record.get("data", {})
-        self.append(int(record["step"]), to_short(data if isinstance(data, Mapping) else {}))
+        self.append(int(record["step"]), catalog.to_short(data if isinstance(data, Mapping) else {}, self.sources))
 
     def append(self, step: int, values: Mapping[str, float]) -> None:
         """Record one step's values (short names). A step <= the newest first drops that step and later."""
@@ -146,6 +123,8 @@ class Window:
                 prev, prev_at = s.evicted_best, s.evicted_best_at
             s.steps.append(step)
             s.values.append(v)
+            if v < s.lowest:
+                s.lowest = v
             # NaN never becomes "best": a diverged step must not reset a stall detector.
             if v > prev:
                 s.best.append(v)
@@ -256,6 +235,13 @@ class Window:
         if b == -math.inf:
             raise MissingDataError(f"metric {name!r} has no finite value up to step {at}")
         return b
+
+    def lowest(self, name: str) -> float:
+        """The lowest value ``name`` ever had in this run (NaN ignored); MissingDataError if none."""
+        s = self._series.get(name)
+        if s is None or s.lowest == math.inf:
+            raise MissingDataError(f"no finite data for metric {name!r}")
+        return s.lowest
 
     def since_best(self, name: str, at: int | None = None) -> int:
         """Steps since ``name`` last reached a new best (0: this step is the best so far)."""

@@ -33,18 +33,49 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+_JOURNAL_TABLE = """
+CREATE TABLE IF NOT EXISTS journal (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL,
+    decision_id INTEGER,
+    kind TEXT NOT NULL,
+    payload TEXT NOT NULL DEFAULT '{}',
+    status TEXT NOT NULL CHECK (status IN ('intent', 'sent', 'waiting', 'done', 'failed', 'dropped')),
+    control_version INTEGER,
+    deadline REAL,
+    result TEXT NOT NULL DEFAULT '{}',
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+)"""
 #: What brings a database of version N-1 to version N, applied in the opening transaction.
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN job_id TEXT",),  # the Ray Job a run's trainer runs as
+    3: (
+        # Read positions live with the engine state (one transaction per tick); these were never read.
+        "ALTER TABLE runs DROP COLUMN metrics_offset",
+        "ALTER TABLE runs DROP COLUMN events_offset",
+        "ALTER TABLE runs DROP COLUMN events_line",
+        "ALTER TABLE runs ADD COLUMN startup_s REAL",  # measured relaunch cost: stop to first new step
+        "ALTER TABLE decisions ADD COLUMN signals TEXT NOT NULL DEFAULT '{}'",
+        # The journal gains 'dropped' (a deferred set whose condition cleared) and loses depends_on.
+        "ALTER TABLE journal RENAME TO journal_v2",
+        _JOURNAL_TABLE,
+        "INSERT INTO journal (id, run_id, decision_id, kind, payload, status, control_version, deadline, result,"
+        " created, updated) SELECT id, run_id, decision_id, kind, payload, status, control_version, deadline,"
+        " result, created, updated FROM journal_v2",
+        "DROP TABLE journal_v2",
+        "CREATE INDEX IF NOT EXISTS journal_open ON journal (run_id, status)",
+    ),
 }
 DB_NAME = "watchdog.db"
 
-#: Decision statuses. ``skipped``: nothing to do (a resolve, or an action already covered).
+#: Decision statuses. ``skipped``: nothing to do (a resolve, an action already covered, a dropped set).
 DECISION_STATUSES = ("pending", "applied", "failed", "skipped")
 #: Journal statuses: written before acting (``intent``), carried out and awaiting
-#: confirmation (``sent``), waiting for another entry (``waiting``), ``done``, ``failed``.
-ACTION_STATUSES = ("intent", "sent", "waiting", "done", "failed")
+#: confirmation (``sent``), deferred until the next checkpoint (``waiting``, a tuning set that
+#: needs a relaunch), ``done``, ``failed``, ``dropped`` (a waiting set whose condition cleared).
+ACTION_STATUSES = ("intent", "sent", "waiting", "done", "failed", "dropped")
 OPEN_ACTION_STATUSES = ("intent", "sent", "waiting")
 
 _SCHEMA = """
@@ -63,14 +94,12 @@ CREATE TABLE IF NOT EXISTS runs (
     oom_retries INTEGER NOT NULL DEFAULT 0,
     last_step INTEGER,
     last_evaluated_step INTEGER,
-    metrics_offset INTEGER NOT NULL DEFAULT 0,
-    events_offset INTEGER NOT NULL DEFAULT 0,
-    events_line INTEGER NOT NULL DEFAULT 1,
     last_progress_ts REAL,
     launched_ts REAL,
     exit_code INTEGER,
     created REAL NOT NULL,
-    updated REAL NOT NULL
+    updated REAL NOT NULL,
+    startup_s REAL
 );
 CREATE TABLE IF NOT EXISTS rule_states (
     run_id TEXT PRIMARY KEY,
@@ -101,23 +130,11 @@ CREATE TABLE IF NOT EXISTS decisions (
     status TEXT NOT NULL CHECK (status IN ('pending', 'applied', 'failed', 'skipped')),
     outcome TEXT NOT NULL DEFAULT '',
     created REAL NOT NULL,
-    updated REAL NOT NULL
+    updated REAL NOT NULL,
+    signals TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS decisions_run ON decisions (run_id, step);
-CREATE TABLE IF NOT EXISTS journal (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    run_id TEXT NOT NULL,
-    decision_id INTEGER,
-    kind TEXT NOT NULL,
-    payload TEXT NOT NULL DEFAULT '{}',
-    status TEXT NOT NULL CHECK (status IN ('intent', 'sent', 'waiting', 'done', 'failed')),
-    control_version INTEGER,
-    depends_on INTEGER,
-    deadline REAL,
-    result TEXT NOT NULL DEFAULT '{}',
-    created REAL NOT NULL,
-    updated REAL NOT NULL
-);
+""" + _JOURNAL_TABLE + """;
 CREATE INDEX IF NOT EXISTS journal_open ON journal (run_id, status);
 CREATE TABLE IF NOT EXISTS bad_spans (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -149,7 +166,7 @@ class RunRecord:
     managed: bool = True
     """True when the watchdog started the trainer and may stop and relaunch it."""
     phase: str = "new"
-    """new | running | paused | restarting | finished | failed | escalated | detached."""
+    """new | running | paused | restarting | finished | failed | escalated | stopped | detached."""
     pid: int | None = None
     """Process id of the current trainer (process-group leader); None for a Ray Job."""
     job_id: str | None = None
@@ -166,12 +183,6 @@ class RunRecord:
     """Newest step seen in metrics.jsonl."""
     last_evaluated_step: int | None = None
     """Newest step the rules were evaluated at; never evaluated again unless rewound."""
-    metrics_offset: int = 0
-    """Byte offset into metrics.jsonl already read."""
-    events_offset: int = 0
-    """Byte offset into events.jsonl already read."""
-    events_line: int = 1
-    """Line number at ``events_offset`` (for error messages)."""
     last_progress_ts: float | None = None
     """Wall time when the newest step (or the launch) was first seen: the heartbeat."""
     launched_ts: float | None = None
@@ -182,6 +193,8 @@ class RunRecord:
     """When the run was first registered."""
     updated: float = 0.0
     """Last change."""
+    startup_s: float | None = None
+    """Measured cost of the last relaunch: the old trainer stopped to the new one's first step (seconds)."""
 
 
 @dataclass
@@ -202,8 +215,6 @@ class ActionRecord:
     """One of :data:`ACTION_STATUSES`."""
     control_version: int | None
     """control.json version carrying it (live actions), for confirmation."""
-    depends_on: int | None
-    """Journal id that must be done first (follow-on sets after a rollback)."""
     deadline: float | None
     """Wall time after which an unconfirmed live action falls back to a restart."""
     result: dict[str, Any]
@@ -381,19 +392,20 @@ class Store:
         message: str = "",
         status: str = "pending",
         outcome: str = "",
+        signals: dict[str, str] | None = None,
     ) -> int:
-        """Record a decision with its inputs; returns its id."""
+        """Record a decision with its inputs (and the verl key each metric came from); returns its id."""
         if status not in DECISION_STATUSES:
             raise ValueError(f"decision status {status!r} not in {DECISION_STATUSES}")
         now = _now()
         with self.transaction() as db:
             cur = db.execute(
                 "INSERT INTO decisions (run_id, step, rule, kind, severity, message, actions, inputs, status,"
-                " outcome, created, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " outcome, created, updated, signals) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     run_id, int(step), rule, kind, severity, message,
                     json.dumps(actions, sort_keys=True), json.dumps(_jsonable(inputs), sort_keys=True),
-                    status, outcome, now, now,
+                    status, outcome, now, now, json.dumps(signals or {}, sort_keys=True),
                 ),
             )
             return int(cur.lastrowid or 0)
@@ -429,6 +441,7 @@ class Store:
             d = dict(r)
             d["actions"] = json.loads(d["actions"])
             d["inputs"] = json.loads(d["inputs"])
+            d["signals"] = json.loads(d["signals"])
             d["journal"] = by_decision.get(d["id"], [])
             out.append(d)
         return out
@@ -451,17 +464,16 @@ class Store:
         payload: dict[str, Any],
         decision_id: int | None = None,
         status: str = "intent",
-        depends_on: int | None = None,
     ) -> int:
-        """Write an action's intent before carrying it out; returns its journal id."""
+        """Write an action's intent before carrying it out (or, ``waiting``, deferred); returns its journal id."""
         if status not in ACTION_STATUSES:
             raise ValueError(f"action status {status!r} not in {ACTION_STATUSES}")
         now = _now()
         with self.transaction() as db:
             cur = db.execute(
-                "INSERT INTO journal (run_id, decision_id, kind, payload, status, depends_on, created, updated)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                (run_id, decision_id, kind, json.dumps(payload, sort_keys=True), status, depends_on, now, now),
+                "INSERT INTO journal (run_id, decision_id, kind, payload, status, created, updated)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (run_id, decision_id, kind, json.dumps(payload, sort_keys=True), status, now, now),
             )
             return int(cur.lastrowid or 0)
 
@@ -509,6 +521,9 @@ class Store:
             self.set_decision(decision_id, "failed", "; ".join(e for e in errors if e) or "failed")
             return "failed"
         outcomes = [json.loads(r["result"]).get("outcome", "") for r in rows]
+        if statuses and all(s == "dropped" for s in statuses):
+            self.set_decision(decision_id, "skipped", "; ".join(o for o in outcomes if o) or "dropped")
+            return "skipped"
         self.set_decision(decision_id, "applied", "; ".join(o for o in outcomes if o) or "applied")
         return "applied"
 

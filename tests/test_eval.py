@@ -1,0 +1,235 @@
+"""`watchdog eval`: scoring small synthetic logs with known answers, the default pack on the real
+labelled corpus, the KL signal of each verl configuration, and the blind-rules warning."""
+
+from __future__ import annotations
+
+import json
+import logging
+import textwrap
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+from verl_logs import LOGS, needs_logs
+
+from trainer import rundir
+from watchdog import evaluation as ev
+from watchdog.cli import app
+from watchdog.replay import replay
+from watchdog.rulefile import load_rules, parse_rules
+
+ROOT = Path(__file__).resolve().parents[1]
+LABELS = LOGS / "labels.yaml"
+CORPUS = ROOT / "bench" / "corpus" / "labels.yaml"
+
+#: A pack with one rule of each consequence, on a metric the tests steer by hand.
+PACK = textwrap.dedent("""\
+    version: 1
+    rules:
+      - name: drastic
+        description: a score below 0 rolls back
+        expr: reward < 0
+        actions: [rollback]
+        cooldown: 1000
+        divergence: true
+      - name: alarm
+        description: a score above 5 is only an alert
+        expr: reward > 5
+        actions: [notify]
+        cooldown: 1000
+      - name: tune
+        description: a score of exactly 2 asks for a gentler lr, every 5 steps while it holds
+        expr: reward == 2
+        actions:
+          - set: {key: actor_rollout_ref.actor.optim.lr, scale: 0.9}
+        cooldown: 5
+        repeat: true
+""")
+
+
+def _log(path: Path, rewards: dict[int, float], steps: int) -> Path:
+    with path.open("w") as f:
+        for s in range(1, steps + 1):
+            f.write(json.dumps({"step": s, "data": {"critic/score/mean": rewards.get(s, 1.0)}}) + "\n")
+    return path
+
+
+def _pack(tmp_path: Path) -> Path:
+    p = tmp_path / "pack.yaml"
+    p.write_text(PACK)
+    return p
+
+
+def _score(tmp_path: Path, label: str, rewards: dict[int, float], steps: int = 30, **cfg) -> ev.LogScore:
+    _log(tmp_path / "run.jsonl", rewards, steps)
+    labels = tmp_path / "labels.yaml"
+    labels.write_text("version: 1\nlogs:\n  - file: run.jsonl\n" + textwrap.indent(textwrap.dedent(label), "    "))
+    (lab,) = ev.load_labels(labels)
+    return ev.evaluate_log(lab, load_rules([_pack(tmp_path)]), ev.EvalConfig(**cfg))
+
+
+def test_a_rolled_back_healthy_run_fails_naming_its_first_false_action(tmp_path: Path) -> None:
+    s = _score(tmp_path, "verdict: healthy\n", {5: -1.0, 12: -1.0})
+    assert not s.passed and s.rollbacks == 1  # the rule's cooldown keeps it to one
+    assert (s.first_false.step, s.first_false.rule, s.first_false.kind) == (5, "drastic", "rollback")
+
+
+def test_a_failure_caught_between_onset_and_deadline_passes_with_its_delay(tmp_path: Path) -> None:
+    s = _score(tmp_path, "verdict: failure\nonset: 10\ndeadline: 15\n", {12: -1.0})
+    assert s.passed and s.detected.step == 12 and s.delay == 2
+    assert s.first_false is None
+
+
+def test_a_rollback_two_steps_before_the_onset_is_on_time_three_is_a_false_action(tmp_path: Path) -> None:
+    assert _score(tmp_path, "verdict: failure\nonset: 10\ndeadline: 15\n", {8: -1.0}).passed
+    s = _score(tmp_path, "verdict: failure\nonset: 10\ndeadline: 15\n", {7: -1.0})
+    assert not s.passed and s.first_false.step == 7 and "before the onset 10" in s.reason
+
+
+def test_a_failure_caught_after_its_deadline_fails(tmp_path: Path) -> None:
+    s = _score(tmp_path, "verdict: failure\nonset: 10\ndeadline: 15\n", {20: -1.0})
+    assert not s.passed and s.detected.step == 20 and "after the deadline 15" in s.reason
+
+
+def test_an_alert_is_enough_where_the_label_expects_one_but_not_where_it_expects_a_rollback(tmp_path: Path) -> None:
+    assert _score(tmp_path, "verdict: failure\nonset: 10\ndeadline: 15\nexpect: alert\n", {11: 9.0}).passed
+    s = _score(tmp_path, "verdict: failure\nonset: 10\ndeadline: 15\nexpect: rollback\n", {11: 9.0})
+    assert not s.passed and s.detected is None and s.alerts == 1
+
+
+def test_tuning_relaunches_of_a_zero_patch_run_wait_for_checkpoints_and_are_merged(tmp_path: Path) -> None:
+    # reward == 2 on every step: the tuning rule fires every 5 steps (50 set decisions in 250 steps).
+    rewards = {s: 2.0 for s in range(1, 251)}
+    s = _score(tmp_path, "verdict: healthy\n", rewards, steps=250, save_freq=10)
+    assert s.set_decisions == 50 and s.passed
+    zp = s.zero_patch
+    # One tuning relaunch per 100 steps trained, counted from the launch: at steps 100 and 200, each
+    # carrying the 20 sets that waited for it (19 merged into the first), the last 10 still waiting.
+    assert (zp.relaunches, zp.tuning_relaunches) == (2, 2) and zp.deferred == 50
+    assert zp.merged == 19 + 19 and zp.dropped == 0
+    assert zp.seconds == pytest.approx(2 * ev.DEFAULT_STARTUP_S)  # at a checkpoint: no step trained again
+    # Spaced 10 steps instead, it would relaunch every 10 steps: more than the run's allowance.
+    s = _score(tmp_path, "verdict: healthy\n", rewards, steps=250, save_freq=10, relaunch_every=10)
+    assert s.zero_patch.relaunches == 25 and not s.passed and "zero-patch relaunches" in s.reason
+
+
+def test_embedded_mode_prices_the_same_sets_as_free_live_changes(tmp_path: Path) -> None:
+    s = _score(tmp_path, "verdict: healthy\n", {s: 2.0 for s in range(1, 51)}, steps=50, mode="embedded")
+    assert s.priced.live_sets == 10 and s.priced.relaunches == 0 and s.priced.seconds == 0
+
+
+def test_a_waiting_set_whose_rule_stops_firing_is_dropped(tmp_path: Path) -> None:
+    s = _score(tmp_path, "verdict: healthy\n", {3: 2.0}, steps=150, save_freq=10)  # fires once, clears at 4
+    assert s.zero_patch.deferred == 1 and s.zero_patch.dropped == 1 and s.zero_patch.relaunches == 0
+
+
+def test_a_fragment_is_replayed_but_not_scored(tmp_path: Path) -> None:
+    s = _score(tmp_path, "verdict: fragment\n", {2: -1.0}, steps=3)
+    assert s.passed and s.rollbacks == 1 and s.reason.startswith("fragment")
+
+
+def test_a_bad_labels_file_names_every_problem_with_its_line(tmp_path: Path) -> None:
+    labels = tmp_path / "labels.yaml"
+    labels.write_text("version: 1\nlogs:\n  - file: nope.jsonl\n    verdict: healthy\n"
+                      "  - file: x.jsonl\n    verdict: sick\n  - {file: y, verdict: failure, onset: 3, colour: red}\n")
+    with pytest.raises(ev.LabelsError) as err:
+        ev.load_labels(labels)
+    text = str(err.value)
+    assert "labels.yaml:3:11: logs[0].file:" in text and "does not exist" in text
+    assert "labels.yaml:6:14: logs[1].verdict must be one of healthy, failure, fragment" in text
+    assert "unknown key 'colour'" in text and "a failure needs 'deadline'" in text
+    r = CliRunner().invoke(app, ["eval", str(labels)])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+def test_eval_exits_non_zero_when_a_log_fails_and_prints_a_summary(tmp_path: Path) -> None:
+    _log(tmp_path / "ok.jsonl", {}, 20)
+    _log(tmp_path / "bad.jsonl", {5: -1.0}, 20)
+    labels = tmp_path / "labels.yaml"
+    labels.write_text("version: 1\nlogs:\n  - {file: ok.jsonl, verdict: healthy}\n  - {file: bad.jsonl, verdict: healthy}\n")
+    r = CliRunner().invoke(app, ["eval", str(labels), "--rules", str(_pack(tmp_path))])
+    assert r.exit_code == 1
+    assert "FAIL: 1/2 logs passed: healthy 1/2, failures 0/0" in r.output
+    r = CliRunner().invoke(app, ["eval", str(labels), "--rules", str(_pack(tmp_path)), "--json"])
+    doc = json.loads(r.stdout)
+    assert [x["passed"] for x in doc["logs"]] == [True, False] and doc["logs"][1]["first_false"]["step"] == 5
+
+
+@needs_logs
+def test_the_default_pack_passes_every_labelled_real_verl_log() -> None:
+    r = CliRunner().invoke(app, ["eval", str(LABELS), "--json"])
+    doc = json.loads(r.stdout)
+    failed = [(x["file"], x["reason"]) for x in doc["logs"] if not x["passed"]]
+    assert r.exit_code == 0 and failed == []
+    for x in doc["logs"]:
+        if x["verdict"] == "healthy":
+            assert x["rollbacks"] == 0 and x["pauses"] == 0
+            assert x["zero_patch"]["relaunches"] <= max(1, x["steps"] // 100), x["file"]
+
+
+def test_the_default_pack_passes_the_embedded_trainers_own_labelled_corpus() -> None:
+    r = CliRunner().invoke(app, ["eval", str(CORPUS), "--mode", "embedded", "--json"])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0, [(x["file"], x["reason"]) for x in doc["logs"] if not x["passed"]]
+    assert {x["verdict"] for x in doc["logs"]} == {"healthy", "failure"}
+
+
+# -- the KL signal of each verl configuration ---------------------------------------------------
+
+KL_RULE = textwrap.dedent("""\
+    version: 1
+    rules:
+      - name: kl_up
+        description: any KL above 0.1 raises its coefficient
+        expr: kl > 0.1
+        actions:
+          - set: {key: kl_coef, scale: 2.0}
+        cooldown: 1000
+""")
+
+
+@pytest.mark.parametrize(("key", "coef_key", "coef_metric"), [
+    ("actor/reward_kl_penalty", "algorithm.kl_ctrl.kl_coef", "actor/reward_kl_penalty_coeff"),  # use_kl_in_reward
+    ("actor/kl_loss", "actor_rollout_ref.actor.kl_loss_coef", "actor/kl_coef"),                 # use_kl_loss
+    ("critic/kl", "algorithm.kl_ctrl.kl_coef", "critic/kl_coeff"),                               # older verl
+])
+def test_the_kl_signal_is_resolved_from_each_verl_key_and_the_decision_says_which(key, coef_key, coef_metric) -> None:
+    rules, errors = parse_rules(KL_RULE)
+    assert not errors
+    recs = [{"step": s, "data": {key: kl, coef_metric: 0.001}} for s, kl in enumerate([0.01, 0.2], start=1)]
+    (d,) = replay(recs, rules).decisions
+    assert d.signals == {"kl": key}
+    assert d.planned[0].payload["set"] == {coef_key: pytest.approx(0.002)}
+    if key != "actor/reward_kl_penalty":
+        assert f"(kl = {key})" in d.message
+
+
+def test_the_blind_rules_warning_is_printed_once_naming_the_verl_setting(tmp_path: Path) -> None:
+    log = tmp_path / "grpo.jsonl"
+    with log.open("w") as f:
+        for s in range(1, 40):
+            f.write(json.dumps({"step": s, "data": {"critic/score/mean": 0.5, "actor/entropy": 0.3}}) + "\n")
+    r = CliRunner().invoke(app, ["replay", str(log)])
+    assert r.exit_code == 0
+    kl_lines = [ln for ln in r.stderr.splitlines() if "no KL to the reference" in ln]
+    assert len(kl_lines) == 1
+    assert "algorithm.use_kl_in_reward=True" in kl_lines[0] and "use_kl_loss=True" in kl_lines[0]
+    assert "kl_explosion" in kl_lines[0] and "kl_high" in kl_lines[0]
+    assert "reward_collapse" not in kl_lines[0]  # it reads the KL only as an optional confirmation
+    assert "could not be evaluated" not in r.stderr  # no warning per rule on top
+
+
+def test_the_live_controller_warns_about_blind_rules_once(tmp_path: Path, caplog) -> None:
+    from watchdog.daemon import build_watchdog
+
+    run = tmp_path / "run"
+    run.mkdir()
+    wd = build_watchdog(tmp_path / "state", [ROOT / "rules" / "default.yaml"])
+    ctl = wd.add_run(run, managed=False)
+    with caplog.at_level(logging.WARNING, logger="watchdog.controller"):
+        for s in range(1, 12):
+            rundir.append_metrics(run, s, {"critic/score/mean": 0.5, "actor/entropy": 0.3})
+            ctl.tick()
+    lines = [r.getMessage() for r in caplog.records if "no KL to the reference" in r.getMessage()]
+    assert len(lines) == 1 and "actor_rollout_ref.actor.use_kl_loss=True" in lines[0]
+    wd.close()

@@ -1,0 +1,189 @@
+"""The one planner: what a decision becomes, for the live controller, replay and eval alike."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer import rundir
+from watchdog.actions import CheckpointAction, NotifyAction, PauseAction, RollbackAction, SetAction
+from watchdog.engine import Decision
+from watchdog.planner import PlanContext, current_value, plan_decision, snap_micro_batch
+
+KL = "algorithm.kl_ctrl.kl_coef"
+LR = "actor_rollout_ref.actor.optim.lr"
+LIVE = rundir.LIVE_KEYS
+
+
+def _decision(kind="fire", actions=(), rule="r", step=10, repeat=1, urgent=False):
+    return Decision(rule, step, kind, list(actions), {}, "warning", "m", urgent=urgent, repeat=repeat)
+
+
+def _ctx(overrides=None, latest=None, config=None, live=LIVE, **kw) -> PlanContext:
+    return PlanContext(overrides or {}, latest or {}, config or {}, live, **kw)
+
+
+def test_live_key_set_is_planned_live_from_the_trainers_current_kl_coef():
+    d = _decision(actions=[SetAction(KL, "scale", 1.2, max=0.02)])
+    (p,) = plan_decision(d, _ctx(latest={"kl_coef": 0.01}))
+    assert p.kind == "live_set" and p.payload["set"] == {KL: pytest.approx(0.012)}
+    assert p.payload["from"] == {KL: 0.01}
+
+
+def test_set_is_clamped_by_the_rules_max():
+    d = _decision(actions=[SetAction(KL, "scale", 1.2, max=0.02)])
+    (p,) = plan_decision(d, _ctx({KL: 0.019}, {"kl_coef": 0.019}))
+    assert p.payload["set"][KL] == 0.02
+
+
+def test_a_key_the_trainer_cannot_change_live_is_planned_as_a_restart():
+    d = _decision(actions=[SetAction("algorithm.gamma", "to", 0.99)])
+    (p,) = plan_decision(d, _ctx(config={"algorithm": {"gamma": 1.0}}))
+    assert p.kind == "restart" and p.payload["set"] == {"algorithm.gamma": 0.99}
+    assert p.payload["urgent"] is False  # a tuning relaunch: it may wait for the next checkpoint
+
+
+def test_sets_after_a_rollback_follow_it_instead_of_going_live():
+    d = _decision(actions=[RollbackAction(skip_batches=2), SetAction(LR, "scale", 0.5)])
+    (p,) = plan_decision(d, _ctx(config={"actor_rollout_ref": {"actor": {"optim": {"lr": 2e-4}}}}))
+    assert p.kind == "rollback" and p.payload["skip_batches"] == 2
+    assert p.payload["set"] == {LR: pytest.approx(1e-4)}
+
+
+def test_micro_batch_set_is_rounded_down_to_a_divisor_of_the_mini_batch():
+    micro = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+    cfg = {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8}}}
+    d = _decision(actions=[SetAction(micro, "add", -1, min=1)])
+    (p,) = plan_decision(d, _ctx(config=cfg))
+    assert p.payload["set"] == {micro: 4}
+    assert [snap_micro_batch(v, 12) for v in (12, 11, 5, 1, 0)] == [12, 6, 4, 1, 1]
+
+
+def test_escalation_pauses_and_alerts_even_without_actions():
+    kinds = [(p.kind, p.payload.get("command", {}).get("kind")) for p in plan_decision(_decision("escalate"), _ctx())]
+    assert kinds == [("command", "pause"), ("notify", None)]
+
+
+def test_a_notify_only_escalation_never_pauses():
+    planned = plan_decision(_decision("escalate", [NotifyAction("kl_high keeps firing")]), _ctx())
+    assert [p.kind for p in planned] == ["notify"]
+
+
+def test_pause_and_checkpoint_actions_become_commands_and_resolve_does_nothing():
+    d = _decision(actions=[CheckpointAction(), PauseAction("too many rollbacks")])
+    assert [p.payload.get("command", {}).get("kind") for p in plan_decision(d, _ctx())] == \
+        ["checkpoint", "pause", None]
+    assert plan_decision(_decision("resolve", [SetAction(KL, "scale", 2)]), _ctx()) == []
+
+
+@pytest.mark.parametrize(("policy", "kinds"), [
+    ("pause", ["command", "notify"]), ("stop", ["stop", "notify"]), ("continue", ["notify"]),
+])
+def test_a_pause_for_a_human_follows_the_runs_escalation_policy(policy, kinds):
+    planned = plan_decision(_decision("escalate", [PauseAction("no progress")]), _ctx(on_escalate=policy))
+    assert [p.kind for p in planned] == kinds
+    if policy == "stop":
+        assert "no progress" in planned[0].payload["verdict"]
+
+
+def test_a_growing_remedy_reaches_its_bound_in_the_expected_number_of_rollbacks():
+    # lr 2e-3 (10x too high), halved and compounding: x0.5, x0.25, x0.125 -> 1e-3, 2.5e-4, 3.125e-5, then
+    # the floor 5e-5 holds it: three rollbacks reach the bound, a fourth changes nothing.
+    grow = SetAction(LR, "scale", 0.5, min=5e-5, grow=True)
+    lr, seen = 2e-3, []
+    for repeat in (1, 2, 3, 4):
+        (p,) = plan_decision(_decision(actions=[RollbackAction(), grow], repeat=repeat), _ctx({LR: lr}))
+        lr = p.payload["set"][LR]
+        seen.append(lr)
+    assert seen == pytest.approx([1e-3, 2.5e-4, 5e-5, 5e-5])
+
+
+def test_kl_coef_means_the_kl_loss_coefficient_when_the_run_logs_the_kl_loss():
+    d = _decision(actions=[SetAction("kl_coef", "scale", 2.0)])
+    (p,) = plan_decision(d, _ctx(latest={"kl_coef": 0.001}, signals={"kl": "actor/kl_loss"}))
+    assert p.payload["set"] == {"actor_rollout_ref.actor.kl_loss_coef": pytest.approx(0.002)}
+    (p,) = plan_decision(d, _ctx(latest={"kl_coef": 0.001}, signals={"kl": "actor/reward_kl_penalty"}))
+    assert p.payload["set"] == {KL: pytest.approx(0.002)}
+
+
+def test_a_key_nobody_set_starts_from_verls_own_default():
+    assert current_value("actor_rollout_ref.actor.ppo_epochs", _ctx()) == 1
+    assert current_value(LR, _ctx(latest={"lr": 0.0})) == 1e-6  # a console's "actor/lr:0.000" is not a value
+    assert current_value(LR, _ctx(latest={"lr": 3e-6})) == 3e-6
+    assert current_value("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", _ctx()) is None
+
+
+# -- replay and the live controller plan alike ---------------------------------------------------
+
+SAME_PLAN_RULES = """\
+version: 1
+rules:
+  - name: kl_up
+    description: KL above 0.1 raises kl_coef 1.2x per fire, from the coefficient the trainer logs
+    expr: kl > 0.1
+    actions:
+      - set: {key: kl_coef, scale: 1.2, max: 0.02}
+    cooldown: 2
+    repeat: true
+  - name: shrink
+    description: an OOM shrinks the micro batch, snapped to a divisor of the mini batch
+    expr: event("oom") > 0
+    actions:
+      - set: {key: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, add: -1, min: 1}
+  - name: discount
+    description: a restart-only key, planned as a (tuning) relaunch
+    expr: step == 6
+    actions:
+      - set: {key: algorithm.gamma, scale: 0.99}
+  - name: diverge
+    description: a rollback with a growing lr cut
+    expr: reward < 0
+    actions:
+      - rollback: {skip_batches: 1}
+      - set: {key: actor_rollout_ref.actor.optim.lr, scale: 0.5, grow: true}
+    cooldown: 1000
+    divergence: true
+"""
+
+
+def test_replay_plans_exactly_what_the_live_controller_journals(tmp_path) -> None:
+    """The same decisions give the same entries and values. (What replay cannot know, and does not
+    model: live, a relaunch decided while a rollback is still in flight is covered by it.)"""
+    from watchdog import ingest
+    from watchdog.daemon import build_watchdog
+    from watchdog.replay import config_from_run_json, replay
+    from watchdog.rulefile import load_rules
+
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(SAME_PLAN_RULES)
+    run = tmp_path / "run"
+    run.mkdir()
+    config = {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 12, "ppo_micro_batch_size_per_gpu": 12,
+                                              "optim": {"lr": 2e-4}}}, "algorithm": {"gamma": 1.0}}
+    rundir.write_run_json(run, {"id": "run", "config": config})
+    wd = build_watchdog(tmp_path / "state", [rules])
+    ctl = wd.add_run(run, managed=False)  # watched: the controller plans and journals, launches nothing
+    series = [(0.05, 0.5), (0.2, 0.5), (0.3, 0.5), (0.3, -1.0), (0.3, -1.0), (0.3, 0.5), (0.3, 0.5), (0.05, -1.0)]
+    for step, (kl, reward) in enumerate(series, start=1):
+        rundir.append_metrics(run, step, {"actor/reward_kl_penalty": kl, "actor/reward_kl_penalty_coeff": 0.01,
+                                          "critic/score/mean": reward})
+        if step == 5:
+            rundir.append_event(run, "oom", 5, micro_batch_size=12)
+        ctl.tick()
+    live = [(d["step"], d["rule"], [(j["kind"], j["payload"].get("set")) for j in d["journal"]
+                                    if j["kind"] in ("live_set", "restart", "rollback") and "carried" not in j["payload"]
+                                    and j["payload"].get("resume") not in ("path", "scratch")])  # not the rollback's own restart
+            for d in wd.store.decisions("run") if d["kind"] != "resolve"]
+    wd.close()
+    out = replay(ingest.read_records(run), load_rules([rules]), events=ingest.read_events(run),
+                 config=config_from_run_json(rundir.read_run_json(run)))
+    replayed = [(d.step, d.rule, [(p.kind, p.payload.get("set")) for p in d.planned if p.relaunch or p.kind == "live_set"])
+                for d in out.decisions if d.kind != "resolve"]
+    assert replayed == live
+    # and the plans are the interesting ones: the logged KL coefficient as the truth (the watched
+    # trainer never applied 0.012, it still logs 0.01), snapping, a deferred restart
+    flat = {(s, r): p for s, r, p in replayed}
+    assert flat[(2, "kl_up")] == [("live_set", {"algorithm.kl_ctrl.kl_coef": pytest.approx(0.012)})]
+    assert flat[(4, "kl_up")] == [("live_set", {"algorithm.kl_ctrl.kl_coef": pytest.approx(0.012)})]
+    assert flat[(5, "shrink")] == [("live_set", {"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 6})]
+    assert flat[(6, "discount")] == [("restart", {"algorithm.gamma": pytest.approx(0.99)})]
+    assert flat[(4, "diverge")][0][0] == "rollback"
