@@ -187,3 +187,20 @@ def test_replay_plans_exactly_what_the_live_controller_journals(tmp_path) -> Non
     assert flat[(5, "shrink")] == [("live_set", {"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": 6})]
     assert flat[(6, "discount")] == [("restart", {"algorithm.gamma": pytest.approx(0.99)})]
     assert flat[(4, "diverge")][0][0] == "rollback"
+
+
+def test_a_decisions_cost_says_live_deferred_merged_dropped_or_what_the_relaunch_cost() -> None:
+    from watchdog.pricing import cost_text
+
+    live = {"payload": {"cost": {"relaunch": False, "seconds": 0, "steps_lost": 0}}, "status": "done", "result": {}}
+    waiting = {"payload": {"cost": {"relaunch": True, "seconds": 240, "steps_lost": 0}, "clock": 3},
+               "status": "waiting", "result": {}}
+    merged = {**waiting, "status": "done", "result": {"outcome": "merged into the tuning relaunch of journal 7"}}
+    dropped = {**waiting, "status": "dropped", "result": {"outcome": "dropped: kl_high stopped firing while ..."}}
+    ran = {**waiting, "status": "done", "result": {"relaunch_s": 251.4, "steps_lost": 2}}
+    assert cost_text([live]) == "live"
+    assert cost_text([waiting]) == "deferred: waits for the next checkpoint"
+    assert cost_text([merged]) == "merged into the tuning relaunch of journal 7"
+    assert cost_text([dropped]) == "dropped"
+    assert cost_text([ran]) == "relaunch 251 s measured, 2 steps again after waiting for a checkpoint"
+    assert cost_text([{"payload": {}, "status": "done", "result": {}}]) == "-"

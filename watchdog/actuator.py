@@ -389,6 +389,7 @@ class Actuator:
                 self._finish(h, entry, "failed", error=p["refused"])  # nothing left worth a restart
                 return
         stopped_ts = time.time()
+        trained_to = h.run.last_step
         code = self.stop(h)
         if p.get("resume") == "scratch":
             # Start over from the initial weights: nothing saved on the abandoned timeline (the
@@ -425,7 +426,7 @@ class Actuator:
         who = f"ray job {h.run.job_id}" if h.run.job_id else f"pid {h.run.pid}"
         self._finish(h, entry, "done", outcome=f"restarted from {where} ({who}, prior exit {code}){notes}",
                      pid=h.run.pid, job_id=h.run.job_id, resume_step=p.get("resume_step"), exit_code=code,
-                     stopped_ts=stopped_ts)
+                     stopped_ts=stopped_ts, steps_lost=_steps_lost(trained_to, p.get("resume_step")))
 
     def _drive_stop(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
         """Nothing is left to try and no human waits: stop the trainer and end the run with a verdict."""
@@ -539,6 +540,13 @@ class Actuator:
                 mini = config_value(cfg, MINI_BATCH_OF[key])
                 out[key] = snap_micro_batch(int(out[key]), int(mini) if mini is not None else None)
         return out
+
+
+def _steps_lost(trained_to: int | None, resume_step: int | None) -> int:
+    """Steps the relaunch trains again: from the checkpoint it resumes to where the trainer was."""
+    if trained_to is None:
+        return 0
+    return max(0, trained_to - (resume_step or 0))
 
 
 def skip_batches_arg(run_dir: str | Path, n: int) -> str | None:

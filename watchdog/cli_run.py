@@ -22,6 +22,7 @@ from watchdog.daemon import (
     run_daemon,
     state_dir_default,
 )
+from watchdog.pricing import cost_text
 from watchdog.promsource import PROMETHEUS_URL_ENV, source_config
 from watchdog.store import Store, StoreError
 from watchdog.supervisor import SupervisorError
@@ -273,22 +274,31 @@ def _history_rows(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{
         "id": d["id"], "run": d["run_id"], "step": d["step"], "rule": d["rule"], "kind": d["kind"],
         "severity": d["severity"], "message": d["message"], "inputs": d["inputs"], "actions": d["actions"],
-        "status": d["status"], "outcome": d["outcome"],
+        "status": d["status"], "outcome": d["outcome"], "signals": d.get("signals", {}),
+        "cost": cost_text(d["journal"]),
         "journal": [{"id": j["id"], "kind": j["kind"], "status": j["status"], "control_version": j["control_version"],
-                     "result": j["result"]} for j in d["journal"]],
+                     "set": j["payload"].get("set"), "cost": j["payload"].get("cost"), "result": j["result"]}
+                    for j in d["journal"]],
     } for d in decisions]
 
 
 def _print_history(decisions: list[dict[str, Any]], title: str) -> None:
     t = Table(title=title)
-    for col in ("step", "rule", "kind", "inputs", "actions", "status", "outcome"):
+    for col in ("step", "rule", "kind", "inputs", "actions", "status", "cost", "outcome"):
         t.add_column(col, overflow="fold")
     for d in decisions:
         inputs = ", ".join(f"{k}={_fmt(v)}" for k, v in list(d["inputs"].items())[:4])
         actions = "; ".join(str(a.get("kind", a)) if isinstance(a, dict) else str(a) for a in d["actions"])
         actions = actions or ", ".join(j["kind"] for j in d["journal"]) or "-"
-        t.add_row(str(d["step"]), d["rule"], d["kind"], inputs, actions, d["status"], d["outcome"])
+        t.add_row(str(d["step"]), d["rule"], d["kind"], inputs, actions, d["status"], cost_text(d["journal"]),
+                  d["outcome"])
     console.print(t)
+
+
+def shown_in_history(d: dict[str, Any]) -> bool:
+    """Decisions ``watchdog history`` lists without --all: not resolves, not no-ops (a dropped or
+    covered set is shown: what was not done, and why, is part of the record)."""
+    return d["kind"] != "resolve" and d["outcome"] not in ("no action", "resolved")
 
 
 def _fmt(v: Any) -> str:
@@ -307,7 +317,7 @@ def history_cmd(
     if run and store.get_run(run) is None:
         console.print(f"[red]{store.path}: no run {run!r}[/red]")
         raise typer.Exit(1)
-    decisions = [d for d in store.decisions(run) if all_decisions or d["status"] != "skipped"]
+    decisions = [d for d in store.decisions(run) if all_decisions or shown_in_history(d)]
     if as_json:
         typer.echo(json.dumps(_history_rows(decisions), indent=2, sort_keys=True))
     else:

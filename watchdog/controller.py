@@ -589,8 +589,8 @@ class RunController:
         """The first step of a relaunch: what the relaunch cost, stop to this step (kept for pricing)."""
         done = [e for e in self.store.journal(self.run.run_id) if e.kind == "restart" and e.status == "done"
                 and isinstance(e.result.get("stopped_ts"), (int, float))]
-        if not done or self.run.launched_ts is None or done[-1].result["stopped_ts"] > self.run.launched_ts:
-            return
+        if not done or done[-1].result.get("pid") != self.run.pid or "relaunch_s" in done[-1].result:
+            return  # not a relaunch of the watchdog's (the first launch), or measured already
         startup = max(0.0, now - float(done[-1].result["stopped_ts"]))
         self.run.startup_s = startup
         self.store.update_run(self.run.run_id, startup_s=startup)

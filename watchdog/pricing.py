@@ -138,3 +138,37 @@ def release(
     if spaced and saved:
         return Release(valid, dropped, ())
     return Release((), dropped, valid)
+
+
+def cost_text(journal: Sequence[Mapping[str, Any]]) -> str:
+    """What a decision's journal entries cost, in a few words (``watchdog history``, the report).
+
+    A live change is ``live``; a relaunch its price (measured start-up when known) and how it
+    went: at once, after waiting for a checkpoint, merged into another, or dropped.
+    """
+    parts = []
+    for j in journal:
+        payload, result, status = j.get("payload") or {}, j.get("result") or {}, j.get("status", "")
+        cost = payload.get("cost")
+        if not isinstance(cost, Mapping):
+            continue
+        if not cost.get("relaunch"):
+            parts.append("live")
+            continue
+        if status == "waiting":
+            parts.append("deferred: waits for the next checkpoint")
+            continue
+        outcome = str(result.get("outcome", ""))
+        if outcome.startswith("by restart"):
+            continue  # handed to the restart entry that follows it, priced there
+        if status == "dropped" or outcome.startswith(("merged", "carried")):
+            parts.append(outcome.split(":")[0] if status == "dropped" else outcome)
+            continue
+        measured = result.get("relaunch_s")
+        secs = f"{measured:.0f} s measured" if isinstance(measured, (int, float)) else f"~{cost['seconds']:.0f} s"
+        steps = result.get("steps_lost", cost.get("steps_lost"))
+        lost = f", {steps} steps again" if steps else ""
+        when = " after waiting for a checkpoint" if "clock" in payload else ""
+        parts.append(f"relaunch {secs}{lost}{when}")
+    return "; ".join(parts) or "-"
+

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer import rundir
+from watchdog.pricing import cost_text
 
 #: (verl key, panel title) in panel order.
 PANELS: tuple[tuple[str, str], ...] = (
@@ -127,7 +128,8 @@ def render_html(run_dir: Path | str, decisions: Sequence[dict[str, Any]], out: P
         actions = "; ".join(_describe(a) for a in d.get("actions", [])) or "-"
         rows.append(
             "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
-                d["step"], d["rule"], d["kind"], actions, inputs, d["status"], d.get("outcome", ""))) + "</tr>"
+                d["step"], d["rule"], d["kind"], actions, inputs, d["status"], cost_text(d.get("journal", [])),
+                d.get("outcome", ""))) + "</tr>"
         )
     doc = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>watchdog report: {html.escape(Path(run_dir).name)}</title>
@@ -138,7 +140,7 @@ td,th{{border:1px solid #ccc;padding:3px 6px;text-align:left}}</style></head><bo
 (green applied, red failed, orange pending).</p>
 <img alt="metrics" src="data:image/png;base64,{png}">
 <h2>Decisions</h2>
-<table><tr><th>step</th><th>rule</th><th>kind</th><th>actions</th><th>inputs</th><th>status</th><th>outcome</th></tr>
+<table><tr><th>step</th><th>rule</th><th>kind</th><th>actions</th><th>inputs</th><th>status</th><th>cost</th><th>outcome</th></tr>
 {''.join(rows)}
 </table></body></html>
 """
