@@ -22,9 +22,13 @@ deps:
 
 # The seed's settings scaled to CPU, with a fault schedule that produces the table's
 # failures: a KL excursion (kl_coef collapse + lr spike), an OOM, and a divergence (30x lr).
+# Nobody sits at the keyboard of a demo: a run the watchdog can do nothing more for ends with
+# a verdict (--on-escalate stop) instead of waiting for `watchdog resume`. RUN_ARGS adds options
+# (tests/test_demo.py passes its own run and state directories).
+DEMO := --faults "kl_collapse@8:0.1,lr_spike@8:x3,oom@30,lr_spike@59:x30" --on-escalate stop \
+  --set algorithm.kl_ctrl.kl_coef=0.001 --set data.train_size=128 --set trainer.total_training_steps=80
 run: $(STAMP)
-	$(BIN)/watchdog run --faults "kl_collapse@8:0.1,lr_spike@8:x3,oom@30,lr_spike@59:x30" \
-	  --set algorithm.kl_ctrl.kl_coef=0.001 --set data.train_size=128 --set trainer.total_training_steps=80
+	$(BIN)/watchdog run $(DEMO) $(RUN_ARGS)
 
 test: $(STAMP) deps
 	$(BIN)/pytest -q

@@ -185,3 +185,63 @@ def test_a_trainer_that_rejects_its_config_is_given_up_at_once_not_retried(tmp_p
     (decision,) = store.decisions(run.run_id)
     # The human reading the alert sees the trainer's own complaint, naming the key.
     assert "rejected its configuration" in decision["message"] and "kl_coeff" in decision["message"]
+
+
+# -- unattended escalation ------------------------------------------------------------------------
+
+PAUSE_RULE = """
+  - name: hopeless
+    description: stands in for a rule whose remedies are exhausted (it asks for a human at step 3)
+    expr: step >= 3
+    actions:
+      - pause: {reason: "nothing left to try"}
+    cooldown: 1000
+    severity: critical
+"""
+LATE_RULE = """
+  - name: last_step_divergence
+    description: fires on the run's very last step, after which the trainer is already exiting
+    expr: step >= 6
+    divergence: true
+    actions:
+      - rollback: {}
+      - set: {key: actor_rollout_ref.actor.optim.lr, scale: 0.5}
+    cooldown: 1000
+    severity: critical
+"""
+
+
+def test_on_escalate_stop_ends_the_run_with_a_verdict_instead_of_waiting(tmp_path: Path) -> None:
+    proc = _watchdog(tmp_path, _rules(tmp_path, PAUSE_RULE), steps=60, extra=["--on-escalate", "stop"])
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "verdict: run stopped" in proc.stdout and "nothing left to try" in proc.stdout
+    run = Store(tmp_path / "state").require_run("run")
+    assert run.phase == "stopped" and run.last_step is not None and run.last_step < 60
+    assert not rundir.iter_events(tmp_path / "run", ["paused"])  # stopped, never paused
+
+
+def test_a_pause_nobody_answers_says_what_it_waits_for_and_ends_at_the_pause_timeout(tmp_path: Path) -> None:
+    proc = _watchdog(tmp_path, _rules(tmp_path, PAUSE_RULE), steps=60, extra=["--pause-timeout", "3"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert out.count("paused for a human: waiting for `watchdog resume run --state-dir") == 1
+    assert "nobody resumed it (pause timeout 3 s)" in out
+    assert Store(tmp_path / "state").require_run("run").phase == "stopped"
+
+
+def test_a_divergence_on_the_last_step_re_runs_the_tail_and_never_hangs_or_kills_the_exiting_trainer(
+    tmp_path: Path,
+) -> None:
+    proc = _watchdog(tmp_path, _rules(tmp_path, LATE_RULE), steps=6, timeout=120,
+                     extra=["--live-timeout", "300"])  # waiting out the in-process timeout would hang this test
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    store = Store(tmp_path / "state")
+    run = store.require_run("run")
+    assert run.phase == "finished" and run.exit_code == 0  # not -10: no SIGUSR1 killed the exiting trainer
+    (late,) = [d for d in store.decisions("run") if d["rule"] == "last_step_divergence" and d["kind"] == "fire"]
+    assert late["step"] == 6
+    # Either the finished event was seen before the decision (re-run at once by restart) or the trainer
+    # ended while the in-process rollback was on its way: both re-run the tail, and say so.
+    assert "re-running the tail" in late["outcome"] or "restarted from step" in late["outcome"], late["outcome"]
+    started = rundir.iter_events(tmp_path / "run", ["started"])
+    assert len(started) == 2 and started[-1]["resumed_from"] < 6

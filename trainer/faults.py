@@ -10,6 +10,9 @@ kind           what the trainer does at that step                      arg (defa
 lr_spike       multiply the actor (and critic) lr by arg                ``x10``
 kl_collapse    multiply the KL coefficient by arg                       ``x0`` (to zero)
 nan            make the loss non-finite (the optimizer step is skipped)  none
+nan_weights    write NaN into the actor's weights, as an update the      none
+               non-finite guard missed would: every later forward is
+               NaN until a checkpoint is restored (verl issues 498, 721)
 oom            the next micro-batch raises torch.OutOfMemoryError       none
 hang           sleep arg seconds without progress                       ``60``
 crash          exit at once with exit code arg, no save                 ``1``
@@ -34,10 +37,11 @@ from trainer import rundir
 log = logging.getLogger(__name__)
 
 FIRED_FILE = ".faults_fired.json"
-KINDS = ("lr_spike", "kl_collapse", "nan", "oom", "hang", "crash")
+KINDS = ("lr_spike", "kl_collapse", "nan", "nan_weights", "oom", "hang", "crash")
 #: What ``arg`` means when the spec leaves it out.
 DEFAULT_ARGS: dict[str, float | None] = {
-    "lr_spike": 10.0, "kl_collapse": 0.0, "nan": None, "oom": None, "hang": 60.0, "crash": 1.0,
+    "lr_spike": 10.0, "kl_collapse": 0.0, "nan": None, "nan_weights": None, "oom": None, "hang": 60.0,
+    "crash": 1.0,
 }
 _TAKES_ARG = frozenset(k for k, v in DEFAULT_ARGS.items() if v is not None)
 _ITEM = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>-?\d+)(?::(?P<x>x)?(?P<arg>[^,]*))?$")

@@ -446,6 +446,11 @@ class Trainer:
         signal.signal(signal.SIGTERM, on_term)
         self.control.install_signal_handler()
 
+    def _ignore_wakeups(self) -> None:
+        """Exiting: a late SIGUSR1 (a watchdog acting on the last step) must not kill the trainer."""
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
     # -- faults -----------------------------------------------------------------------------------
     def inject(self, fault: Fault) -> None:
         """Apply one scheduled fault at this step."""
@@ -459,6 +464,9 @@ class Trainer:
             self.kl_ctrl.value = float(self.kl_ctrl.value) * float(arg if arg is not None else 0.0)
         elif fault.kind == "nan":
             self._poison = True
+        elif fault.kind == "nan_weights":
+            with torch.no_grad():
+                next(self.policy.parameters()).fill_(float("nan"))
         elif fault.kind == "oom":
             self.budget.force_next()
             self._oom_fault = True
@@ -653,9 +661,11 @@ class Trainer:
                 bar.refresh()
                 if self._due_checkpoint(epoch):
                     self.save()
+            self._ignore_wakeups()
             self.event("finished", steps=self.global_step)
             self._summary.exit_code = 0
         except StopTraining as stop:
+            self._ignore_wakeups()
             self._summary.exit_code = stop.code
             log.warning("stopping at step %d: %s (exit %d)", self.global_step, stop.reason, stop.code)
         finally:

@@ -337,11 +337,12 @@ class Actuator:
             if h.proc is not None and h.proc.alive():
                 log.warning("%s: control v%s not applied within %.0fs: restarting instead",
                             h.run.run_id, entry.control_version, self.config.live_timeout_s)
-                self.store.add_action(h.run.run_id, "restart", {
+                rid = self.store.add_action(h.run.run_id, "restart", {
                     "reason": f"control v{entry.control_version} not applied in time", "resume": "latest",
                     "rule": entry.payload.get("rule", ""),
                 }, decision_id=entry.decision_id)
-                self._finish(h, entry, "done", outcome=f"v{entry.control_version} timed out: applied by restart")
+                self._finish(h, entry, "done", outcome=f"v{entry.control_version} timed out: applied by restart",
+                             handed_to=rid)
 
     _drive_command = _drive_live_set
 
@@ -353,7 +354,8 @@ class Actuator:
                 "rule": entry.payload.get("rule", ""), "resume": "latest", "set": dict(entry.payload.get("set", {})),
                 "reason": f"{kind} in zero-patch mode (verl changes nothing in process)",
             }, decision_id=entry.decision_id)
-            self._finish(h, entry, "done", outcome=f"by restart (journal {rid}): verl changes nothing in process")
+            self._finish(h, entry, "done", outcome=f"by restart (journal {rid}): verl changes nothing in process",
+                         handed_to=rid)
         elif kind == "pause":
             code = self.stop(h)
             self._finish(h, entry, "done", outcome=f"trainer stopped (exit {code}): verl cannot pause in place; "
@@ -449,7 +451,7 @@ class Actuator:
                     p["set"] = self._snap(h, p["set"])
                 restart_id = self.store.add_action(h.run.run_id, "restart", p, decision_id=entry.decision_id)
                 self._finish(h, entry, "done", outcome=f"by restart from the start (journal {restart_id}): "
-                                                       "no checkpoint yet")
+                                                       "no checkpoint yet", handed_to=restart_id)
                 return
             if info is None:
                 self._finish(h, entry, "failed", error="no known-good checkpoint to roll back to")
@@ -461,7 +463,8 @@ class Actuator:
                 # checkpoint carries the sets.
                 p["resume"] = "path"
                 restart_id = self.store.add_action(h.run.run_id, "restart", p, decision_id=entry.decision_id)
-                self._finish(h, entry, "done", outcome=f"by restart (journal {restart_id}) to step {info.step}")
+                self._finish(h, entry, "done", outcome=f"by restart (journal {restart_id}) to step {info.step}",
+                             handed_to=restart_id)
                 return
             cmd = {"id": f"rb{entry.id}", "kind": "rollback", "path": str(info.path), "to_step": info.step,
                    "skip_batches": int(p.get("skip_batches", 0))}
@@ -483,11 +486,15 @@ class Actuator:
                                       decision_id=entry.decision_id)
             self._finish(h, entry, "done", outcome=f"rolled back in process to step {p['resume_step']}")
             return
-        if entry.status == "sent" and entry.deadline is not None and now > entry.deadline:
+        ended = entry.status == "sent" and (h.proc is None or not h.proc.alive())
+        if ended or (entry.status == "sent" and entry.deadline is not None and now > entry.deadline):
             p.pop("command", None)
             p["resume"] = "path"
-            self.store.add_action(h.run.run_id, "restart", p, decision_id=entry.decision_id)
-            self._finish(h, entry, "done", outcome="in-process rollback timed out: by restart")
+            rid = self.store.add_action(h.run.run_id, "restart", p, decision_id=entry.decision_id)
+            why = ("the trainer ended before rolling back in process: re-running the tail by restart"
+                   if ended else "in-process rollback timed out: by restart")
+            self._finish(h, entry, "done", outcome=f"{why} (journal {rid}) from step {p.get('resume_step')}",
+                         handed_to=rid)
 
     def _drive_resume(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
         if entry.status == "intent" and "command" not in entry.payload:

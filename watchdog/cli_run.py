@@ -140,6 +140,9 @@ def run_cmd(
     on_escalate: Annotated[str, typer.Option(
         "--on-escalate", help="When a human is needed: pause (wait for `watchdog resume`), stop (end the run "
                               "with a verdict), or continue (alert only).")] = "pause",
+    pause_timeout: Annotated[float | None, typer.Option(
+        help="Seconds a pause for a human may last unresumed before the run is stopped with a verdict "
+             "(default: wait).")] = None,
     report: Annotated[bool, typer.Option(help="Write report.html and report.png into the run dir.")] = True,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
@@ -170,7 +173,7 @@ def run_cmd(
             controller={"restart_budget": restart_budget, "oom_retry_budget": oom_retries,
                         "heartbeat_min_s": heartbeat_min, "startup_timeout_s": startup_timeout,
                         "tuning_relaunch_every": tuning_relaunch_every, "startup_s": startup_s,
-                        "on_escalate": on_escalate},
+                        "on_escalate": on_escalate, "pause_timeout_s": pause_timeout},
             actuator={"live_timeout_s": live_timeout, "stop_grace_s": stop_grace},
             metrics_port=metrics_port, crash_hook=_crash_hook(),
         )
@@ -196,6 +199,10 @@ def run_cmd(
     _print_history(decisions, title=f"What the watchdog did in run {run.run_id}")
     console.print(f"phase [bold]{run.phase}[/bold], last step {run.last_step}, restarts {run.restarts}, "
                   f"OOM retries {run.oom_retries}, control version {run.control_version}")
+    verdict = next((j.result.get("outcome", "") for j in reversed(wd.store.journal(run.run_id))
+                    if j.kind == "stop" and j.status == "done"), "")
+    if verdict:
+        console.print(f"[red]verdict: {verdict}[/red]")
     if report:
         try:
             from watchdog.report import restart_spans, write_report

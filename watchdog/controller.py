@@ -78,6 +78,8 @@ class ControllerConfig:
     """Cost of a relaunch before the run has measured its own (stop to first new step), seconds."""
     on_escalate: str = "pause"
     """What a pause for a human becomes: pause (wait for `watchdog resume`), stop (end with a verdict), continue."""
+    pause_timeout_s: float | None = None
+    """A run paused for a human this long with nobody resuming it is stopped with a verdict (None: wait)."""
 
     def __post_init__(self) -> None:
         if self.heartbeat_min_s <= 0 or self.heartbeat_factor <= 0:
@@ -87,6 +89,8 @@ class ControllerConfig:
             raise ValueError("budgets must be >= 0")
         if self.on_escalate not in ON_ESCALATE:
             raise ValueError(f"on_escalate must be one of {', '.join(ON_ESCALATE)}, got {self.on_escalate!r}")
+        if self.pause_timeout_s is not None and not self.pause_timeout_s > 0:
+            raise ValueError(f"pause_timeout_s must be > 0 seconds, got {self.pause_timeout_s!r}")
         RelaunchPolicy(self.tuning_relaunch_every)  # validates the spacing
 
     @property
@@ -243,6 +247,8 @@ class RunController:
         self._last_tuning_clock: int | None = ctl.get("last_tuning_relaunch")
         """Engine clock at the last relaunch made for tuning only."""
         self._blind_warned = bool(ctl.get("blind_warned"))
+        self._paused_since: float | None = None
+        """When the run last entered a pause for a human (the pause timeout counts from there)."""
         self._step_times: list[float] = []
         self._saw_finished = False
         self._saw_oom: dict[str, Any] | None = None
@@ -321,14 +327,24 @@ class RunController:
         decisions = self._evaluate(records, events, now, result)
         self._commit(decisions, result)
         self._watch_liveness(now)
+        self._check_pause_timeout(now)
         for entry in self.store.open_actions(self.run.run_id):
             if entry.status == "waiting":
+                continue
+            if self.run.phase in DONE_PHASES and entry.kind not in ("notify", "stop"):
+                # The run has ended (stopped with a verdict, given up, finished): nothing may relaunch
+                # it, and a live change can never be confirmed. Closed, said, not left open forever.
+                self.store.update_action(entry.id, status="failed",
+                                         result={**entry.result, "error": f"the run had {self.run.phase}"})
+                if entry.decision_id is not None:
+                    self.store.settle_decision(entry.decision_id)
                 continue
             self.actuator.drive(self.h, entry, now)
         if self.latest:
             self.telemetry.data_age(self.run.run_id, max(0.0, now - (self.run.last_progress_ts or now)))
         self._publish_rule_states()
-        result.done = self.run.phase in DONE_PHASES
+        result.done = self.run.phase in DONE_PHASES and not any(
+            e.status != "waiting" for e in self.store.open_actions(self.run.run_id))
         return result
 
     def _handle_events(self, events: list[dict[str, Any]], now: float) -> None:
@@ -447,10 +463,12 @@ class RunController:
             for d in decisions:
                 planned = plan_decision(d, self._plan_context(overrides, cfg))
                 covered = ""
-                if self._saw_finished and any(p.kind != "notify" for p in planned):
-                    # The trainer wrote its last step and ended: nothing is left to change. Said, not done.
+                if self._saw_finished and any(p.kind not in ("notify", "rollback") for p in planned):
+                    # The trainer wrote its last step and ended: nothing is left to change live. Said, not
+                    # done. A rollback still goes: it re-runs the tail from the known-good checkpoint,
+                    # since the final weights are what the run is for.
                     covered = "too late: the trainer had finished"
-                    planned = [p for p in planned if p.kind == "notify"]
+                    planned = [p for p in planned if p.kind in ("notify", "rollback")]
                 planned, merged = self._merge_into_pending_relaunch(planned)
                 covered = covered or merged
                 if any(p.relaunch for p in planned) and self._rollback_in_flight():
@@ -470,7 +488,9 @@ class RunController:
                 result.decisions.append(did)
                 if d.kind == "escalate":
                     self.telemetry.escalation(self.run.run_id, d.rule)
-                if getattr(d, "divergence", False) or any(p.kind == "rollback" for p in planned):
+                if planned and (getattr(d, "divergence", False) or any(p.kind == "rollback" for p in planned)):
+                    # (A divergence covered by the rollback in progress is the abandoned timeline's: that
+                    # rollback closes its span; a span opened for it would never close.)
                     start = span_start(d.step, self.rules.for_steps(d.rule), self.config.rollback_margin_steps)
                     self.store.open_bad_span(self.run.run_id, d.rule, start, did)
                 for p in planned:
@@ -630,8 +650,33 @@ class RunController:
         return self._rewind_pending and bool(entries) and entries[-1].status == "done"
 
     def _set_phase(self, phase: str) -> None:
+        waiting = phase in ("paused", "escalated") and self.run.phase not in ("paused", "escalated")
         self.run.phase = phase
         self.store.update_run(self.run.run_id, phase=phase)
+        if waiting:
+            self._paused_since = None  # the pause timeout counts from the next tick's clock
+            after = (f"; stopped with a verdict after {self.config.pause_timeout_s:.0f} s unresumed"
+                     if self.config.pause_timeout_s else "")
+            log.warning("%s: paused for a human: waiting for `watchdog resume %s --state-dir %s`%s",
+                        self.run.run_id, self.run.run_id, self.store.path.parent, after)
+
+    def _check_pause_timeout(self, now: float) -> None:
+        """A pause nobody answers ends the run with a verdict instead of waiting forever."""
+        limit = self.config.pause_timeout_s
+        if limit is None or self.run.phase not in ("paused", "escalated") or self._stop_open():
+            return
+        since = self._paused_since if self._paused_since is not None else now
+        self._paused_since = since
+        if now - since <= limit:
+            return
+        verdict = f"paused {now - since:.0f} s for a human and nobody resumed it (pause timeout {limit:.0f} s)"
+        with self.store.transaction():
+            did = self._own_decision(RULE_BUDGET, verdict, {"paused_s": now - since}, kind="escalate")
+            self.store.add_action(self.run.run_id, "stop", {"rule": RULE_BUDGET, "verdict": verdict},
+                                  decision_id=did)
+
+    def _stop_open(self) -> bool:
+        return any(e.kind == "stop" for e in self.store.open_actions(self.run.run_id))
 
     # -- liveness ------------------------------------------------------------------------
 

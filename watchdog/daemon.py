@@ -13,7 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import yaml
 
 from watchdog.actuator import Actuator, ActuatorConfig, Notifier
 from watchdog.controller import ControllerConfig, EngineRules, RulesEngine, RunController
+from watchdog.planner import ON_ESCALATE
 from watchdog.promsource import SOURCES, SourceConfig, make_source, source_config
 from watchdog.rulefile import default_rules_paths
 from watchdog.store import RunRecord, Store
@@ -65,6 +66,9 @@ class RunSpec:
     run_metrics_port: int | None = None
     """verl mode: the daemon serves the run's metrics (catalog names) on 127.0.0.1:PORT (-1: any free
     port, written to run.json), as ``watchdog run --run-metrics-port``."""
+    on_escalate: str | None = None
+    """When this run needs a human: pause | stop | continue (default: the daemon's ``controller.on_escalate``,
+    itself pause: a daemon has a human to page)."""
 
 
 @dataclass
@@ -144,6 +148,9 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
             where = f"runs[{i}].source" if spec.source else "source"
             raise DaemonConfigError(f"{path}: {where}: {exc}") from exc
         _check_mode(path, f"runs[{i}].", spec)
+        if spec.on_escalate is not None and spec.on_escalate not in ON_ESCALATE:
+            raise DaemonConfigError(f"{path}: runs[{i}].on_escalate must be one of {', '.join(ON_ESCALATE)}, "
+                                    f"got {spec.on_escalate!r}")
     return cfg
 
 
@@ -193,7 +200,8 @@ class Watchdog:
     def add_run(self, run_dir: Path | str, run_id: str | None = None, command: Sequence[str] | None = None,
                 managed: bool = True, ray_address: str | None = None,
                 source: SourceConfig | None = None, mode: str | None = None,
-                run_metrics_port: int | None = None, retry_ended: bool = True) -> RunController:
+                run_metrics_port: int | None = None, retry_ended: bool = True,
+                on_escalate: str | None = None) -> RunController:
         """Register (or take back from the store) a run and build its controller.
 
         ``ray_address``: launch the trainer as Ray Jobs on that cluster instead of as a local process.
@@ -204,7 +212,8 @@ class Watchdog:
         ``run_metrics_port``: verl mode's /metrics for the run (-1: any free port).
         ``retry_ended``: a run that finished or was given up is launched again (``watchdog run``
         on the same directory: the user asks for a new attempt); the daemon passes False, so
-        restarting the daemon does not relaunch the runs of its config that already ended."""
+        restarting the daemon does not relaunch the runs of its config that already ended.
+        ``on_escalate``: this run's escalation policy (default: the controller config's)."""
         run_dir = Path(run_dir).resolve()
         run_id = run_id or run_dir.name
         if mode is not None:
@@ -221,12 +230,14 @@ class Watchdog:
         if existing is None:
             self.store.upsert_run(RunRecord(run_id, str(run_dir), list(command or []), managed=managed,
                                             phase="new" if (managed and command) else "detached"))
-        elif existing.phase in ("finished", "failed") and managed and command and retry_ended:
+        elif existing.phase in ("finished", "failed", "stopped") and managed and command and retry_ended:
             # Same run directory again: a new attempt (the trainer resumes from its checkpoints).
             self.store.update_run(run_id, phase="new", command=list(command), restarts=0, oom_retries=0)
         elif command and existing.command != list(command):
             self.store.update_run(run_id, command=list(command))
-        ctl = RunController(self.store, run_id, self.rules, self.actuator, self.controller_config, self.telemetry,
+        config = self.controller_config if on_escalate is None else replace(self.controller_config,
+                                                                             on_escalate=on_escalate)
+        ctl = RunController(self.store, run_id, self.rules, self.actuator, config, self.telemetry,
                             backend, source=make_source(source, run_dir, run_id, self.telemetry))
         self.controllers[run_id] = ctl
         return ctl
@@ -384,7 +395,7 @@ def prepare_daemon(cfg: DaemonConfig) -> Watchdog:
         cmd = spec.restart_command
         ctl = wd.add_run(spec.run_dir, spec.id, cmd, managed=bool(cmd), ray_address=spec.ray_address,
                          source=cfg.source_for(spec), mode=spec.mode, run_metrics_port=spec.run_metrics_port,
-                         retry_ended=False)
+                         retry_ended=False, on_escalate=spec.on_escalate)
         if cmd and ctl.run.phase == "new" and spec.ray_address:
             # run.json's pid is a process on the Ray head, not one this machine can watch: its job id.
             _adopt_ray_job(wd, ctl)

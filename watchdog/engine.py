@@ -268,8 +268,9 @@ def _fire(rule: Rule, rs: RuleState, w: Window, step: int, clock: int, seq: int,
                 # the alert every cooldown (EngineState.acknowledge re-arms it on resume).
                 # A pending rule stays pending (no fire, so no resolve will follow either).
                 return rs if rs.fires == fires else replace(rs, fires=fires)
+            recovery = f" without {b.progress} steps of recovery between them" if b.progress else ""
             esc = tuple(
-                NotifyAction(f"{rule.name}: {b.max} fires within {b.window} steps; {rule.description}")
+                NotifyAction(f"budget exhausted: {b.max} fires within {b.window} steps{recovery}")
                 if isinstance(a, NotifyAction) and not a.message else a
                 for a in b.escalate
             )

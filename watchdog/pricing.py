@@ -159,8 +159,8 @@ def cost_text(journal: Sequence[Mapping[str, Any]]) -> str:
             parts.append("deferred: waits for the next checkpoint")
             continue
         outcome = str(result.get("outcome", ""))
-        if outcome.startswith("by restart"):
-            continue  # handed to the restart entry that follows it, priced there
+        if result.get("handed_to") is not None:
+            continue  # carried out by the restart entry it handed over to, priced there
         if status == "dropped" or outcome.startswith(("merged", "carried")):
             parts.append(outcome.split(":")[0] if status == "dropped" else outcome)
             continue
