@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: the CPU build on this machine's disk, not a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	# The watchdog and every extra: the embedded trainer, the in-process verl glue, Ray, the tests.
+	$(BIN)/pip install -q -e '.[trainer,verl,ray,test]'
 	touch $(STAMP)
 
 deps:
@@ -31,6 +32,7 @@ run: $(STAMP)
 	$(BIN)/watchdog run $(DEMO) $(RUN_ARGS)
 
 test: $(STAMP) deps
+	$(BIN)/lint-imports
 	$(BIN)/pytest -q
 
 lint: $(STAMP)

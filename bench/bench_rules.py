@@ -44,9 +44,10 @@ GOAL_RUNS, GOAL_MS = 1000, 100.0
 
 sys.path.insert(0, str(ROOT))
 
-from watchdog import engine, ingest  # noqa: E402
-from watchdog.rulefile import RuleSet, load_rules  # noqa: E402
-from watchdog.series import Window  # noqa: E402
+from watchdog.core import engine  # noqa: E402
+from watchdog.core.rulefile import RuleSet, load_rules  # noqa: E402
+from watchdog.core.series import Window  # noqa: E402
+from watchdog.sources import ingest  # noqa: E402
 
 
 def pin_one_core() -> str:

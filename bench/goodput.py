@@ -83,9 +83,11 @@ def _env() -> dict[str, str]:
 
 
 def _trainer(run_dir: Path, seed: int) -> list[str]:
+    from watchdog.protocol import hydra
+
     return [sys.executable, "-m", "trainer", f"trainer.run_dir={run_dir}", f"trainer.total_training_steps={STEPS}",
             "trainer.test_freq=10", "trainer.save_freq=5", f"trainer.seed={seed}", "trainer.progress=false",
-            f"trainer.faults={FAULTS}"]
+            hydra.format_override("trainer.faults", FAULTS)]
 
 
 def run_watchdog(work: Path, seed: int) -> tuple[Path, float, list[tuple[int, float]]]:
@@ -121,8 +123,8 @@ def run_baseline(work: Path, seed: int, limit_s: float) -> tuple[Path, float, li
 
 
 def measure(run_dir: Path, wall: float, seen: list[tuple[int, float]]) -> dict:
-    from trainer import rundir
-    from watchdog.ingest import read_records
+    from watchdog.protocol import rundir
+    from watchdog.sources.ingest import read_records
 
     records = read_records(run_dir) if (run_dir / "metrics.jsonl").exists() else []
     final = {r["step"]: r for r in records}

@@ -68,7 +68,7 @@ def run(name: str, overrides: list[str], work: Path) -> Path:
 def keep(rd: Path, dest: Path) -> None:
     """Copy a run's metrics (catalog keys only) and events into the corpus."""
     sys.path.insert(0, str(ROOT))
-    from trainer import catalog
+    from watchdog.protocol import catalog
 
     dest.mkdir(parents=True, exist_ok=True)
     with (rd / "metrics.jsonl").open() as src, (dest / "metrics.jsonl").open("w") as out:

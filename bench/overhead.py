@@ -54,7 +54,7 @@ def _args(seed: int) -> list[str]:
 
 
 def step_time(run_dir: Path) -> float:
-    from watchdog.ingest import read_records
+    from watchdog.sources.ingest import read_records
 
     times = [r["data"]["perf/time_per_step"] for r in read_records(run_dir) if "perf/time_per_step" in r["data"]]
     return statistics.median(times)
@@ -78,7 +78,7 @@ def watched(work: Path, seed: int, rules: Path | None = None, tag: str = "watche
 
 
 def reaction(work: Path, seed: int) -> list[dict]:
-    from watchdog.store import Store
+    from watchdog.control.store import Store
 
     rules = work / "ping.yaml"
     rules.write_text(PING_RULES)

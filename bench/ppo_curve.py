@@ -34,8 +34,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from trainer import rundir  # noqa: E402
 from trainer.config import Config  # noqa: E402
+from watchdog.protocol import rundir  # noqa: E402
 
 BASE_LR = Config().actor_rollout_ref.actor.optim.lr
 CONFIGS: dict[str, list[str]] = {

@@ -78,7 +78,7 @@ class RunResult:
 
 
 def _records(run_dir: Path) -> list[dict]:
-    from watchdog.ingest import read_records
+    from watchdog.sources.ingest import read_records
 
     try:
         return read_records(run_dir)
@@ -115,10 +115,12 @@ def classify(r: RunResult, run_dir: Path, steps: int) -> RunResult:
 
 
 def _trainer_args(family: str, seed: int, run_dir: Path, steps: int) -> list[str]:
+    from watchdog.protocol import hydra
+
     overrides, faults, _ = FAMILIES[family]
     args = [f"trainer.run_dir={run_dir}", f"trainer.total_training_steps={steps}", "trainer.test_freq=10",
             f"trainer.seed={seed}", "trainer.progress=false", *overrides]
-    return args + ([f"trainer.faults={faults}"] if faults else [])
+    return args + ([hydra.format_override("trainer.faults", faults)] if faults else [])
 
 
 def _run(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, float]:
@@ -152,7 +154,7 @@ def run_one(family: str, seed: int, watched: bool, work: Path, steps: int, plain
                "--no-report", "--on-escalate", "stop", "--tick", "0.5", "--heartbeat-min", "20", *sets,
                *(["--faults", faults] if faults else [])]
         code, r.wall_s = _run(cmd, timeout=1800, log=base / "watchdog.log")
-        from watchdog.store import Store
+        from watchdog.control.store import Store
 
         store = Store(state)
         run = store.get_run("run")

@@ -37,7 +37,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from trainer import rundir  # noqa: E402
+from watchdog.protocol import rundir  # noqa: E402
+from watchdog.protocol.runinfo import RunInfo  # noqa: E402
 
 KL_KEY = "algorithm.kl_ctrl.kl_coef"
 LR_KEY = "actor_rollout_ref.actor.optim.lr"
@@ -93,10 +94,9 @@ def check_run(run_dir: Path | str, kl0: float = KL0, lr0: float = LR0) -> list[C
     events = rundir.iter_events(run_dir)
     kinds = [e.get("kind") for e in events]
     metrics = _metrics(run_dir)
-    info = rundir.read_run_json(run_dir)
+    live = RunInfo.read(run_dir).live_keys or []
     checks = [
-        Check("run.json lists the live keys", KL_KEY in (info.get("live_keys") or [])
-              and LR_KEY in (info.get("live_keys") or []), f"live_keys={info.get('live_keys')}"),
+        Check("run.json lists the live keys", KL_KEY in live and LR_KEY in live, f"live_keys={live}"),
         Check("started event", "started" in kinds, f"kinds={sorted(set(map(str, kinds)))}"),
         Check("metrics.jsonl has steps", len(metrics) >= 3, f"steps={sorted(metrics)}"),
         Check("checkpoint events", "checkpoint" in kinds, f"{kinds.count('checkpoint')} checkpoint event(s)"),

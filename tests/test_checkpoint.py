@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import checkpoint as ck
-from trainer import rundir
+from watchdog.protocol import checkpoint as ck
+from watchdog.protocol import rundir
 
 torch.set_num_threads(1)
 
@@ -131,7 +131,7 @@ def test_a_save_killed_midway_leaves_no_visible_checkpoint(tmp_path: Path) -> No
     script = textwrap.dedent(
         f"""
         import os, torch
-        from trainer import checkpoint as ck
+        from watchdog.protocol import checkpoint as ck
         real = ck._write_file
         calls = []
         def dying(path, data):

@@ -12,9 +12,10 @@ import pytest
 from typer.testing import CliRunner
 from verl_logs import HEALTHY, NAN, needs_logs
 
-from trainer import catalog, rundir
 from watchdog import cli
-from watchdog.rulefile import load_rules
+from watchdog.core import rulefile
+from watchdog.core.rulefile import load_rules
+from watchdog.protocol import catalog, rundir
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "rules" / "default.yaml"
@@ -211,14 +212,14 @@ def test_broken_rules_for_replay_exit_2_with_every_error(tmp_path: Path) -> None
 
 
 def test_rules_env_variable_overrides_the_default_pack(good: Path) -> None:
-    r = invoke("rules", "list", "--json", env={cli.RULES_ENV: str(good)})
+    r = invoke("rules", "list", "--json", env={rulefile.RULES_ENV: str(good)})
     assert r.exit_code == 0, r.output
     assert [d["name"] for d in json.loads(r.stdout)] == ["kl_over", "vf_nan"]
 
 
 @needs_default
 def test_default_pack_is_found_and_checks_clean() -> None:
-    assert cli.default_rules_paths() == [DEFAULT]
+    assert rulefile.default_rules_paths() == [DEFAULT]
     r = invoke("rules", "check", DEFAULT)
     assert r.exit_code == 0, r.output
     r = invoke("rules", "list")
@@ -285,11 +286,11 @@ def test_replay_rejects_a_malformed_set_option(good: Path, tmp_path: Path) -> No
 
 
 def test_a_missing_default_pack_names_the_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from watchdog import rulefile
+    from watchdog.core import rulefile
 
     monkeypatch.setattr(rulefile, "__file__", str(tmp_path / "pkg" / "watchdog" / "rulefile.py"))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv(cli.RULES_ENV, raising=False)
+    monkeypatch.delenv(rulefile.RULES_ENV, raising=False)
     r = invoke("rules", "list")
     assert r.exit_code == 2
-    assert "--rules" in r.stderr and cli.RULES_ENV in r.stderr
+    assert "--rules" in r.stderr and rulefile.RULES_ENV in r.stderr

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from trainer import rundir
 from trainer.config import Config, ConfigError, known_keys, load_config, parse_override
+from watchdog.protocol import catalog
 
 
 def test_defaults_validate_and_every_live_key_exists() -> None:
     cfg = Config()
     flat = cfg.to_flat()
-    for key in rundir.LIVE_KEYS:
+    for key in catalog.LIVE_KEYS:
         assert key in flat, key
     assert set(flat) == set(known_keys())
 
@@ -21,7 +21,7 @@ def test_defaults_validate_and_every_live_key_exists() -> None:
 def test_overrides_use_verl_keys_and_yaml_values_with_an_optional_plus() -> None:
     cfg = load_config([
         "algorithm.kl_ctrl.kl_coef=0.001",
-        "+trainer.faults=nan@3,oom@5",
+        "+trainer.faults='nan@3,oom@5'",
         "++actor_rollout_ref.actor.use_kl_loss=true",
         "algorithm.reward_clip=[-1, 1]",
         "trainer.memory_budget_tokens=null",

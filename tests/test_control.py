@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from trainer import rundir
-from trainer.control import ControlApplier
+from watchdog.protocol import rundir
+from watchdog.protocol.control import Command, Control, ControlApplier, write_control
 
 KL = "algorithm.kl_ctrl.kl_coef"
 LR = "actor_rollout_ref.actor.optim.lr"
 
 
 def _write(run_dir: Path, version: int, overrides: dict | None = None, commands: list | None = None) -> None:
-    cmds = tuple(rundir.Command(c["id"], c["kind"], {k: v for k, v in c.items() if k not in ("id", "kind")}) for c in commands or [])
-    rundir.write_control(run_dir, rundir.Control(version, overrides or {}, cmds))
+    cmds = tuple(Command(c["id"], c["kind"], {k: v for k, v in c.items() if k not in ("id", "kind")}) for c in commands or [])
+    write_control(run_dir, Control(version, overrides or {}, cmds))
 
 
 def _events(run_dir: Path, kind: str) -> list[dict]:

@@ -1,7 +1,7 @@
 """The controller: pure planning and timing rules, then whole ticks against real small processes.
 
 The tick tests use a minimal trainer that speaks the run-directory protocol through the
-real ``trainer.control.ControlApplier`` (metrics, events, control.json, exit codes) and
+real ``watchdog.protocol.control.ControlApplier`` (metrics, events, control.json, exit codes) and
 starts in a fraction of a second, so budgets, escalation, pause/resume and the live-apply
 timeout are tested on real processes without PPO's start-up cost.
 """
@@ -21,8 +21,9 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from trainer import rundir
-from watchdog.actuator import (
+from watchdog.backends.dialect import classify_exit
+from watchdog.backends.local import LocalBackend
+from watchdog.control.actuator import (
     Actuator,
     ActuatorConfig,
     RunHandle,
@@ -30,19 +31,20 @@ from watchdog.actuator import (
     choose_known_good,
     restart_command,
 )
-from watchdog.controller import (
+from watchdog.control.controller import (
     ControllerConfig,
-    classify_exit,
     heartbeat_timeout,
     span_start,
 )
-from watchdog.daemon import DaemonConfigError, build_watchdog, load_daemon_config
-from watchdog.store import BadSpan, RunRecord, Store
-from watchdog.supervisor import LocalBackend
+from watchdog.control.daemon import DaemonConfigError, build_watchdog, load_daemon_config
+from watchdog.control.store import BadSpan, RunRecord, Store
+from watchdog.protocol import catalog, rundir
+from watchdog.protocol.control import read_control
+from watchdog.protocol.runinfo import RunInfo
 
 KL = "algorithm.kl_ctrl.kl_coef"
 LR = "actor_rollout_ref.actor.optim.lr"
-LIVE = rundir.LIVE_KEYS
+LIVE = catalog.LIVE_KEYS
 
 
 # -- pure core ----------------------------------------------------------------------------
@@ -111,8 +113,9 @@ def test_daemon_config_rejects_unknown_keys_naming_the_file(tmp_path):
 FAKE_TRAINER = textwrap.dedent('''
     """A protocol-speaking stand-in for the trainer: real metrics, events, control.json, exits."""
     import signal, sys, time
-    from trainer import rundir
-    from trainer.control import ControlApplier
+    from watchdog.protocol import catalog, rundir
+    from watchdog.protocol.control import ControlApplier
+    from watchdog.protocol.runinfo import RunInfo
 
     args = dict(a.split("=", 1) for a in sys.argv[1:])
     run_dir = args["trainer.run_dir"]
@@ -120,7 +123,7 @@ FAKE_TRAINER = textwrap.dedent('''
     ignore = args.get("ignore_control") == "1"
     kl_coef = float(args.get("algorithm.kl_ctrl.kl_coef", 0.01))
     ctl = ControlApplier(run_dir)
-    rundir.write_run_json(run_dir, {"live_keys": list(rundir.LIVE_KEYS)})
+    RunInfo(live_keys=list(catalog.LIVE_KEYS)).write(run_dir)
     if ignore:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     else:
@@ -258,7 +261,7 @@ def test_pause_rule_pauses_alerts_and_waits_for_watchdog_resume(tmp_path, webhoo
     time.sleep(0.5)
     wd.tick()
     assert not rundir.iter_events(run_dir, ["finished"]) and ctl.run.phase == "paused"  # no hang restart
-    from watchdog.cli_run import run_app
+    from watchdog.cli.run import run_app
 
     out = CliRunner().invoke(run_app, ["resume", "run", "--state-dir", str(tmp_path / "state")])
     assert out.exit_code == 0, out.output
@@ -270,7 +273,7 @@ def test_pause_rule_pauses_alerts_and_waits_for_watchdog_resume(tmp_path, webhoo
 def test_daemon_watches_a_run_it_did_not_start_and_serves_its_own_metrics(tmp_path):
     import urllib.request
 
-    from watchdog.daemon import prepare_daemon
+    from watchdog.control.daemon import prepare_daemon
 
     (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
     (tmp_path / "rules.yaml").write_text("version: 1\nrules:\n" + textwrap.dedent(KL_DOUBLE_RULE))
@@ -334,20 +337,20 @@ def _wait_for_log(path: Path, done, timeout: float = 10.0) -> str:
 def test_rollback_goes_in_process_only_to_a_trainer_whose_run_json_offers_it(tmp_path, commands, in_process):
     import torch
 
-    from trainer import checkpoint as ckpt
+    from watchdog.protocol import checkpoint as ckpt
 
     run = tmp_path / "run"
     ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 4, 0, {"actor": {"w": torch.zeros(2)}})
-    info = {"id": "run", "live_keys": list(rundir.LIVE_KEYS)}
+    info = {"id": "run", "live_keys": list(catalog.LIVE_KEYS)}
     if commands is not None:
         info["commands"] = commands
-    rundir.write_run_json(run, info)
+    RunInfo.from_json(info).write(run)
     store, act, h = _actuator_rig(tmp_path, run, [sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         act.launch(h, None, time.time())
         rb = store.add_action("run", "rollback", {"rule": "kl_far_above", "set": {}})
         act.drive(h, store.get_action(rb), time.time())
-        control = rundir.read_control(run)
+        control = read_control(run)
         sent = [c.kind for c in control.commands] if control else []
         restarts = [e for e in store.open_actions("run") if e.kind == "restart"]
         if in_process:
@@ -363,11 +366,11 @@ def test_rollback_goes_in_process_only_to_a_trainer_whose_run_json_offers_it(tmp
 def test_a_rollback_by_restart_skips_batches_for_that_launch_only(tmp_path):
     import torch
 
-    from trainer import checkpoint as ckpt
+    from watchdog.protocol import checkpoint as ckpt
 
     run = tmp_path / "run"
     ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 4, 0, {"actor": {"w": torch.zeros(2)}})
-    rundir.write_run_json(run, {"id": "run", "commands": ["pause"], "skip_batches_key": "trainer.resume_skip_batches"})
+    RunInfo(id="run", commands=["pause"], skip_batches_key="trainer.resume_skip_batches").write(run)
     # The "trainer" prints its argv, so the log shows what each launch was given.
     store, act, h = _actuator_rig(tmp_path, run, [
         sys.executable, "-c", "import sys, time; print(sys.argv[1:], flush=True); time.sleep(60)", "a=1"])
@@ -404,7 +407,7 @@ def test_a_rollback_by_restart_skips_batches_for_that_launch_only(tmp_path):
 
 
 def test_a_restarted_daemon_does_not_relaunch_a_run_that_already_finished(tmp_path):
-    from watchdog.daemon import prepare_daemon
+    from watchdog.control.daemon import prepare_daemon
 
     (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
     (tmp_path / "rules.yaml").write_text("version: 1\nrules:\n" + textwrap.dedent(QUIET_RULE))
@@ -446,12 +449,12 @@ def test_status_lists_runs_as_json_and_says_where_it_looked_when_there_are_none(
 def test_a_divergence_before_the_first_checkpoint_rolls_back_to_the_start(tmp_path):
 
     run = tmp_path / "run"
-    rundir.write_run_json(run, {"id": "run"})
+    RunInfo(id="run").write(run)
     # Like the embedded trainer, this one saves a checkpoint when SIGTERM stops it (at step 9 here).
     trainer = textwrap.dedent(f"""\
         import signal, sys, time
         import torch
-        from trainer import checkpoint as ckpt
+        from watchdog.protocol import checkpoint as ckpt
         print(sys.argv[1:], flush=True)
         def save(*_):
             ckpt.save_checkpoint({str(run / rundir.CHECKPOINTS)!r}, 9, 0, {{"actor": {{"w": torch.zeros(2)}}}})
@@ -488,15 +491,15 @@ def test_a_divergence_before_the_first_checkpoint_rolls_back_to_the_start(tmp_pa
 def test_sigusr1_waits_until_the_relaunched_trainer_has_written_its_own_pid(tmp_path):
 
     run = tmp_path / "run"
-    rundir.write_run_json(run, {"id": "run", "live_keys": [KL], "pid": 1})  # the previous launch's run.json
+    RunInfo(id="run", live_keys=[KL], pid=1).write(run)  # the previous launch's run.json
     # A process with SIGUSR1's default action (death), like a trainer still importing torch.
     store, act, h = _actuator_rig(tmp_path, run, [sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         act.launch(h, None, time.time())
         act.drive(h, store.get_action(store.add_action("run", "live_set", {"rule": "r", "set": {KL: 0.2}})), time.time())
         time.sleep(0.3)
-        assert h.proc.alive() and rundir.read_control(run).overrides == {KL: 0.2}  # written, not signalled
-        rundir.write_run_json(run, {"id": "run", "live_keys": [KL], "pid": h.proc.pid})  # the trainer is up
+        assert h.proc.alive() and read_control(run).overrides == {KL: 0.2}  # written, not signalled
+        RunInfo(id="run", live_keys=[KL], pid=h.proc.pid).write(run)  # the trainer is up
         act.drive(h, store.get_action(store.add_action("run", "live_set", {"rule": "r", "set": {KL: 0.4}})), time.time())
         assert h.proc.wait(5) == -signal.SIGUSR1  # now it is signalled (and this stand-in has no handler)
     finally:

@@ -10,10 +10,11 @@ import pytest
 from promserver import get_json, prometheus_server, wait_for
 from typer.testing import CliRunner
 
-from trainer import catalog
-from trainer.exporter import MetricsExporter
-from watchdog import dashboards, telemetry
-from watchdog.cli_dashboards import dashboards_app
+from watchdog.cli.dashboards import dashboards_app
+from watchdog.observe import dashboards, telemetry
+from watchdog.protocol import catalog
+from watchdog.protocol.exporter import MetricsExporter
+from watchdog.protocol.runinfo import RunInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "dashboards"
@@ -142,8 +143,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus_scraping_a_re
     import time
     import urllib.parse
 
-    from trainer import rundir
-    from trainer.exporter import free_port
+    from watchdog.protocol.exporter import free_port
 
     # The watchdog side: its real metrics object, served, fed like the controller feeds it.
     wd = telemetry.WatchdogMetrics()
@@ -176,8 +176,8 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus_scraping_a_re
                                   "trainer.faults=hang@28:4", steps=30),
                 env=trainer_env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "trainer.log", "w"),  # noqa: SIM115
             )
-            wait_for(lambda: bool(rundir.read_run_json(run_dir).get("id")), 60, "run.json", trainer)
-            run = rundir.read_run_json(run_dir)["id"]
+            wait_for(lambda: bool(RunInfo.read(run_dir).id), 60, "run.json", trainer)
+            run = RunInfo.read(run_dir).id
             n = 0
             while trainer.poll() is None:
                 tick(run, n)

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-from trainer import catalog
-from trainer.exporter import MetricsExporter
-from watchdog import dashboards, telemetry
+from watchdog.observe import dashboards, telemetry
+from watchdog.protocol import catalog
+from watchdog.protocol.exporter import MetricsExporter
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -218,7 +218,7 @@ def test_compose_has_the_whole_stack_with_existing_files_and_loopback_servers() 
 
 
 def test_daemon_config_is_valid_and_serves_metrics_where_prometheus_scrapes_the_watchdog() -> None:
-    from watchdog.daemon import load_daemon_config
+    from watchdog.control.daemon import load_daemon_config
 
     daemon = load_daemon_config(DEPLOY / "watchdog" / "daemon.yaml")  # the daemon's own parser
     cfg = load(PROM / "prometheus.yml")
@@ -231,7 +231,7 @@ def test_daemon_config_is_valid_and_serves_metrics_where_prometheus_scrapes_the_
 
 
 def test_k8s_daemon_config_is_valid_and_matches_the_service_port(tmp_path: Path) -> None:
-    from watchdog.daemon import load_daemon_config
+    from watchdog.control.daemon import load_daemon_config
 
     cm = next(d for d in k8s_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "ppo-watchdog-config")
     (tmp_path / "daemon.yaml").write_text(cm["data"]["daemon.yaml"])

@@ -12,11 +12,11 @@ import pytest
 from typer.testing import CliRunner
 from verl_logs import LOGS, needs_logs
 
-from trainer import rundir
-from watchdog import evaluation as ev
 from watchdog.cli import app
-from watchdog.replay import replay
-from watchdog.rulefile import load_rules, parse_rules
+from watchdog.core.replay import replay
+from watchdog.core.rulefile import load_rules, parse_rules
+from watchdog.judge import evaluation as ev
+from watchdog.protocol import rundir
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELS = LOGS / "labels.yaml"
@@ -220,13 +220,13 @@ def test_the_blind_rules_warning_is_printed_once_naming_the_verl_setting(tmp_pat
 
 
 def test_the_live_controller_warns_about_blind_rules_once(tmp_path: Path, caplog) -> None:
-    from watchdog.daemon import build_watchdog
+    from watchdog.control.daemon import build_watchdog
 
     run = tmp_path / "run"
     run.mkdir()
     wd = build_watchdog(tmp_path / "state", [ROOT / "rules" / "default.yaml"])
     ctl = wd.add_run(run, managed=False)
-    with caplog.at_level(logging.WARNING, logger="watchdog.controller"):
+    with caplog.at_level(logging.WARNING, logger="watchdog.control.controller"):
         for s in range(1, 12):
             rundir.append_metrics(run, s, {"critic/score/mean": 0.5, "actor/entropy": 0.3})
             ctl.tick()

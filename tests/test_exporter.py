@@ -13,8 +13,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from trainer import catalog
-from trainer.exporter import EPHEMERAL, EVENTS_METRIC, LAST_UPDATE_METRIC, MetricsExporter, free_port
+from watchdog.protocol import catalog
+from watchdog.protocol.exporter import (
+    EPHEMERAL,
+    EVENTS_METRIC,
+    LAST_UPDATE_METRIC,
+    MetricsExporter,
+    free_port,
+)
 
 GOLDEN = Path(__file__).parent / "golden" / "exporter_metrics.prom"
 

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from watchdog import expr as E
-from watchdog.expr import ExprError, compile_expr, parse, unparse
-from watchdog.series import MissingDataError, Window
+from watchdog.core import expr as E
+from watchdog.core.expr import ExprError, compile_expr, parse, unparse
+from watchdog.core.series import MissingDataError, Window
 
 
 def window(**series: list[float | None]) -> Window:
@@ -238,7 +238,7 @@ def test_a_rewritten_step_forgets_that_it_was_non_finite() -> None:
     st.one_of(st.floats(allow_nan=False), st.booleans(), st.text(max_size=3)),
 ))
 def test_the_kl_signal_is_the_best_ranked_key_the_record_carries(data: dict) -> None:
-    from trainer import catalog
+    from watchdog.protocol import catalog
 
     sources: dict[str, str] = {}
     out = catalog.to_short(data, sources)

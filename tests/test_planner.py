@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from trainer import rundir
-from watchdog.actions import CheckpointAction, NotifyAction, PauseAction, RollbackAction, SetAction
-from watchdog.engine import Decision
-from watchdog.planner import PlanContext, current_value, plan_decision, snap_micro_batch
+from watchdog.core.actions import CheckpointAction, NotifyAction, PauseAction, RollbackAction, SetAction
+from watchdog.core.engine import Decision
+from watchdog.core.planner import PlanContext, current_value, plan_decision, snap_micro_batch
+from watchdog.protocol import catalog, rundir
+from watchdog.protocol.runinfo import RunInfo
 
 KL = "algorithm.kl_ctrl.kl_coef"
 LR = "actor_rollout_ref.actor.optim.lr"
-LIVE = rundir.LIVE_KEYS
+LIVE = catalog.LIVE_KEYS
 
 
 def _decision(kind="fire", actions=(), rule="r", step=10, repeat=1, urgent=False):
@@ -148,10 +149,10 @@ rules:
 def test_replay_plans_exactly_what_the_live_controller_journals(tmp_path) -> None:
     """The same decisions give the same entries and values. (What replay cannot know, and does not
     model: live, a relaunch decided while a rollback is still in flight is covered by it.)"""
-    from watchdog import ingest
-    from watchdog.daemon import build_watchdog
-    from watchdog.replay import config_from_run_json, replay
-    from watchdog.rulefile import load_rules
+    from watchdog.control.daemon import build_watchdog
+    from watchdog.core.replay import flatten_config, replay
+    from watchdog.core.rulefile import load_rules
+    from watchdog.sources import ingest
 
     rules = tmp_path / "rules.yaml"
     rules.write_text(SAME_PLAN_RULES)
@@ -159,7 +160,7 @@ def test_replay_plans_exactly_what_the_live_controller_journals(tmp_path) -> Non
     run.mkdir()
     config = {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 12, "ppo_micro_batch_size_per_gpu": 12,
                                               "optim": {"lr": 2e-4}}}, "algorithm": {"gamma": 1.0}}
-    rundir.write_run_json(run, {"id": "run", "config": config})
+    RunInfo(id="run", config=config).write(run)
     wd = build_watchdog(tmp_path / "state", [rules])
     ctl = wd.add_run(run, managed=False)  # watched: the controller plans and journals, launches nothing
     series = [(0.05, 0.5), (0.2, 0.5), (0.3, 0.5), (0.3, -1.0), (0.3, -1.0), (0.3, 0.5), (0.3, 0.5), (0.05, -1.0)]
@@ -175,7 +176,7 @@ def test_replay_plans_exactly_what_the_live_controller_journals(tmp_path) -> Non
             for d in wd.store.decisions("run") if d["kind"] != "resolve"]
     wd.close()
     out = replay(ingest.read_records(run), load_rules([rules]), events=ingest.read_events(run),
-                 config=config_from_run_json(rundir.read_run_json(run)))
+                 config=flatten_config(RunInfo.read(run).config))
     replayed = [(d.step, d.rule, [(p.kind, p.payload.get("set")) for p in d.planned if p.relaunch or p.kind == "live_set"])
                 for d in out.decisions if d.kind != "resolve"]
     assert replayed == live
@@ -190,7 +191,7 @@ def test_replay_plans_exactly_what_the_live_controller_journals(tmp_path) -> Non
 
 
 def test_a_decisions_cost_says_live_deferred_merged_dropped_or_what_the_relaunch_cost() -> None:
-    from watchdog.pricing import cost_text
+    from watchdog.core.pricing import cost_text
 
     live = {"payload": {"cost": {"relaunch": False, "seconds": 0, "steps_lost": 0}}, "status": "done", "result": {}}
     waiting = {"payload": {"cost": {"relaunch": True, "seconds": 240, "steps_lost": 0}, "clock": 3},

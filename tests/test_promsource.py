@@ -25,12 +25,14 @@ import pytest
 from promserver import PromServer, prometheus_server, wait_for
 from typer.testing import CliRunner
 
-from trainer import catalog, rundir
-from trainer.exporter import EPHEMERAL, MetricsExporter, free_port
-from watchdog import telemetry
 from watchdog.cli import app
-from watchdog.daemon import DaemonConfigError, build_watchdog, load_daemon_config
-from watchdog.promsource import (
+from watchdog.control.daemon import DaemonConfigError, build_watchdog, load_daemon_config
+from watchdog.control.store import Store
+from watchdog.observe import telemetry
+from watchdog.protocol import catalog, rundir
+from watchdog.protocol.exporter import EPHEMERAL, MetricsExporter, free_port
+from watchdog.protocol.runinfo import RunInfo
+from watchdog.sources.prometheus import (
     STEP_METRIC,
     PrometheusClient,
     PrometheusSource,
@@ -38,7 +40,6 @@ from watchdog.promsource import (
     run_selector,
     source_config,
 )
-from watchdog.store import Store
 
 KL, KL_COEF, STEP = "actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff", "training/global_step"
 P = {m.key: m.prom for m in catalog.METRICS}
@@ -219,7 +220,7 @@ def _by_step(prom: PromServer, run: str, metric: str) -> dict[int, float]:
 def test_the_watchdog_acts_on_the_kl_it_reads_from_prometheus(watched_run: dict[str, Any]) -> None:
     proc, run_dir, prom = watched_run["proc"], watched_run["run_dir"], watched_run["prom"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = rundir.read_run_json(run_dir)["id"]
+    run = RunInfo.read(run_dir).id
     assert run == run_dir.name  # one name for the run: the trainer's label is the watchdog's run id
     store = Store(watched_run["state"])
     saved = (store.load_engine_state(run) or {})["tailer"]
@@ -310,11 +311,11 @@ class _Gate:
 def test_an_outage_is_logged_counted_and_caught_up_on_without_losing_steps(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="watchdog.promsource")
+    caplog.set_level(logging.INFO, logger="watchdog.sources.prometheus")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     exporter = MetricsExporter("outage", port=EPHEMERAL)
-    rundir.write_run_json(run_dir, {"id": "outage", "metrics_port": exporter.port})
+    RunInfo(id="outage", metrics_port=exporter.port).write(run_dir)
     rundir.append_event(run_dir, "started", 0)
     metrics = telemetry.WatchdogMetrics()
     errors = lambda: metrics.registry.get_sample_value(  # noqa: E731
@@ -393,7 +394,7 @@ class Canned:
 
 
 def test_a_restarted_watchdog_resumes_from_the_persisted_offsets(tmp_path: Path) -> None:
-    rundir.write_run_json(tmp_path, {"id": "r"})
+    RunInfo(id="r").write(tmp_path)
     rundir.append_event(tmp_path, "started", 0)
     started = rundir.iter_events(tmp_path)[0]["ts"]
     scrapes = [scrape(started + 1, 4, actor__reward_kl_penalty=0.2), scrape(started + 2, 4, actor__reward_kl_penalty=0.2),

@@ -27,11 +27,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from trainer import rundir
-from watchdog.controller import classify_exit
-from watchdog.store import Store
-from watchdog.supervisor import BackendUnavailable, SupervisorError
-from watchdog.supervisor_ray import (
+from watchdog.backends.dialect import classify_exit
+from watchdog.backends.local import BackendUnavailable, SupervisorError
+from watchdog.backends.ray_jobs import (
     LOG_HEADER,
     RayJobBackend,
     check_address_env,
@@ -40,6 +38,9 @@ from watchdog.supervisor_ray import (
     next_attempt,
     submission_id,
 )
+from watchdog.control.store import Store
+from watchdog.protocol import hydra, rundir
+from watchdog.protocol.runinfo import RunInfo
 
 MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 QUIET_RULE = """version: 1
@@ -164,8 +165,8 @@ def test_watchdog_run_against_a_down_head_exits_non_zero_naming_it_and_writes_no
 
 
 def test_daemon_run_with_a_ray_address_survives_a_down_job_server_and_keeps_the_launch(tmp_path, monkeypatch):
-    from watchdog.daemon import load_daemon_config, prepare_daemon
-    from watchdog.supervisor_ray import RayJobBackend as Backend
+    from watchdog.backends.ray_jobs import RayJobBackend as Backend
+    from watchdog.control.daemon import load_daemon_config, prepare_daemon
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
@@ -190,7 +191,7 @@ def test_daemon_run_with_a_ray_address_survives_a_down_job_server_and_keeps_the_
 def test_a_version_1_state_database_is_migrated_and_keeps_its_runs(tmp_path):
     import sqlite3
 
-    from watchdog import store as store_mod
+    from watchdog.control import store as store_mod
 
     db = sqlite3.connect(tmp_path / "watchdog.db")
     v2 = (Path(__file__).parent / "data" / "store_schema_v2.sql").read_text()
@@ -344,7 +345,7 @@ def test_oom_in_a_ray_job_is_resubmitted_with_a_smaller_micro_batch_and_finishes
     # Steps slower than a tick (0.8 s hangs) until the OOM at step 6, so the live kl_coef change is
     # applied by the first job through control.json alone (a Ray job takes no SIGUSR1).
     faults = ",".join([*(f"hang@{s}:0.8" for s in range(1, 6)), "oom@6"])
-    trainer = tiny_trainer_args(run_dir, "trainer.save_freq=2", f"trainer.faults={faults}", steps=8)
+    trainer = tiny_trainer_args(run_dir, "trainer.save_freq=2", hydra.format_override("trainer.faults", faults), steps=8)
     env = {k: v for k, v in trainer_env.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
     cmd = [sys.executable, "-m", "watchdog", "run", "--ray-address", ray_head.address, "--run-dir", str(run_dir),
            "--state-dir", str(state), "--rules", str(rules), "--tick", "0.3", "--stop-grace", "5", "--no-report",
@@ -392,7 +393,7 @@ def test_oom_in_a_ray_job_is_resubmitted_with_a_smaller_micro_batch_and_finishes
 
 
 def test_the_log_copy_skips_what_the_file_holds_wherever_the_bytes_come_from(tmp_path):
-    from watchdog.supervisor_ray import _copied_so_far, _LogSink
+    from watchdog.backends.ray_jobs import _copied_so_far, _LogSink
 
     path = tmp_path / "trainer.log"
     path.write_bytes(b"local run output\n")
@@ -470,7 +471,7 @@ def embedded_job(ray_head, tmp_path_factory, tiny_trainer_args):
     backend = RayJobBackend(ray_head.address, run_dir.name, stop_wait_s=2)
     proc = backend.start(command, log_path=run_dir / "trainer.log")
     try:
-        _wait_for("run.json", lambda: "pid" in rundir.read_run_json(run_dir), proc, timeout=120)
+        _wait_for("run.json", lambda: RunInfo.read(run_dir).pid is not None, proc, timeout=120)
         yield run_dir, command, proc
     finally:
         proc.stop(grace=5)
@@ -479,14 +480,13 @@ def embedded_job(ray_head, tmp_path_factory, tiny_trainer_args):
 
 def test_the_embedded_trainer_run_as_a_ray_job_records_its_submission_id_in_run_json(embedded_job):
     run_dir, _, proc = embedded_job
-    meta = rundir.read_run_json(run_dir)
-    assert meta["ray_job_id"] == proc.job_id == f"{run_dir.name}-1"
+    assert RunInfo.read(run_dir).ray_job_id == proc.job_id == f"{run_dir.name}-1"
 
 
 def test_the_daemon_adopts_the_running_ray_job_run_json_names_instead_of_submitting_another(
     embedded_job, ray_head, tmp_path, monkeypatch,
 ):
-    from watchdog.daemon import load_daemon_config, prepare_daemon
+    from watchdog.control.daemon import load_daemon_config, prepare_daemon
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     run_dir, command, proc = embedded_job

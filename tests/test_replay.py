@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from verl_logs import HEALTHY, NAN, needs_logs
 
-from trainer import rundir
-from watchdog import ingest, replay
-from watchdog.rulefile import load_rules
+from watchdog.core import replay
+from watchdog.core.rulefile import load_rules
+from watchdog.protocol import rundir
+from watchdog.sources import ingest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "rules" / "default.yaml"
@@ -116,9 +117,9 @@ def test_decision_counts_per_rule_and_kind(tmp_path: Path, pack) -> None:
     assert out.counts()["kl_over"] == {"fire": 2, "resolve": 1}
 
 
-def test_config_from_run_json_flattens_nested_config() -> None:
-    info = {"config": {"algorithm": {"kl_ctrl": {"kl_coef": 0.001}}, "trainer.save_freq": 5}}
-    assert replay.config_from_run_json(info) == {"algorithm.kl_ctrl.kl_coef": 0.001, "trainer.save_freq": 5}
+def test_flatten_config_flattens_nested_and_dotted_keys() -> None:
+    cfg = {"algorithm": {"kl_ctrl": {"kl_coef": 0.001}}, "trainer.save_freq": 5}
+    assert replay.flatten_config(cfg) == {"algorithm.kl_ctrl.kl_coef": 0.001, "trainer.save_freq": 5}
 
 
 @needs_logs

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer import rundir
-from watchdog import actions as act
-from watchdog.rulefile import RuleError, RuleFileError, load_rules, parse_rules
+from watchdog.core import actions as act
+from watchdog.core.rulefile import RuleError, RuleFileError, load_rules, parse_rules
+from watchdog.protocol import catalog
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD = ROOT / "tests" / "data" / "bad_rules"
@@ -170,6 +170,6 @@ def test_set_action_scales_adds_and_clamps() -> None:
 
 
 def test_every_live_key_of_the_run_directory_protocol_is_tunable() -> None:
-    for key in rundir.LIVE_KEYS:
+    for key in catalog.LIVE_KEYS:
         assert act.TUNABLE_KEYS[key].live
     assert not set(act.TUNABLE_KEYS[k.key].live for k in act.RESTART_KEYS) - {False}

@@ -7,7 +7,7 @@ import sqlite3
 
 import pytest
 
-from watchdog.store import SCHEMA_VERSION, RunRecord, Store, StoreError
+from watchdog.control.store import SCHEMA_VERSION, RunRecord, Store, StoreError
 
 
 def test_store_uses_wal_and_records_its_schema_version(tmp_path):

@@ -20,8 +20,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from trainer import catalog, rundir
-from trainer import checkpoint as ck
+from watchdog.protocol import catalog, rundir
+from watchdog.protocol import checkpoint as ck
+from watchdog.protocol.control import Command, Control, write_control
+from watchdog.protocol.runinfo import RunInfo
 
 pytestmark = pytest.mark.slow
 
@@ -117,7 +119,7 @@ def test_resume_skip_batches_moves_the_data_past_the_batches_after_the_checkpoin
                                "trainer.resume_skip_batches=3", "trainer.save_freq=1", steps=3), trainer_env)
     assert b.returncode == 0, b.stderr[-3000:]
     assert [e["skipped_batches"] for e in _events(skipped, "started")] == [3]
-    assert rundir.read_run_json(skipped)["skip_batches_key"] == "trainer.resume_skip_batches"
+    assert RunInfo.read(skipped).skip_batches_key == "trainer.resume_skip_batches"
     # The data state after step 3 is the checkpoint's, moved past 3 batches, then one batch used.
     saved = ck.load_checkpoint(half)[0]["data"]["sampler"]
     expect = BatchSampler(saved["n"], saved["batch_size"], saved["seed"])
@@ -175,18 +177,18 @@ def live_run(tmp_path_factory: pytest.TempPathFactory, tiny_trainer_args: Callab
     obs: dict[str, Any] = {"run_dir": run_dir}
     try:
         _wait_for(lambda: _events(run_dir, "fault"), proc, "the hang fault at step 3")
-        rundir.write_control(run_dir, rundir.Control(1, {KL_COEF: 0.0123}, (rundir.Command("p1", "pause"),)))
+        write_control(run_dir, Control(1, {KL_COEF: 0.0123}, (Command("p1", "pause"),)))
         obs["steps_done_at_write"] = max(_metrics(run_dir), default=0)
         _wait_for(lambda: _events(run_dir, "paused"), proc, "the pause")
-        port = rundir.read_run_json(run_dir)["metrics_port"]
+        port = RunInfo.read(run_dir).metrics_port
         obs["port"] = port
         obs["exposition"] = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         obs["metrics_while_paused"] = _metrics(run_dir)
         time.sleep(0.5)
         obs["steps_after_pausing"] = max(_metrics(run_dir), default=0)
-        rundir.write_control(
+        write_control(
             run_dir,
-            rundir.Control(2, {KL_COEF: 0.0123}, (rundir.Command("p1", "pause"), rundir.Command("r1", "resume"))),
+            Control(2, {KL_COEF: 0.0123}, (Command("p1", "pause"), Command("r1", "resume"))),
         )
         t_signal = time.time()
         os.kill(proc.pid, signal.SIGUSR1)
@@ -234,7 +236,7 @@ def test_pause_holds_training_until_resume_and_sigusr1_makes_it_read_at_once(liv
 
 def test_metrics_endpoint_exposes_every_catalog_metric_for_the_run(live_run: dict[str, Any]) -> None:
     run_dir = live_run["run_dir"]
-    run_id = rundir.read_run_json(run_dir)["id"]
+    run_id = RunInfo.read(run_dir).id
     families = {f.name: f for f in text_string_to_metric_families(live_run["exposition"])}
     last_step = max(live_run["metrics_while_paused"])
     last = live_run["metrics_while_paused"][last_step]
@@ -277,7 +279,7 @@ def test_an_injected_oom_saves_state_exits_75_and_the_restart_continues_from_the
     tmp_path: Path, tiny_trainer_args: Callable[..., list[str]], trainer_env: dict[str, str]
 ) -> None:
     # a live override and a one-shot checkpoint command are waiting before the first step
-    rundir.write_control(tmp_path, rundir.Control(1, {KL_COEF: 0.04}, (rundir.Command("c1", "checkpoint"),)))
+    write_control(tmp_path, Control(1, {KL_COEF: 0.04}, (Command("c1", "checkpoint"),)))
     first = _run(tiny_trainer_args(tmp_path, "trainer.faults=oom@3", steps=5), trainer_env)
     assert first.returncode == rundir.EXIT_OOM == 75, first.stderr[-3000:]
     [oom] = _events(tmp_path, "oom")

@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import catalog, rundir
-from trainer import checkpoint as ckpt
 from trainer import data as data_mod
 from trainer.config import load_config
 from trainer.loop import Trainer
+from watchdog.protocol import catalog, rundir
+from watchdog.protocol import checkpoint as ckpt
+from watchdog.protocol.control import Command, Control, write_control
+from watchdog.protocol.runinfo import RunInfo
 
 torch.set_num_threads(1)
 
@@ -46,9 +48,9 @@ def test_a_few_steps_write_catalog_keys_events_checkpoints_and_run_json(tiny_sft
         assert m[step]["training/global_step"] == step
         assert all(isinstance(v, float) for v in m[step].values())
     assert "val-core/tiny_arith/reward/mean@1" in m[2] and "val-core/tiny_arith/reward/mean@1" not in m[1]
-    info = rundir.read_run_json(run)
-    assert info["pid"] > 0 and info["live_keys"] == list(rundir.LIVE_KEYS)
-    assert info["config"]["trainer"]["run_dir"] == str(run)
+    info = RunInfo.read(run)
+    assert info.pid is not None and info.pid > 0 and info.live_keys == list(catalog.LIVE_KEYS)
+    assert info.config["trainer"]["run_dir"] == str(run)
     kinds = [e["kind"] for e in rundir.iter_events(run)]
     assert kinds[0] == "started" and kinds[-1] == "finished"
     assert kinds.count("checkpoint") == 1 and kinds.count("validation") == 3
@@ -88,7 +90,7 @@ def test_offline_mode_trains_on_stored_responses_without_sampling(tiny_sft, tmp_
 def test_control_overrides_are_applied_before_the_first_step_and_recorded(tiny_sft, tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    rundir.write_control(run, rundir.Control(3, {
+    write_control(run, Control(3, {
         "algorithm.kl_ctrl.kl_coef": 0.0123,
         "actor_rollout_ref.actor.optim.lr": 3e-5,
         "actor_rollout_ref.actor.clip_ratio": 0.1,
@@ -112,7 +114,7 @@ def test_rollback_command_restores_the_named_step_and_skips_batches(tiny_sft, tm
     run = tmp_path / "run"
     _train(tiny_sft.overrides(run, steps=4) + ["trainer.save_freq=2"])
     before = _metrics(run)
-    rundir.write_control(run, rundir.Control(1, {}, (rundir.Command("c1", "rollback", {"to_step": 2,
+    write_control(run, Control(1, {}, (Command("c1", "rollback", {"to_step": 2,
                                                                                      "skip_batches": 1}),)))
     t = _train(tiny_sft.overrides(run, steps=4) + ["trainer.save_freq=2"])
     (rb,) = rundir.iter_events(run, ["rollback"])
@@ -127,7 +129,7 @@ def test_rollback_command_restores_the_named_step_and_skips_batches(tiny_sft, tm
 def test_pause_blocks_steps_until_a_resume_command_arrives(tiny_sft, tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    rundir.write_control(run, rundir.Control(1, {}, (rundir.Command("p1", "pause", {"reason": "test"}),)))
+    write_control(run, Control(1, {}, (Command("p1", "pause", {"reason": "test"}),)))
     t = Trainer(load_config(tiny_sft.overrides(run, steps=2)), argv=["test"])
     done = threading.Thread(target=t.run)
     done.start()
@@ -136,8 +138,8 @@ def test_pause_blocks_steps_until_a_resume_command_arrives(tiny_sft, tmp_path: P
         time.sleep(0.05)
     time.sleep(0.3)
     assert not _metrics(run).get(1), "no step may run while paused"
-    rundir.write_control(run, rundir.Control(2, {}, (rundir.Command("p1", "pause", {"reason": "test"}),
-                                                     rundir.Command("r1", "resume"))))
+    write_control(run, Control(2, {}, (Command("p1", "pause", {"reason": "test"}),
+                                                     Command("r1", "resume"))))
     done.join(60)
     assert not done.is_alive()
     assert t.summary.exit_code == 0 and t.summary.steps == 2
@@ -149,7 +151,7 @@ def test_pause_blocks_steps_until_a_resume_command_arrives(tiny_sft, tmp_path: P
 def test_cli_exits_75_after_an_oom_with_state_saved_and_a_rerun_finishes(tiny_trainer_args, trainer_env,
                                                                          tmp_path: Path) -> None:
     run = tmp_path / "run"
-    argv = tiny_trainer_args(run, "trainer.faults=nan@1,oom@3", steps=4)
+    argv = tiny_trainer_args(run, "trainer.faults='nan@1,oom@3'", steps=4)
     first = subprocess.run(argv, env=trainer_env, capture_output=True, text=True, timeout=120)
     assert first.returncode == rundir.EXIT_OOM, first.stderr[-2000:]
     events = rundir.iter_events(run)
@@ -189,7 +191,7 @@ def test_oom_with_live_retry_halves_the_micro_batch_and_carries_on(tiny_sft, tmp
 
 def test_lr_spike_and_kl_collapse_faults_show_in_the_metrics_of_their_step(tiny_sft, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    _train(tiny_sft.overrides(run, steps=3) + ["trainer.faults=lr_spike@2:x10,kl_collapse@3"])
+    _train(tiny_sft.overrides(run, steps=3) + ["trainer.faults='lr_spike@2:x10,kl_collapse@3'"])
     m = _metrics(run)
     assert m[2]["actor/lr"] == pytest.approx(10 * m[1]["actor/lr"])
     assert m[2]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.1)

@@ -40,8 +40,6 @@ from verl.workers.config import ActorConfig
 from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.losses import ppo_loss
 
-from trainer import rundir
-from trainer.exporter import MetricsExporter
 from trainer.verl_glue import apply
 from trainer.verl_glue.apply import LiveSettingError
 from trainer.verl_glue.boundary import (
@@ -54,6 +52,10 @@ from trainer.verl_glue.boundary import (
 from trainer.verl_glue.runner import app, build_config, glue_overrides
 from trainer.verl_glue.trainer import TRAINER_MODE, WatchdogPPOTrainer
 from trainer.verl_glue.workers import WatchdogActorRolloutRefWorker, WatchdogTrainingWorker
+from watchdog.protocol import rundir
+from watchdog.protocol.control import Command, Control, write_control
+from watchdog.protocol.exporter import MetricsExporter
+from watchdog.protocol.runinfo import RunInfo
 
 REPO = Path(__file__).resolve().parent.parent
 BASE_OVERRIDES = [
@@ -187,9 +189,9 @@ def rig(config: Any, tmp_path: Path) -> Any:
 
 
 def _write(run_dir: Path, version: int, overrides: dict[str, Any] | None = None,
-           commands: tuple[rundir.Command, ...] = ()) -> None:
+           commands: tuple[Command, ...] = ()) -> None:
     """control.json as the watchdog's actuator writes it."""
-    rundir.write_control(run_dir, rundir.Control(version, dict(overrides or {}), commands))
+    write_control(run_dir, Control(version, dict(overrides or {}), commands))
 
 
 # -- KL controllers -------------------------------------------------------------------------
@@ -436,13 +438,13 @@ def test_boundary_reports_a_bad_value_and_applies_the_rest(rig: Rig) -> None:
 
 
 def test_boundary_commands_checkpoint_then_stop_and_leaves_rollback_to_a_restart(rig: Rig) -> None:
-    _write(rig.run_dir, 1, commands=(rundir.Command("c1", "checkpoint"), rundir.Command("r1", "rollback")))
+    _write(rig.run_dir, 1, commands=(Command("c1", "checkpoint"), Command("r1", "rollback")))
     rig.trainer.on_step_begin()
     assert rig.saves == [3]
     (applied,) = rig.events("applied")
     assert applied["commands"] == ["c1"]  # rollback unconfirmed: the watchdog restarts instead
     assert "rollback" in rig.events("error")[0]["message"]
-    _write(rig.run_dir, 2, commands=(rundir.Command("c1", "checkpoint"), rundir.Command("s1", "stop")))
+    _write(rig.run_dir, 2, commands=(Command("c1", "checkpoint"), Command("s1", "stop")))
     with pytest.raises(StopRequested):
         rig.trainer.on_step_begin()
     assert rig.saves == [3, 3]  # c1 not run twice; stop saved
@@ -455,14 +457,14 @@ def test_pause_waits_between_steps_until_resume(rig: Rig) -> None:
     def wait(seconds: float) -> bool:  # the watchdog's writes, one per poll of the paused trainer
         waits.append(seconds)
         if len(waits) == 1:
-            _write(rig.run_dir, 2, {apply.KL_COEF: 0.003}, (rundir.Command("p1", "pause"),))
+            _write(rig.run_dir, 2, {apply.KL_COEF: 0.003}, (Command("p1", "pause"),))
         elif len(waits) == 3:
             _write(rig.run_dir, 3, {apply.KL_COEF: 0.003},
-                   (rundir.Command("p1", "pause"), rundir.Command("u1", "resume")))
+                   (Command("p1", "pause"), Command("u1", "resume")))
         return False
 
-    rig.boundary._wait = wait
-    _write(rig.run_dir, 1, commands=(rundir.Command("p1", "pause", {"reason": "test"}),))
+    rig.boundary.steps.wait = wait
+    _write(rig.run_dir, 1, commands=(Command("p1", "pause", {"reason": "test"}),))
     rig.trainer.on_step_begin()
     kinds = [e["kind"] for e in rig.events()]
     assert kinds == ["applied", "paused", "applied", "resumed", "applied"]
@@ -540,7 +542,7 @@ def test_gpu_smoke_checker_passes_a_conforming_run_and_catches_an_lr_that_snappe
     smoke = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "verl_gpu_smoke", smoke)  # its dataclasses look their module up
     spec.loader.exec_module(smoke)
-    rundir.write_run_json(tmp_path, {"live_keys": list(apply.VERL_LIVE_KEYS)})
+    RunInfo(live_keys=list(apply.VERL_LIVE_KEYS)).write(tmp_path)
     rundir.append_event(tmp_path, "started", 0)
     rundir.append_event(tmp_path, "applied", 2, version=1, applied={apply.KL_COEF: 0.002}, commands=[])
     rundir.append_event(tmp_path, "applied", 3, version=2, applied={apply.KL_COEF: 0.002, apply.ACTOR_LR: 5e-7},
@@ -563,8 +565,8 @@ def test_gpu_smoke_checker_passes_a_conforming_run_and_catches_an_lr_that_snappe
 
 
 def test_manifest_makes_a_verl_save_a_verified_checkpoint_and_catches_tampering(tmp_path: Path) -> None:
-    from trainer import checkpoint as ckpt
     from trainer.verl_glue.manifest import write_manifest
+    from watchdog.protocol import checkpoint as ckpt
 
     step_dir = tmp_path / "global_step_3"
     (step_dir / "actor").mkdir(parents=True)

@@ -31,12 +31,14 @@ from pathlib import Path
 import pytest
 from verl_logs import HEALTHY, needs_logs
 
-from trainer import checkpoint as ckpt
-from trainer import rundir
-from watchdog import verl_exits, verl_mode
-from watchdog.actuator import choose_known_good
-from watchdog.store import BadSpan, Store
-from watchdog.verl_lr_patch import LrPatchRefused, checkpoint_lrs, patch_lr_copy, wanted_changes
+from watchdog.backends import local, verl_exits
+from watchdog.backends import zero_patch as verl_mode
+from watchdog.backends.verl_lr_patch import LrPatchRefused, checkpoint_lrs, patch_lr_copy, wanted_changes
+from watchdog.control.actuator import choose_known_good
+from watchdog.control.store import BadSpan, Store
+from watchdog.protocol import checkpoint as ckpt
+from watchdog.protocol import hydra, rundir
+from watchdog.protocol.runinfo import RunInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 ACTOR_LR = "actor_rollout_ref.actor.optim.lr"
@@ -98,8 +100,8 @@ def _driver_log(cause: BaseException) -> str:
 
 
 def _glue(run: Path, run_id: str = "run") -> verl_mode.VerlGlue:
-    glue = verl_mode.glue_for(run, run_id)
-    assert glue is not None, f"{run}: run.json does not say zero-patch mode"
+    glue = verl_mode.dialect_for(run, run_id)
+    assert isinstance(glue, verl_mode.VerlGlue), f"{run}: run.json does not say zero-patch mode"
     return glue
 
 
@@ -199,8 +201,8 @@ def test_only_the_current_attempts_part_of_an_appended_log_is_read(tmp_path: Pat
     start = log.stat().st_size
     with open(log, "a") as f:
         f.write(_format(_raised(ValueError("bad data.train_files"))))
-    assert verl_exits.classify(verl_exits.read_tail(str(log), start), 1).kind == "crash"
-    assert verl_exits.classify(verl_exits.read_tail(str(log), 0), 1).kind == "oom"
+    assert verl_exits.classify(local.read_tail(str(log), start), 1).kind == "crash"
+    assert verl_exits.classify(local.read_tail(str(log), 0), 1).kind == "oom"
 
 
 # -- verl's checkpoint layout --------------------------------------------------------------------
@@ -383,15 +385,16 @@ SEED_COMMAND = [
 
 
 def _args(cmd: list[str]) -> dict[str, str]:
-    return verl_mode.hydra_overrides(cmd)
+    """Each override's value as written on the command line (Hydra's parser finds them)."""
+    return {k: ov.text.partition("=")[2] for k, ov in hydra.overrides(cmd).items()}
 
 
 def test_the_relaunch_of_a_verl_command_adds_logger_env_resume_and_carries_kl(tmp_path: Path) -> None:
-    from watchdog.actuator import restart_command
+    from watchdog.control.actuator import restart_command
 
     run = tmp_path / "run"
     info = verl_mode.init_run(run, SEED_COMMAND)
-    assert info["live_keys"] == [] and info["world_size"] == 8 and info["config"][KL] == 0.001
+    assert info.live_keys == [] and info.world_size == 8 and info.config[KL] == 0.001
     glue = _glue(run)
     assert verl_mode.resolve_mode("auto", SEED_COMMAND) == "verl"
     # First launch: the user's own values stand; the logger gets `file`, verl saves into the run dir.
@@ -426,12 +429,13 @@ def test_the_relaunch_of_a_verl_command_adds_logger_env_resume_and_carries_kl(tm
 def test_a_user_checkpoint_dir_is_kept_and_searched(tmp_path: Path) -> None:
     cmd = [*SEED_COMMAND, "trainer.default_local_dir=ckpts/qwen"]
     info = verl_mode.init_run(tmp_path / "run", cmd, cwd=tmp_path)
-    assert info["checkpoint_dir"] == str(tmp_path / "ckpts" / "qwen")
+    assert info.checkpoint_dir == str(tmp_path / "ckpts" / "qwen")
     # verl's own default world size when the command does not say (8 GPUs on 1 node); a stand-in: its files.
     assert verl_mode.run_world_size([c for c in SEED_COMMAND if "n_gpus" not in c and "nnodes" not in c]) == 8
     assert verl_mode.run_world_size(["python", "stand_in.py", "trainer.nnodes=2"]) == 16
     assert verl_mode.run_world_size(["python", "stand_in.py"]) is None
-    assert verl_mode.merge_logger(None) == "[console,file]"
+    assert verl_mode.merge_logger(None) == ["console", "file"]
+    assert verl_mode.merge_logger("wandb") == ["wandb", "console", "file"]
     assert verl_mode.resolve_mode("auto", ["python", "-m", "trainer"]) == "embedded"
     with pytest.raises(verl_mode.VerlModeError):
         verl_mode.resolve_mode("megatron", cmd)
@@ -440,9 +444,9 @@ def test_a_user_checkpoint_dir_is_kept_and_searched(tmp_path: Path) -> None:
 def test_live_actions_become_restarts_and_pause_stops_verl(tmp_path: Path) -> None:
     import time
 
-    from watchdog.actuator import Actuator, RunHandle
-    from watchdog.store import RunRecord, Store
-    from watchdog.supervisor import LocalBackend
+    from watchdog.backends.local import LocalBackend
+    from watchdog.control.actuator import Actuator, RunHandle
+    from watchdog.control.store import RunRecord, Store
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-c", "import time; time.sleep(120)", "trainer.n_gpus_per_node=1"]
@@ -450,7 +454,7 @@ def test_live_actions_become_restarts_and_pause_stops_verl(tmp_path: Path) -> No
     store = Store(tmp_path / "state")
     store.upsert_run(RunRecord("run", str(run), cmd))
     act = Actuator(store, LocalBackend())
-    h = RunHandle(store.require_run("run"), glue=_glue(run))
+    h = RunHandle(store.require_run("run"), dialect=_glue(run))
     try:
         act.launch(h, None, time.time())
         first = h.proc
@@ -463,7 +467,7 @@ def test_live_actions_become_restarts_and_pause_stops_verl(tmp_path: Path) -> No
         assert restart.payload["set"] == {KL: 0.002}
         act.drive(h, restart, time.time())
         assert not first.alive() and h.proc is not first and h.proc.alive()
-        assert _args(rundir.read_run_json(run)["launches"][-1]["command"])[KL] == "0.002"
+        assert _args(RunInfo.read(run).launches[-1]["command"])[KL] == "0.002"
         # Pause: verl cannot wait in place, so it is stopped; a checkpoint command cannot be honoured.
         pause = store.add_action("run", "command", {"rule": "r", "command": {"id": "c1", "kind": "pause"}})
         act.drive(h, store.get_action(pause), time.time())
@@ -508,7 +512,7 @@ def test_the_watchdog_serves_a_verl_runs_metrics_under_catalog_names(tmp_path: P
             {"step": 2, "data": {"critic/kl": 0.125, "critic/kl_coeff": 0.001, "critic/vf_loss": 0.31}},
         ])
         glue.poll(None)
-        port = rundir.read_run_json(run)["metrics_port"]
+        port = RunInfo.read(run).metrics_port
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     finally:
         glue.close()
@@ -526,7 +530,8 @@ def test_the_watchdog_serves_a_verl_runs_metrics_under_catalog_names(tmp_path: P
 def test_replay_of_verls_file_logger_output_matches_its_console_log(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from watchdog import cli, ingest
+    from watchdog import cli
+    from watchdog.sources import ingest
 
     records = ingest.read_records(HEALTHY)
     assert "critic/kl" in records[-1]["data"] and "critic/kl_coeff" in records[-1]["data"]
@@ -552,7 +557,7 @@ RECORDED_VERL = textwrap.dedent('''
     import sys
     import yaml
     from verl.utils.tracking import Tracking
-    from watchdog.ingest import read_records
+    from watchdog.sources.ingest import read_records
 
     args = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
     start = 0
@@ -569,7 +574,7 @@ RECORDED_VERL = textwrap.dedent('''
 @needs_logs
 @pytest.mark.slow
 def test_watchdog_run_reads_the_older_critic_kl_keys_and_restarts_with_the_new_kl_coef(tmp_path: Path) -> None:
-    from watchdog import ingest
+    from watchdog.sources import ingest
 
     script = tmp_path / "recorded_verl.py"
     script.write_text(RECORDED_VERL)
@@ -601,7 +606,7 @@ def test_watchdog_run_reads_the_older_critic_kl_keys_and_restarts_with_the_new_k
         capture_output=True, text=True, timeout=60, check=True, env=env).stdout)
     (fire,) = [d for d in history if d["rule"] == "kl_high"]
     assert fire["step"] == first["step"] and fire["inputs"]["kl"] == pytest.approx(first["data"]["critic/kl"])
-    launches = rundir.read_run_json(run)["launches"]
+    launches = RunInfo.read(run).launches
     assert len(launches) == 2
     coef = float(_args(launches[1]["command"])[KL])
     assert coef == pytest.approx(1.2 * first["data"]["critic/kl_coeff"])
@@ -649,7 +654,7 @@ def test_zero_patch_run_restarts_an_oom_smaller_and_a_kl_fire_with_the_new_coef(
     # racing a restart is not lost in real life: the relaunch runs out of memory again at the same spot;
     # an injected fault fires only once.)
     trainer = tiny_trainer_args(run, "trainer.run_dir_protocol=false", "trainer.save_freq=2",
-                                "trainer.faults=hang@3:5,oom@6", "actor_rollout_ref.actor.entropy_coeff=1.0",
+                                "trainer.faults='hang@3:5,oom@6'", "actor_rollout_ref.actor.entropy_coeff=1.0",
                                 "actor_rollout_ref.actor.optim.lr=0.003", "algorithm.kl_ctrl.kl_coef=0.1", steps=9)
     proc = subprocess.run(
         [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--rules", str(rules), "--run-dir", str(run),
@@ -658,8 +663,7 @@ def test_zero_patch_run_restarts_an_oom_smaller_and_a_kl_fire_with_the_new_coef(
          *trainer],
         capture_output=True, text=True, timeout=300, env=trainer_env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    info = rundir.read_run_json(run)
-    launches = [_args(x["command"]) for x in info["launches"]]
+    launches = [_args(x["command"]) for x in RunInfo.read(run).launches]
     (oom,) = rundir.iter_events(run, ["oom"])
     assert oom["memory"] == "cuda" and oom["exit_code"] == 1 and oom["micro_batch_size"] == 8
     assert "torch.OutOfMemoryError" in oom["message"]
@@ -678,7 +682,8 @@ def test_zero_patch_run_restarts_an_oom_smaller_and_a_kl_fire_with_the_new_coef(
     logged = {r["step"]: r["data"] for r in rundir.read_jsonl(run / rundir.METRICS).records}
     assert logged[9]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.2)
     # The trainer spoke no protocol: run.json is still the glue's (no live keys), events are the glue's.
-    assert info["mode"] == "verl" and info["live_keys"] == []
+    info = RunInfo.read(run)
+    assert info.mode == "verl" and info.live_keys == []
     assert {e.get("source") for e in rundir.iter_events(run)} == {"watchdog:verl"}
     assert all(math.isfinite(v) for v in logged[9].values() if isinstance(v, float))
 
@@ -708,7 +713,7 @@ def test_zero_patch_tuning_waits_for_the_next_checkpoint_and_a_divergence_does_n
     # The tuning set is decided at step 2 and waits for the step-4 checkpoint; the hangs keep each
     # attempt at a step long enough for the watchdog's ticks to see it.
     trainer = tiny_trainer_args(run, "trainer.run_dir_protocol=false", "trainer.save_freq=4",
-                                "trainer.faults=hang@3:2,hang@7:3", "algorithm.kl_ctrl.kl_coef=0.1", steps=10)
+                                "trainer.faults='hang@3:2,hang@7:3'", "algorithm.kl_ctrl.kl_coef=0.1", steps=10)
     proc = subprocess.run(
         [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--rules", str(rules), "--run-dir", str(run),
          "--state-dir", str(state), "--tick", "0.3", "--stop-grace", "5", "--no-report",
@@ -734,7 +739,7 @@ def test_zero_patch_tuning_waits_for_the_next_checkpoint_and_a_divergence_does_n
     assert restart.payload["resume_step"] == 4 and restart.status == "done"
     started = [e for e in rundir.iter_events(run, ["started"]) if e.get("resumed_from") == 4]
     assert len(started) == 2  # the tuning relaunch and the rollback, each resumed from step 4
-    launches = [_args(x["command"]) for x in rundir.read_run_json(run)["launches"]]
+    launches = [_args(x["command"]) for x in RunInfo.read(run).launches]
     assert len(launches) == 3 and launches[0][KL] == "0.1" and launches[1][KL] == "0.2" == launches[2][KL]
 
 
@@ -796,7 +801,7 @@ def _daemon_yaml(path: Path, state: Path, runs: list[dict], rules: Path | None =
 
 
 def test_the_daemon_examples_verl_run_gets_the_glue_with_verls_own_world_size(tmp_path: Path) -> None:
-    from watchdog.daemon import load_daemon_config, prepare_daemon
+    from watchdog.control.daemon import load_daemon_config, prepare_daemon
 
     example = _example_verl_run()
     assert example["mode"] == "verl" and verl_mode.is_verl_command(example["restart_command"])
@@ -807,10 +812,10 @@ def test_the_daemon_examples_verl_run_gets_the_glue_with_verls_own_world_size(tm
     wd = prepare_daemon(cfg)  # no tick: nothing is launched (verl itself would start here)
     try:
         ctl = wd.controllers["qwen2-7b-gsm8k"]
-        assert isinstance(ctl.h.glue, verl_mode.VerlGlue) and ctl.run.phase == "new"
-        info = rundir.read_run_json(run)
-        assert info["mode"] == "verl" and info["live_keys"] == [] and info["world_size"] == 8
-        assert info["checkpoint_dir"] == str(run / "checkpoints") and info["config"][KL] == 0.001
+        assert isinstance(ctl.h.dialect, verl_mode.VerlGlue) and ctl.run.phase == "new"
+        info = RunInfo.read(run)
+        assert info.mode == "verl" and info.live_keys == [] and info.world_size == 8
+        assert info.checkpoint_dir == str(run / "checkpoints") and info.config[KL] == 0.001
     finally:
         wd.close()
 
@@ -818,7 +823,7 @@ def test_the_daemon_examples_verl_run_gets_the_glue_with_verls_own_world_size(tm
 def test_the_daemon_launches_a_verl_run_with_the_glue_and_re_attaches_after_its_own_restart(tmp_path: Path) -> None:
     import time
 
-    from watchdog.daemon import load_daemon_config, prepare_daemon
+    from watchdog.control.daemon import load_daemon_config, prepare_daemon
 
     (tmp_path / "stand_in.py").write_text(STAND_IN)
     (tmp_path / "rules.yaml").write_text(QUIET_RULES)
@@ -851,22 +856,22 @@ def test_the_daemon_launches_a_verl_run_with_the_glue_and_re_attaches_after_its_
         a = _args(launched["argv"])
         assert a["trainer.logger"] == "[console,file]" and a["trainer.default_local_dir"] == str(run / "checkpoints")
         assert a[MICRO] == "4" and launched["env"] == str(run / "verl" / "metrics.1.jsonl")
-        launched_cmd = rundir.read_run_json(run)["command"]
+        launched_cmd = RunInfo.read(run).command
         assert _args(launched_cmd)["trainer.logger"] == "[console,file]"
         wd.close()  # the daemon goes away; the trainer runs on
 
         wd2 = prepare_daemon(load_daemon_config(cfg_file))
         ctl2 = wd2.controllers["run"]
         assert ctl2.h.proc is not None and ctl2.h.proc.pid == pid and ctl2.h.proc.alive()
-        assert ctl2.h.glue.state.attempt == 1 and ctl2.h.glue.state.relay_offset > 0  # re-attached, not re-initialised
-        assert rundir.read_run_json(run)["command"] == launched_cmd
+        assert ctl2.h.dialect.state.attempt == 1 and ctl2.h.dialect.state.relay_offset > 0  # re-attached, not re-initialised
+        assert RunInfo.read(run).command == launched_cmd
         (tmp_path / "GO").touch()
         drive(wd2, lambda: steps() == [1, 2])
         wd2.tick()
         assert steps() == [1, 2]  # step 1 not relayed twice
         assert [e["attempt"] for e in rundir.iter_events(run, ["started"])] == [1]
         assert ctl2.h.proc.pid == pid and wd2.store.require_run("run").restarts == 0
-        port = rundir.read_run_json(run)["metrics_port"]
+        port = RunInfo.read(run).metrics_port
         body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         assert 'ppo_global_step{run="run"} 2.0' in body
     finally:
@@ -890,8 +895,8 @@ def test_a_bad_mode_in_the_daemon_config_is_an_error_naming_the_file_and_key(
 ) -> None:
     from typer.testing import CliRunner
 
-    from watchdog.cli_run import run_app
-    from watchdog.daemon import DaemonConfigError, load_daemon_config
+    from watchdog.cli.run import run_app
+    from watchdog.control.daemon import DaemonConfigError, load_daemon_config
 
     cfg_file = _daemon_yaml(tmp_path / "daemon.yaml", tmp_path / "state", [{"run_dir": str(tmp_path / "r"), **entry}])
     with pytest.raises(DaemonConfigError) as err:
@@ -908,7 +913,7 @@ def test_the_daemon_restarts_a_zero_patch_run_with_the_kl_rules_new_coef(
 ) -> None:
     import time
 
-    from watchdog.daemon import load_daemon_config, prepare_daemon
+    from watchdog.control.daemon import load_daemon_config, prepare_daemon
 
     rules = tmp_path / "rules.yaml"
     rules.write_text("version: 1\nrules:\n" + KL_ANY_RULE)
@@ -938,7 +943,7 @@ def test_the_daemon_restarts_a_zero_patch_run_with_the_kl_rules_new_coef(
             wd.actuator.stop(ctl.h)
         wd.close()
     assert ctl.run.phase == "finished"
-    launches = [_args(x["command"]) for x in rundir.read_run_json(run)["launches"]]
+    launches = [_args(x["command"]) for x in RunInfo.read(run).launches]
     assert len(launches) >= 2 and launches[0][KL] == "0.1"
     assert launches[1][KL] == "0.2" and launches[1]["trainer.resume_mode"] == "resume_path"
     assert all(a["trainer.logger"] == "[console,file]" for a in launches)

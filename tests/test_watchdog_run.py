@@ -17,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from trainer import rundir
-from watchdog.store import Store
+from watchdog.control.store import Store
+from watchdog.protocol import rundir
+from watchdog.protocol.control import read_control
+from watchdog.protocol.runinfo import RunInfo
 
 pytestmark = pytest.mark.slow
 
@@ -112,9 +114,8 @@ def test_oom_restarts_with_a_smaller_micro_batch_and_continues_from_the_checkpoi
     (oom,) = _events(tmp_path, "oom")
     starts = _events(tmp_path, "started")
     assert len(starts) == 2 and starts[1]["resumed_from"] == oom["step"] - 1
-    run_json = rundir.read_run_json(tmp_path / "run")
     # 8 - 1 = 7 does not divide the mini batch of 16: the largest micro batch that does is 4.
-    assert f"{MICRO}=4" in run_json["command"]
+    assert f"{MICRO}=4" in RunInfo.read(tmp_path / "run").command
     steps = [r["step"] for r in rundir.read_jsonl(tmp_path / "run" / rundir.METRICS).records]
     assert steps == sorted(set(steps)) and steps[-1] == 10  # no step lost, none repeated
     history = _history(tmp_path)
@@ -146,7 +147,7 @@ def test_watchdog_killed_between_control_write_and_applied_applies_the_action_ex
     rules = _rules(tmp_path, KL_RULE)
     first = _watchdog(tmp_path, rules, steps=150, env={"WATCHDOG_TEST_CRASH_AT": "control_written"})
     assert first.returncode == -signal.SIGKILL, first.stdout + first.stderr
-    control = rundir.read_control(tmp_path / "run")
+    control = read_control(tmp_path / "run")
     assert control is not None and control.version == 1
     store = Store(tmp_path / "state")
     (entry,) = store.journal("run")
@@ -157,7 +158,7 @@ def test_watchdog_killed_between_control_write_and_applied_applies_the_action_ex
     assert len(_events(tmp_path, "started")) == 1  # the restarted watchdog adopted the running trainer
     applied = [e for e in _events(tmp_path, "applied") if e.get("version")]
     assert [e["version"] for e in applied] == [1]
-    assert rundir.read_control(tmp_path / "run").version == 1
+    assert read_control(tmp_path / "run").version == 1
     (decision,) = _history(tmp_path)
     assert decision["status"] == "applied" and decision["journal"][0]["status"] == "done"
 

@@ -1,5 +1,5 @@
-"""The embedded PPO trainer (``python -m trainer``) and the run-directory protocol.
+"""The embedded PPO trainer (``python -m trainer``) and the in-process verl glue (``trainer.verl_glue``).
 
-Import-light on purpose: the watchdog imports ``trainer.catalog``, ``trainer.rundir``
-and ``trainer.config`` without pulling in torch or verl.
+Both speak the run-directory protocol through :mod:`watchdog.protocol`; nothing in
+``watchdog`` imports this package, so the watchdog installs and runs without torch or verl.
 """

@@ -30,8 +30,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, OSError) as exc:
         sys.stderr.write(f"config error: {exc}\n")
         return 2
-    from trainer.loop import run_cli
-
+    try:
+        from trainer.loop import run_cli
+    except ImportError as exc:  # a core install (pip install ppo-watchdog) has no torch or verl
+        sys.stderr.write(f"the embedded trainer needs torch and verl ({exc}): pip install 'ppo-watchdog[trainer]'\n")
+        return 2
     return run_cli(cfg, args)
 
 

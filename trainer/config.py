@@ -2,8 +2,9 @@
 
 ``cfg.get("algorithm.kl_ctrl.kl_coef")`` and ``cfg.set(...)`` address fields by the
 same dotted keys verl uses, so an override that works here (``key=value`` on the
-command line, or in control.json) works on a real verl run unchanged. Only stdlib and
-yaml are imported: the watchdog imports this module without torch.
+command line, in Hydra's grammar, or in control.json) works on a real verl run unchanged.
+Only stdlib, yaml and the protocol's Hydra helpers are imported: a bad config fails
+before torch loads.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import difflib
 import hashlib
 import json
 import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from watchdog.protocol import hydra
 
 
 class ConfigError(ValueError):
@@ -28,6 +31,20 @@ class ConfigError(ValueError):
         super().__init__(message)
         self.key = key
         self.value = value
+        self.errors: list[ConfigError] = [self]
+        """Every problem found (one, or all of a :func:`raise_all`)."""
+
+
+def raise_all(errors: Sequence[ConfigError]) -> None:
+    """Raise one ConfigError carrying every problem (its message lists them, one a line)."""
+    if not errors:
+        return
+    if len(errors) == 1:
+        raise errors[0]
+    first = errors[0]
+    err = ConfigError(f"{len(errors)} config errors:\n" + "\n".join(f"  {e}" for e in errors), first.key, first.value)
+    err.errors = list(errors)
+    raise err
 
 
 @dataclass
@@ -292,7 +309,13 @@ class Config:
 
     # -- cross-field checks --------------------------------------------------------------
     def validate(self) -> None:
-        """Raise ConfigError on values that cannot work together (named by key)."""
+        """Raise ConfigError naming every value that is out of range or cannot work with another."""
+        raise_all(self.problems())
+
+    def problems(self) -> list[ConfigError]:
+        """Every value that is out of range or cannot work with another (named by key), in config order."""
+        found: list[ConfigError] = []
+        bad = found.append
         d, a, c, al, t = self.data, self.actor_rollout_ref.actor, self.critic, self.algorithm, self.trainer
         positive = {
             "data.train_batch_size": d.train_batch_size,
@@ -308,7 +331,7 @@ class Config:
         }
         for key, value in positive.items():
             if value < 1:
-                raise ConfigError(f"{key} must be >= 1, got {value!r}", key, value)
+                bad(ConfigError(f"{key} must be >= 1, got {value!r}", key, value))
         rollout_bs = d.train_batch_size * self.actor_rollout_ref.rollout.n
         # Same rule as verl: whole mini batches per batch, whole micro batches per mini batch,
         # otherwise gradient accumulation would weight some samples twice.
@@ -316,15 +339,17 @@ class Config:
             ("actor_rollout_ref.actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu),
             ("critic", c.ppo_mini_batch_size, c.ppo_micro_batch_size_per_gpu),
         ):
+            if min(rollout_bs, mini, micro) < 1:
+                continue  # said above: a batch size below 1
             if rollout_bs % mini:
-                raise ConfigError(
+                bad(ConfigError(
                     f"data.train_batch_size * rollout.n ({rollout_bs}) must be divisible by "
-                    f"{prefix}.ppo_mini_batch_size ({mini})", f"{prefix}.ppo_mini_batch_size", mini)
+                    f"{prefix}.ppo_mini_batch_size ({mini})", f"{prefix}.ppo_mini_batch_size", mini))
             if mini % micro:
-                raise ConfigError(
+                bad(ConfigError(
                     f"{prefix}.ppo_mini_batch_size ({mini}) must be divisible by "
                     f"{prefix}.ppo_micro_batch_size_per_gpu ({micro})",
-                    f"{prefix}.ppo_micro_batch_size_per_gpu", micro)
+                    f"{prefix}.ppo_micro_batch_size_per_gpu", micro))
         choices: tuple[tuple[str, str, tuple[str, ...]], ...] = (
             ("trainer.resume_mode", t.resume_mode, ("auto", "disable", "resume_path")),
             ("algorithm.kl_ctrl.type", al.kl_ctrl.type, ("fixed", "adaptive")),
@@ -337,34 +362,36 @@ class Config:
         )
         for ckey, choice, allowed in choices:
             if choice not in allowed:
-                raise ConfigError(f"{ckey} must be one of {', '.join(allowed)}; got {choice!r}", ckey, choice)
+                bad(ConfigError(f"{ckey} must be one of {', '.join(allowed)}; got {choice!r}", ckey, choice))
         if t.resume_skip_batches < 0:
-            raise ConfigError(f"trainer.resume_skip_batches must be >= 0, got {t.resume_skip_batches!r}",
-                              "trainer.resume_skip_batches", t.resume_skip_batches)
+            bad(ConfigError(f"trainer.resume_skip_batches must be >= 0, got {t.resume_skip_batches!r}",
+                              "trainer.resume_skip_batches", t.resume_skip_batches))
         if t.resume_mode == "resume_path" and not t.resume_from_path:
-            raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path",
-                              "trainer.resume_from_path", t.resume_from_path)
+            bad(ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path",
+                              "trainer.resume_from_path", t.resume_from_path))
         if len(al.reward_clip) != 2 or al.reward_clip[0] > al.reward_clip[1]:
-            raise ConfigError(f"algorithm.reward_clip must be [low, high] with low <= high, got {al.reward_clip!r}",
-                              "algorithm.reward_clip", al.reward_clip)
+            bad(ConfigError(f"algorithm.reward_clip must be [low, high] with low <= high, got {al.reward_clip!r}",
+                              "algorithm.reward_clip", al.reward_clip))
         if al.kl_ctrl.type == "adaptive" and al.kl_ctrl.horizon <= 0:
-            raise ConfigError("algorithm.kl_ctrl.horizon must be > 0 for the adaptive controller",
-                              "algorithm.kl_ctrl.horizon", al.kl_ctrl.horizon)
+            bad(ConfigError("algorithm.kl_ctrl.horizon must be > 0 for the adaptive controller",
+                              "algorithm.kl_ctrl.horizon", al.kl_ctrl.horizon))
         for key, lr in (("actor_rollout_ref.actor.optim.lr", a.optim.lr), ("critic.optim.lr", c.optim.lr)):
             if not lr >= 0:
-                raise ConfigError(f"{key} must be >= 0, got {lr!r}", key, lr)
+                bad(ConfigError(f"{key} must be >= 0, got {lr!r}", key, lr))
         if not -1 <= t.metrics_port <= 65535:
-            raise ConfigError(f"trainer.metrics_port must be 0 (off), -1 (any free port) or 1..65535, got "
-                              f"{t.metrics_port!r}", "trainer.metrics_port", t.metrics_port)
+            bad(ConfigError(f"trainer.metrics_port must be 0 (off), -1 (any free port) or 1..65535, got "
+                              f"{t.metrics_port!r}", "trainer.metrics_port", t.metrics_port))
         if not t.metrics_addr:
-            raise ConfigError("trainer.metrics_addr must be an address to bind, e.g. 127.0.0.1",
-                              "trainer.metrics_addr", t.metrics_addr)
+            bad(ConfigError("trainer.metrics_addr must be an address to bind, e.g. 127.0.0.1",
+                              "trainer.metrics_addr", t.metrics_addr))
         if d.offline and not d.train_files:
-            raise ConfigError("data.offline=true needs data.train_files (a parquet with responses)",
-                              "data.train_files", d.train_files)
-        if self.actor_rollout_ref.model.n_embd % self.actor_rollout_ref.model.n_head:
-            raise ConfigError("actor_rollout_ref.model.n_embd must be divisible by n_head",
-                              "actor_rollout_ref.model.n_head", self.actor_rollout_ref.model.n_head)
+            bad(ConfigError("data.offline=true needs data.train_files (a parquet with responses)",
+                              "data.train_files", d.train_files))
+        model = self.actor_rollout_ref.model
+        if model.n_head < 1 or model.n_embd % model.n_head:
+            bad(ConfigError("actor_rollout_ref.model.n_embd must be divisible by n_head",
+                              "actor_rollout_ref.model.n_head", model.n_head))
+        return found
 
     # -- dotted keys ---------------------------------------------------------------------
     def to_flat(self) -> dict[str, Any]:
@@ -490,6 +517,8 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
                 raise ValueError("a boolean is not a number")
             return float(value)
         if tp is str:
+            if isinstance(value, (list, dict)):
+                raise ValueError(f"a {type(value).__name__} is not a string")
             return "" if value is None else str(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"config key {key!r}: cannot use {value!r} as {getattr(tp, '__name__', tp)} ({exc})",
@@ -498,54 +527,68 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """``key=value`` (Hydra style, a leading ``+`` or ``++`` accepted) -> (key, value via yaml.safe_load)."""
-    body = text.lstrip("+")
-    if "=" not in body:
-        raise ConfigError(f"override {text!r} is not key=value", text)
-    key, raw = body.split("=", 1)
-    key = key.strip()
+    """``key=value`` in Hydra's grammar (``+key=`` and ``++key=`` accepted) -> (key, value as Hydra reads it)."""
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw  # an unparseable value is a plain string; _coerce decides if that is allowed
-    return key, value
+        ov = hydra.parse(text)
+    except hydra.OverrideError as exc:
+        raise ConfigError(str(exc), text) from None
+    if ov.kind == "delete":
+        raise ConfigError(f"override {text!r}: every key of the embedded trainer's config is required; "
+                          f"set {ov.key}=VALUE instead of deleting it", ov.key)
+    return ov.key, ov.value
 
 
-def apply_mapping(cfg: Config, mapping: Mapping[str, Any], prefix: str = "", source: str = "") -> None:
-    """Apply a nested mapping (a YAML config file) onto ``cfg`` without validating in between."""
+def apply_mapping(cfg: Config, mapping: Mapping[str, Any], prefix: str = "", source: str = "") -> list[ConfigError]:
+    """Apply a nested mapping (a YAML config file) onto ``cfg`` without validating; returns every key it refused."""
+    errors: list[ConfigError] = []
     for k, v in mapping.items():
         key = f"{prefix}{k}"
         if isinstance(v, Mapping):
-            apply_mapping(cfg, v, key + ".", source)
-        else:
-            try:
-                cfg.set(key, v, validate=False)
-            except ConfigError as exc:
-                raise ConfigError(f"{source}: {exc}" if source else str(exc), exc.key, exc.value) from None
+            errors += apply_mapping(cfg, v, key + ".", source)
+            continue
+        try:
+            cfg.set(key, v, validate=False)
+        except ConfigError as exc:
+            errors.append(ConfigError(f"{source}: {exc}" if source else str(exc), exc.key, exc.value))
+    return errors
+
+
+def _finish(cfg: Config, errors: list[ConfigError]) -> Config:
+    """Raise every problem at once: the refused keys, then the values that do not fit (of the keys that were set)."""
+    refused = {e.key for e in errors}
+    raise_all(errors + [p for p in cfg.problems() if p.key not in refused])
+    return cfg
 
 
 def load_config(overrides: Iterable[str] = (), config_file: str | Path | None = None) -> Config:
-    """Defaults, then a YAML file (yaml.safe_load), then ``key=value`` overrides; validated once at the end."""
+    """Defaults, then a YAML file (yaml.safe_load), then ``key=value`` overrides; validated once at the end.
+
+    Every bad key and value is reported together (one :class:`ConfigError` whose ``errors`` lists them).
+    """
     cfg = Config()
+    errors: list[ConfigError] = []
     if config_file is not None:
         path = Path(config_file)
-        doc = yaml.safe_load(path.read_text()) or {}
+        try:
+            doc = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path}: not YAML ({exc})") from None
         if not isinstance(doc, Mapping):
             raise ConfigError(f"{path}: top level must be a mapping")
-        apply_mapping(cfg, doc, source=str(path))
+        errors += apply_mapping(cfg, doc, source=str(path))
     for text in overrides:
-        key, value = parse_override(text)
-        cfg.set(key, value, validate=False)
-    cfg.validate()
-    return cfg
+        try:
+            key, value = parse_override(text)
+            cfg.set(key, value, validate=False)
+        except ConfigError as exc:
+            errors.append(exc)
+    return _finish(cfg, errors)
 
 
 def from_dict(doc: Mapping[str, Any]) -> Config:
     """A Config from a nested dict (e.g. the snapshot in run.json)."""
     cfg = Config()
-    apply_mapping(cfg, doc)
-    cfg.validate()
-    return cfg
+    return _finish(cfg, apply_mapping(cfg, doc))
 
 
 USAGE = """usage: python -m trainer [--config FILE.yaml] [key=value ...]

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer import rundir
+from watchdog.protocol import rundir
 
 log = logging.getLogger(__name__)
 

@@ -18,22 +18,24 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
-from trainer import checkpoint as ckpt
 from trainer import data as data_mod
-from trainer import ppo, rundir, verl_like
+from trainer import ppo, verl_like
 from trainer.config import Config, ConfigError
-from trainer.control import Changes, ControlApplier
-from trainer.exporter import MetricsExporter
 from trainer.faults import Fault, FaultSchedule, MemoryBudget
 from trainer.model import Critic
 from trainer.sft import SFTSettings, cache_root, ensure_sft, load_sft
+from watchdog.protocol import catalog, rundir
+from watchdog.protocol import checkpoint as ckpt
+from watchdog.protocol.control import ControlApplier, StepBoundary
+from watchdog.protocol.exporter import MetricsExporter
+from watchdog.protocol.runinfo import RunInfo
 
 log = logging.getLogger(__name__)
 
@@ -180,27 +182,25 @@ class Trainer:
         # -- run directory plumbing ----------------------------------------------------------
         self.faults = FaultSchedule.parse(t.faults, self.run_dir)
         self.budget = MemoryBudget(t.memory_budget_tokens)
-        prev = rundir.read_run_json(self.run_dir)
         # The run is its directory's name, the name the watchdog knows it by, so the `run` label of
         # its series is the same everywhere (Prometheus source, dashboards); a resume keeps the id.
-        self.run_id = str(prev.get("id") or self.run_dir.name)
+        self.run_id = RunInfo.read(self.run_dir).id or self.run_dir.name
         self.exporter = MetricsExporter(self.run_id, port=t.metrics_port, addr=t.metrics_addr)
         # Control events (applied, error) are recorded by the applier itself; count them on /metrics too.
         self.control = ControlApplier(self.run_dir, on_event=lambda e: self.exporter.count_event(e["kind"]))
+        self.steps = StepBoundary(self.control, self)
         self._poison = False
         self._oom_fault = False  # an injected OOM is pending this step
 
     # -- run.json / events -------------------------------------------------------------------
     def _write_run_json(self) -> None:
-        rundir.write_run_json(self.run_dir, {
-            "id": self.run_id, "command": self.argv, "config": self.cfg.to_dict(), "pid": os.getpid(),
-            "live_keys": list(rundir.LIVE_KEYS), "metrics_port": self.exporter.port, "cwd": os.getcwd(),
-            "started": time.time(), "total_steps": self.total_steps,
-            "steps_per_epoch": self.sampler.steps_per_epoch, "sft_dir": str(self.sft_dir),
-            "exit_codes": {"oom": rundir.EXIT_OOM, "stopped": rundir.EXIT_STOPPED},
-            "skip_batches_key": "trainer.resume_skip_batches",
-            **({"ray_job_id": job} if (job := ray_job_id(os.environ)) else {}),
-        })
+        RunInfo(
+            id=self.run_id, command=self.argv, config=self.cfg.to_dict(), pid=os.getpid(),
+            live_keys=list(catalog.LIVE_KEYS), metrics_port=self.exporter.port, cwd=os.getcwd(),
+            started=time.time(), total_steps=self.total_steps, steps_per_epoch=self.sampler.steps_per_epoch,
+            sft_dir=str(self.sft_dir), exit_codes={"oom": rundir.EXIT_OOM, "stopped": rundir.EXIT_STOPPED},
+            skip_batches_key="trainer.resume_skip_batches", ray_job_id=ray_job_id(os.environ),
+        ).write(self.run_dir)
 
     def event(self, kind: str, **fields: Any) -> None:
         """Record an event (events.jsonl + the exporter's counter); verl-like: the counter only."""
@@ -352,70 +352,37 @@ class Trainer:
                 errors.append(str(exc))
         return applied, errors
 
-    # -- the step boundary: control.json -----------------------------------------------------
+    # -- the step boundary: control.json (watchdog.protocol.control.StepBoundary) ----------------
+    can_rollback = True
+    """This trainer restores checkpoints in process (a ``rollback`` command)."""
+
     def boundary(self) -> None:
         """Apply control.json (overrides, then one-shot commands); honour SIGTERM."""
-        if self._term:
-            self.stop("SIGTERM")
-        if not self.protocol:
-            return  # verl reads no control.json
-        changes = self.control.poll(self.global_step)
-        if changes is not None:
-            self._apply_changes(changes)
-
-    def _apply_changes(self, changes: Changes) -> None:
-        applied, errors = self.apply_overrides(changes.overrides)
-        for message in errors:
-            self.event("error", message=message, source="control", version=changes.version)
-        pending = list(changes.commands)
-        deferred = []
-        for cmd in pending:
-            if cmd.kind in ("stop", "rollback", "pause"):
-                deferred.append(cmd)
-                continue
-            if cmd.kind == "checkpoint":
-                self.save(reason=f"command {cmd.id}")
-            # "resume" while not paused is a no-op.
-        self.control.mark_applied(changes, self.global_step, applied)
-        for cmd in deferred:
-            if cmd.kind == "pause":
-                self.pause(cmd.args.get("reason", ""))
-            elif cmd.kind == "stop":
-                self.stop(f"command {cmd.id}")
-            elif cmd.kind == "rollback":
-                self.rollback(cmd.args)
-
-    def pause(self, reason: str) -> None:
-        """Wait, polling control.json, until a resume (or stop/rollback) command arrives."""
-        self.event("paused", reason=reason)
-        log.warning("paused at step %d (%s); waiting for a resume command in control.json", self.global_step, reason)
-        while True:
+        if not self.protocol:  # verl reads no control.json
             if self._term:
-                self.stop("SIGTERM while paused")
-            self.control.wait(0.2)
-            changes = self.control.poll(self.global_step)
-            if changes is None:
-                continue
-            kinds = [c.kind for c in changes.commands]
-            if "resume" in kinds or "stop" in kinds or "rollback" in kinds:
-                self.event("resumed")
-                rest = [c for c in changes.commands if c.kind != "resume" and c.kind != "pause"]
-                changes.commands = [c for c in changes.commands if c.kind == "resume"] + rest
-                self._apply_changes(changes)
-                return
-            # overrides while paused are applied; still paused
-            applied, errors = self.apply_overrides(changes.overrides)
-            for message in errors:
-                self.event("error", message=message, source="control", version=changes.version)
-            self.control.mark_applied(changes, self.global_step, applied)
+                self.stop("SIGTERM")
+            return
+        self.steps.at_boundary(self.global_step)
 
-    def stop(self, reason: str) -> None:
+    def apply(self, overrides: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        """The dispatcher's hook: :meth:`apply_overrides`."""
+        return self.apply_overrides(dict(overrides))
+
+    def checkpoint(self, reason: str) -> None:
+        """The dispatcher's hook: save now."""
+        self.save(reason=reason)
+
+    def should_stop(self) -> str | None:
+        """The dispatcher's hook: SIGTERM arrived."""
+        return "SIGTERM" if self._term else None
+
+    def stop(self, reason: str) -> NoReturn:
         """Save and end the run with exit code 0."""
         self.save(reason=f"stop ({reason})")
         self.event("stopped", reason=reason)
         raise StopTraining(rundir.EXIT_STOPPED, reason)
 
-    def rollback(self, args: dict[str, Any]) -> None:
+    def rollback(self, args: Mapping[str, Any]) -> None:
         """Restore a checkpoint (path, or to_step, else the newest complete) and skip batches."""
         from_step = self.global_step
         if args.get("path"):
@@ -605,7 +572,7 @@ class Trainer:
         self.resume()
         resumed_from = self.global_step
         # A restarted trainer re-applies the newest overrides before its first step.
-        applied, errors = self.apply_overrides(self.control.current_overrides()) if self.protocol else ({}, [])
+        applied, errors = self.steps.start() if self.protocol else ({}, [])
         if self.protocol:
             self._write_run_json()
             self._signals()

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer import rundir
 from trainer.config import ConfigError
+from watchdog.protocol import checkpoint as ckpt
+from watchdog.protocol import rundir
 
 log = logging.getLogger(__name__)
 

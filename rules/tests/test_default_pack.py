@@ -13,10 +13,10 @@ import pytest
 from verl_logs import HEALTHY
 from verl_logs import NAN as NAN_EXCERPTS
 
-from trainer import catalog
-from watchdog.engine import blind_rules, run_series
-from watchdog.rulefile import load_rules
-from watchdog.ruletest import RuleTestResult, _read_test_file, run_rule_tests, run_test
+from watchdog.core.engine import blind_rules, run_series
+from watchdog.core.rulefile import load_rules
+from watchdog.core.ruletest import RuleTestResult, _read_test_file, run_rule_tests, run_test
+from watchdog.protocol import catalog
 
 HERE = Path(__file__).resolve().parent
 PACK = HERE.parent / "default.yaml"
@@ -58,7 +58,7 @@ def test_every_rule_of_the_default_pack_has_a_test_that_makes_it_act() -> None:
 
 def _records(path: Path) -> list[dict[str, Any]]:
     try:
-        from watchdog.ingest import read_records
+        from watchdog.sources.ingest import read_records
     except ImportError:  # pragma: no cover - the ingest module is another engineer's; keep a fallback
         return _parse_console(path)
     return read_records(path)

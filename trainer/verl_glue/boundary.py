@@ -6,8 +6,8 @@ before each step and :class:`RunRecorder` after it; everything verl-specific com
 reach the workers through their worker groups). So the handler runs, and is tested, on
 verl's real objects without a fit loop, Ray or a GPU.
 
-control.json semantics are the embedded trainer's, through the same
-:class:`trainer.control.ControlApplier`: a version not newer than the last applied one is
+control.json semantics are the embedded trainer's, through the same dispatcher
+(:class:`watchdog.protocol.control.StepBoundary`): a version not newer than the last applied one is
 a no-op, a garbled file is one ``error`` event per bad content, a version that names a key
 this run cannot change live is refused whole (the watchdog then restarts with it), and
 one ``applied`` event confirms each version. One-shot commands: ``checkpoint`` (verl's
@@ -22,14 +22,14 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from trainer import catalog, rundir
-from trainer.control import Changes, ControlApplier
-from trainer.exporter import MetricsExporter
 from trainer.verl_glue import apply
+from watchdog.protocol import catalog, rundir
+from watchdog.protocol.control import Changes, ControlApplier, StepBoundary
+from watchdog.protocol.exporter import MetricsExporter
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,11 @@ class RunRecorder:
 
 
 class ControlBoundary:
-    """control.json at verl's step boundaries: overrides, commands, pause."""
+    """control.json at verl's step boundaries: this run's hooks for the protocol's
+    :class:`~watchdog.protocol.control.StepBoundary` (the embedded trainer's dispatcher too)."""
+
+    can_rollback = False
+    """verl's rollout replicas would need new weights mid-run: rollback goes by restart."""
 
     def __init__(
         self,
@@ -190,19 +194,19 @@ class ControlBoundary:
         settings: LiveSettings,
         recorder: RunRecorder,
         save: Callable[[], None],
-        wait: Callable[[float], bool] | None = None,
     ) -> None:
-        """``save`` runs verl's own checkpoint save (it records the ``checkpoint`` event);
-        ``wait(seconds)`` sleeps while paused (default: until SIGUSR1 or the timeout)."""
+        """``save`` runs verl's own checkpoint save (it records the ``checkpoint`` event)."""
         self.settings = settings
         self.recorder = recorder
         self.save = save
         self.applier = ControlApplier(run_dir, live_keys=settings.live_keys, on_event=recorder.count)
-        self._wait = wait if wait is not None else self.applier.wait
+        self.steps = StepBoundary(self.applier, self, poll_s=PAUSE_POLL_S)
+        self._step = 0
 
     def start(self, step: int) -> dict[str, Any]:
         """Before the first step: re-apply the newest overrides (a restarted run keeps what was set live)."""
-        applied, errors = self.settings.apply(self.applier.current_overrides())
+        self._step = step
+        applied, errors = self.steps.start()
         for message in errors:
             self.recorder.event("error", step, message=message, source="control")
         return applied
@@ -212,54 +216,26 @@ class ControlBoundary:
 
         Raises :class:`StopRequested` after a ``stop`` command saved the run.
         """
-        changes = self.applier.poll(step)
-        if changes is not None:
-            self._apply(changes, step)
-        return changes
+        self._step = step
+        return self.steps.at_boundary(step)
 
-    def _apply(self, changes: Changes, step: int, paused: bool = False) -> None:
-        applied, errors = self.settings.apply(changes.overrides)
-        for message in errors:
-            self.recorder.event("error", step, message=message, source="control", version=changes.version)
-        confirmed, deferred = [], []
-        for cmd in changes.commands:
-            if cmd.kind == "rollback":
-                self.recorder.event(
-                    "error", step, source="control", version=changes.version, command=cmd.id,
-                    message=f"command {cmd.id}: rollback is not done in process by the verl glue; left "
-                            "unconfirmed so the watchdog rolls back by restart")
-                continue
-            confirmed.append(cmd)
-            if cmd.kind == "checkpoint":
-                self.save()
-            elif cmd.kind == "stop" or (cmd.kind == "pause" and not paused):
-                deferred.append(cmd)
-            # "resume" while running and "pause" while paused: nothing to do, but confirmed.
-        self.applier.mark_applied(replace(changes, commands=confirmed), step, applied)
-        deferred.sort(key=lambda c: c.kind != "stop")  # stop wins over a pause in the same version
-        for cmd in deferred:
-            if cmd.kind == "stop":
-                self._stop(step, f"command {cmd.id}")
-            else:
-                self._pause(step, str(cmd.args.get("reason", "")))
+    # -- the dispatcher's hooks ---------------------------------------------------------------
+    def apply(self, overrides: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
+        return self.settings.apply(overrides)
 
-    def _stop(self, step: int, reason: str) -> None:
+    def checkpoint(self, reason: str) -> None:
         self.save()
-        self.recorder.event("stopped", step, reason=reason)
+
+    def stop(self, reason: str) -> NoReturn:
+        self.save()
+        self.recorder.event("stopped", self._step, reason=reason)
         raise StopRequested(reason)
 
-    def _pause(self, step: int, reason: str) -> None:
-        """Wait between steps until resume (or stop); overrides that arrive meanwhile are applied."""
-        self.recorder.event("paused", step, reason=reason)
-        log.warning("paused after step %d (%s): waiting for a resume command in control.json", step, reason)
-        while True:
-            self._wait(PAUSE_POLL_S)
-            changes = self.applier.poll(step)
-            if changes is None:
-                continue
-            resume = any(c.kind in ("resume", "stop") for c in changes.commands)
-            if resume:
-                self.recorder.event("resumed", step)
-            self._apply(changes, step, paused=True)
-            if resume:
-                return
+    def rollback(self, args: Mapping[str, Any]) -> None:  # never called: can_rollback is False
+        raise NotImplementedError("the verl glue rolls back by restart")
+
+    def event(self, kind: str, **fields: Any) -> None:
+        self.recorder.event(kind, self._step, **fields)
+
+    def should_stop(self) -> str | None:
+        return None  # verl's own signal handling ends the driver

@@ -1,7 +1,7 @@
 """A manifest for verl's own ``global_step_N`` directories, so they count as protocol checkpoints.
 
 The watchdog trusts a checkpoint only when its ``manifest.json`` says complete and every
-checksum matches (:func:`trainer.checkpoint.verify_checkpoint`); that is what lets it
+checksum matches (:func:`watchdog.protocol.checkpoint.verify_checkpoint`); that is what lets it
 restart or roll back from ``run_dir/checkpoints``. verl writes no manifest, so after
 verl's save has returned (every rank's files written, its marker updated) the glue hashes
 the directory and writes one, last and atomically, in the embedded trainer's format plus
@@ -16,8 +16,8 @@ import hashlib
 import time
 from pathlib import Path
 
-from trainer import checkpoint as ckpt
-from trainer import rundir
+from watchdog.protocol import checkpoint as ckpt
+from watchdog.protocol import rundir
 
 CHUNK = 1 << 22
 

@@ -30,7 +30,9 @@ from typing import Annotated, Any
 
 import typer
 
-from trainer import rundir
+from watchdog.protocol import rundir
+from watchdog.protocol.control import COMMAND_KINDS
+from watchdog.protocol.runinfo import MODE_VERL_INPROCESS, RunInfo
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,6 @@ TRAINER_MODE = "watchdog_sync"  # trainer.verl_glue.trainer.TRAINER_MODE, withou
 MODE_KEY = "trainer.v1.trainer_mode"
 LOCAL_DIR_KEY = "trainer.default_local_dir"
 USE_V1_KEY = "trainer.use_v1"
-RUN_MODE = "verl_inprocess"
 
 
 class LaunchError(ValueError):
@@ -86,8 +87,7 @@ def build_config(overrides: list[str], run_dir: Path | str, metrics_port: int = 
     run_dir = Path(run_dir).resolve()
     with initialize_config_dir(version_base=None, config_dir=str(verl_config_dir())):
         cfg = compose(config_name=config_name, overrides=glue_overrides(overrides, run_dir))
-    prev = rundir.read_run_json(run_dir)
-    rid = run_id or str(prev.get("id") or f"{run_dir.name}-{int(time.time())}")
+    rid = run_id or RunInfo.read(run_dir).id or f"{run_dir.name}-{int(time.time())}"
     with open_dict(cfg):
         cfg.watchdog = {"run_dir": str(run_dir), "metrics_port": int(metrics_port), "run_id": rid}
     return cfg
@@ -112,17 +112,14 @@ def is_oom(exc: BaseException) -> bool:
 def _write_launch_json(run_dir: Path, cfg: Any, command: list[str]) -> None:
     from trainer.verl_glue.apply import live_keys_for
 
-    info = rundir.read_run_json(run_dir)
-    info.update({
-        "id": str(cfg.watchdog.run_id), "command": command, "pid": os.getpid(), "cwd": os.getcwd(),
-        "mode": RUN_MODE, "live_keys": list(live_keys_for(cfg)), "started": time.time(),
+    info = RunInfo.read(run_dir).replace(
+        id=str(cfg.watchdog.run_id), command=command, pid=os.getpid(), cwd=os.getcwd(),
+        mode=MODE_VERL_INPROCESS, live_keys=list(live_keys_for(cfg)), started=time.time(),
         # One-shot commands done in process; a rollback is the watchdog's restart (see boundary.py).
-        "commands": sorted(rundir.COMMAND_KINDS - {"rollback"}),
-        "checkpoint_dir": str(Path(str(cfg.trainer.default_local_dir)).resolve()),
-    })
-    for stale in ("trainer_pid", "trainer_host", "metrics_port"):
-        info.pop(stale, None)  # the trainer actor writes its own once it is up
-    rundir.write_run_json(run_dir, info)
+        commands=sorted(COMMAND_KINDS - {"rollback"}),
+        checkpoint_dir=str(Path(str(cfg.trainer.default_local_dir)).resolve()),
+    )
+    info.without("trainer_pid", "trainer_host", "metrics_port").write(run_dir)  # the trainer actor writes its own
 
 
 def launch(cfg: Any, command: list[str]) -> int:

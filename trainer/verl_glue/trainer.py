@@ -44,11 +44,12 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-from trainer import rundir
-from trainer.exporter import MetricsExporter
 from trainer.verl_glue import apply, workers
 from trainer.verl_glue.boundary import ControlBoundary, LiveSettings, RunRecorder, VerlTargets
 from trainer.verl_glue.manifest import write_manifest
+from watchdog.protocol import rundir
+from watchdog.protocol.exporter import MetricsExporter
+from watchdog.protocol.runinfo import RunInfo
 
 log = logging.getLogger(__name__)
 
@@ -227,17 +228,16 @@ class WatchdogPPOTrainer(PPOTrainerSync):
 
     # -- run.json and the end ---------------------------------------------------------------
     def _write_run_json(self, run_dir: Path, run_id: str, port: int, live_keys: tuple[str, ...]) -> None:
-        info = rundir.read_run_json(run_dir)  # the launcher's: id, command, pid (the process to signal)
-        info.update({
-            "id": info.get("id") or run_id, "live_keys": list(live_keys), "metrics_port": port,
-            "config": _json_safe(OmegaConf.to_container(self.config, resolve=True)),
-            "trainer_pid": os.getpid(), "trainer_host": socket.gethostname(), "trainer_mode": TRAINER_MODE,
-            "total_steps": int(self.total_training_steps), "steps_per_epoch": int(self.steps_per_epoch),
-            "checkpoint_dir": str(Path(self.config.trainer.default_local_dir).resolve()),
-            "exit_codes": {"oom": rundir.EXIT_OOM, "stopped": rundir.EXIT_STOPPED},
-        })
-        info.setdefault("started", time.time())
-        rundir.write_run_json(run_dir, info)
+        info = RunInfo.read(run_dir)  # the launcher's: id, command, pid (the process to signal)
+        info.replace(
+            id=info.id or run_id, live_keys=list(live_keys), metrics_port=port,
+            config=_json_safe(OmegaConf.to_container(self.config, resolve=True)),
+            trainer_pid=os.getpid(), trainer_host=socket.gethostname(), trainer_mode=TRAINER_MODE,
+            total_steps=int(self.total_training_steps), steps_per_epoch=int(self.steps_per_epoch),
+            checkpoint_dir=str(Path(self.config.trainer.default_local_dir).resolve()),
+            exit_codes={"oom": rundir.EXIT_OOM, "stopped": rundir.EXIT_STOPPED},
+            started=info.started if info.started is not None else time.time(),
+        ).write(run_dir)
 
     def watchdog_finish(self, kind: str = "finished", **fields: Any) -> None:
         """The last event of the run and the exporter closed (the runner calls it)."""

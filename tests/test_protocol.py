@@ -1,0 +1,126 @@
+"""The run-directory protocol's typed files: run.json as RunInfo, events.jsonl lines as Events."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from watchdog.protocol import hydra, rundir
+from watchdog.protocol.events import Event, EventError
+from watchdog.protocol.runinfo import RunInfo, RunInfoError, update
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_run_json_round_trips_and_keeps_fields_it_does_not_know(tmp_path: Path) -> None:
+    (tmp_path / rundir.RUN_JSON).write_text(json.dumps({
+        "id": "r1", "pid": 42, "live_keys": [], "started": 1700000000, "from_a_newer_trainer": {"x": 1},
+    }))
+    info = RunInfo.read(tmp_path)
+    assert (info.id, info.pid, info.live_keys, info.started) == ("r1", 42, [], 1700000000.0)
+    assert info.commands is None  # not said: every command is done in process
+    update(tmp_path, metrics_port=9100)
+    doc = json.loads((tmp_path / rundir.RUN_JSON).read_text())
+    # An empty live_keys is an answer (nothing is live) and survives; the unknown field too.
+    assert doc == {"id": "r1", "pid": 42, "live_keys": [], "started": 1700000000.0,
+                   "from_a_newer_trainer": {"x": 1}, "metrics_port": 9100}
+    assert RunInfo.read(tmp_path / "nowhere") == RunInfo()
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("{\"id\": \"r\",", "not JSON (line 1"),
+    ("[1, 2]", "top level must be an object, got list"),
+    ("{\"pid\": \"123\"}", "'pid': must be an integer, got '123'"),
+    ("{\"pid\": true}", "'pid': must be an integer, got True"),
+    ("{\"live_keys\": [\"a\", 3]}", "'live_keys': must be a list of strings"),
+    ("{\"exit_codes\": {\"oom\": \"75\"}}", "'exit_codes': must be an object of integers"),
+])
+def test_a_bad_run_json_names_the_file_and_the_field(tmp_path: Path, text: str, message: str) -> None:
+    (tmp_path / rundir.RUN_JSON).write_text(text)
+    with pytest.raises(RunInfoError) as err:
+        RunInfo.read(tmp_path)
+    assert str(err.value).startswith(f"{tmp_path / rundir.RUN_JSON}: ")
+    assert message in str(err.value)
+
+
+def test_without_clears_a_field_another_process_writes_again(tmp_path: Path) -> None:
+    info = RunInfo(id="r", pid=1, metrics_port=9000, extra={"trainer_hint": 1})
+    cleared = info.without("metrics_port", "trainer_hint")
+    assert cleared.metrics_port is None and cleared.extra == {} and cleared.pid == 1
+    assert info.metrics_port == 9000  # a copy
+
+
+@pytest.mark.parametrize(("obj", "field", "reason"), [
+    ({"step": 1}, "kind", "non-empty string"),
+    ({"kind": "oom", "step": -1}, "step", "non-negative integer"),
+    ({"kind": "oom", "step": "3"}, "step", "non-negative integer"),
+    ({"kind": "oom", "step": True}, "step", "non-negative integer"),
+    ({"kind": "oom", "ts": "yesterday"}, "ts", "finite number"),
+])
+def test_an_invalid_event_names_its_field(obj: dict, field: str, reason: str) -> None:
+    with pytest.raises(EventError) as err:
+        Event.parse(obj, "events.jsonl:7")
+    assert err.value.field == field and reason in str(err.value)
+    assert str(err.value).startswith("events.jsonl:7: ")
+
+
+def test_reading_events_skips_invalid_lines_and_says_where(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    rundir.append_event(tmp_path, "started", 0)
+    with open(tmp_path / rundir.EVENTS, "a") as f:
+        f.write('{"kind": "checkpoint", "step": "five"}\nnot json\n')
+    rundir.append_event(tmp_path, "checkpoint", 5, path="p")
+    events = rundir.iter_events(tmp_path)
+    assert [(e.kind, e.step) for e in events] == [("started", 0), ("checkpoint", 5)]
+    assert isinstance(events[1].ts, float) and events[1]["path"] == "p"
+    assert f"{tmp_path / rundir.EVENTS}:2: 'step'" in caplog.text
+    assert f"{tmp_path / rundir.EVENTS}:3: not JSON" in caplog.text
+    with pytest.raises(ValueError, match="unknown event kind 'exploded'"):
+        rundir.append_event(tmp_path, "exploded", 1)
+
+
+def test_the_protocol_imports_without_torch_or_the_rest_of_the_project() -> None:
+    code = (
+        "import sys, watchdog.protocol.rundir, watchdog.protocol.runinfo, watchdog.protocol.events, "
+        "watchdog.protocol.control, watchdog.protocol.catalog, watchdog.protocol.checkpoint, "
+        "watchdog.protocol.hydra\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'trainer', 'verl') "
+        "or (m.startswith('watchdog.') and not m.startswith('watchdog.protocol')))\n"
+        "print(bad)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False),
+    st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=30),
+)
+
+
+@given(st.one_of(scalars, st.lists(scalars, max_size=4)))
+@settings(max_examples=300, deadline=None)
+def test_every_value_the_watchdog_writes_reads_back_through_hydra(value: object) -> None:
+    try:
+        text = hydra.format_override("some.key", value)
+    except hydra.OverrideError:
+        return  # refused, never written wrong (a string Hydra's grammar cannot hold)
+    back = hydra.parse(text)
+    assert back.key == "some.key"
+    assert back.value == value or (isinstance(value, list) and back.value == list(value))
+    assert type(back.value) is type(value)
+
+
+def test_a_command_line_keeps_what_is_not_an_override_and_replaces_what_is() -> None:
+    base = ["python", "-c", "import sys; x=1", "-m", "verl.trainer.main_ppo", "a.b=1", "+c=x", "d='p,q'"]
+    assert hydra.values(base) == {"a.b": 1, "c": "x", "d": "p,q"}
+    out = hydra.with_overrides(base, {"c": "y y", "e": 0.5}, ["trainer.resume_mode=resume_path"])
+    assert out == ["python", "-c", "import sys; x=1", "-m", "verl.trainer.main_ppo", "a.b=1", "d='p,q'",
+                   "c=y y", "e=0.5", "trainer.resume_mode=resume_path"]
+    with pytest.raises(hydra.OverrideError, match="a sweep"):
+        hydra.values(["lr=1,2"])

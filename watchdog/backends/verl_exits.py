@@ -1,0 +1,125 @@
+"""How an unmodified verl run ended, read from the tail of its log and its exit code.
+
+verl writes no events: a CUDA OOM in a worker reaches the driver as
+``ray.exceptions.RayTaskError(OutOfMemoryError)`` wrapping ``torch.OutOfMemoryError:
+CUDA out of memory. Tried to allocate ...`` and Hydra ends the process with exit code 1,
+exactly like any other error. The watchdog tells them apart from the text:
+
+=========  =====================================================================
+kind       evidence (the exception and message formats of the installed Ray and torch)
+=========  =====================================================================
+finished   exit code 0
+oom/host   Ray's memory monitor killed a worker: an ``ActorDiedError`` whose worker
+           exit type is ``NODE_OUT_OF_MEMORY``, the raylet's "worker(s) were killed due
+           to the node running low on memory" / "Memory on the node (IP: ...)", or
+           ``ray.exceptions.OutOfMemoryError`` (a task it killed)
+oom/cuda   ``torch.OutOfMemoryError`` / ``torch.cuda.OutOfMemoryError``, the caching
+           allocator's "CUDA out of memory. Tried to allocate", "CUDA error: out of
+           memory", or ``RayTaskError(OutOfMemoryError)`` without a host marker
+nan        torch's "probability tensor contains either `inf`, `nan` or element < 0"
+           (sampling from NaN logits), autograd's "returned nan values in its ... output",
+           or a final exception line naming nan/inf
+crash      anything else (also a SYSTEM_ERROR worker death, whose Ray message only lists
+           the kernel OOM killer among *possible* causes: not evidence enough to shrink
+           a micro batch)
+=========  =====================================================================
+
+Host markers are checked first because ``RayTaskError(OutOfMemoryError)`` also wraps
+Ray's own ``OutOfMemoryError``; the cause line decides. A NaN in a *metric* line of
+verl's console logger (``critic/vf_loss:nan``) is not an exit reason: those lines are
+skipped. Pure: text and exit code in, a classification out.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from watchdog.backends.local import TAIL_BYTES
+
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+_METRIC_LINE = re.compile(r"(?<![\w/.@-])step:\d+\s+-\s")
+
+_HOST = re.compile(
+    r"Worker exit type: NODE_OUT_OF_MEMORY"
+    r"|worker\(s\) were killed due to the node running low on memory"
+    r"|Memory on the node \(IP: [^)]*\) was "
+    r"|ray\.exceptions\.OutOfMemoryError"
+)
+_CUDA = re.compile(
+    r"CUDA out of memory\. Tried to allocate"
+    r"|CUDA error: out of memory"
+    r"|torch\.(?:cuda\.)?OutOfMemoryError"
+    r"|RayTaskError\(OutOfMemoryError\)"
+)
+_NAN = re.compile(
+    r"probability tensor contains either `inf`, `nan` or element < 0"
+    r"|returned nan values in its \d+\w* output"
+)
+# The final line of a Python traceback: ``module.Name: message`` (Ray's dual class adds ``(Cause)``).
+_EXC_LINE = re.compile(r"^(?P<name>[A-Za-z_][\w.]*(?:\([\w.]+\))?(?:Error|Exception|Interrupt)): ?(?P<msg>.*)$")
+_NAN_WORD = re.compile(r"\b(?:nan|inf)\b", re.I)
+
+
+@dataclass(frozen=True)
+class ExitClass:
+    """How a run ended and the line that says so."""
+
+    kind: str
+    """finished | oom | nan | crash."""
+    exit_code: int | None
+    """The process's exit code (None when unknown)."""
+    memory: str | None = None
+    """For an OOM: ``cuda`` or ``host``."""
+    evidence: str = ""
+    """The log line the classification rests on (empty when there is none)."""
+
+    @property
+    def action(self) -> str:
+        """What the controller does with it: finished | oom | crash (a NaN exit restarts like a crash)."""
+        return "crash" if self.kind == "nan" else self.kind
+
+
+def _clean_lines(text: str) -> list[str]:
+    out = []
+    for raw in _ANSI.sub("", text).splitlines():
+        line = raw.rstrip()
+        if line and not _METRIC_LINE.search(line):
+            out.append(line)
+    return out
+
+
+def _find(pattern: re.Pattern[str], lines: list[str]) -> str | None:
+    for line in reversed(lines):
+        if pattern.search(line):
+            return line.strip()
+    return None
+
+
+def last_exception(lines: list[str]) -> str | None:
+    """The last ``Name: message`` exception line of the text, or None."""
+    for line in reversed(lines):
+        if _EXC_LINE.match(line.strip()):
+            return line.strip()
+    return None
+
+
+def classify(text: str, exit_code: int | None) -> ExitClass:
+    """Classify one attempt's end from its log text (the tail is enough) and exit code."""
+    if exit_code == 0:
+        return ExitClass("finished", exit_code)
+    lines = _clean_lines(text[-TAIL_BYTES:])
+    host = _find(_HOST, lines)
+    if host is not None:
+        return ExitClass("oom", exit_code, "host", host)
+    cuda = _find(_CUDA, lines)
+    if cuda is not None:
+        return ExitClass("oom", exit_code, "cuda", cuda)
+    nan = _find(_NAN, lines)
+    if nan is None:
+        exc = last_exception(lines)
+        if exc is not None and _NAN_WORD.search(_EXC_LINE.match(exc).group("msg")):  # type: ignore[union-attr]
+            nan = exc
+    if nan is not None:
+        return ExitClass("nan", exit_code, None, nan)
+    return ExitClass("crash", exit_code, None, last_exception(lines) or "")

@@ -1,0 +1,571 @@
+"""Carrying out remediation: control.json versions, signals, restarts, alerts.
+
+Every action is an entry of the store's journal, driven forward one phase at a time by
+:meth:`Actuator.drive`. Each phase is idempotent, so a watchdog killed at any point and
+restarted re-drives the open entries and nothing is lost or done twice:
+
+- ``live_set`` / ``command``: a new control.json version (desired overrides plus the
+  one-shot commands still unconfirmed) is reserved in SQLite *before* the file is
+  written; the file write is skipped when control.json already carries that version;
+  then SIGUSR1. Confirmed by the trainer's ``applied`` event for that version (and, for
+  a command, its id). Unconfirmed past the deadline: a restart instead.
+- ``restart``: resolve the checkpoint (recorded in the entry before acting), stop the
+  trainer (SIGTERM, grace, SIGKILL), write control.json with the desired overrides,
+  relaunch the command with the overrides as Hydra ``key=value`` arguments and
+  ``trainer.resume_mode=resume_path trainer.resume_from_path=...``.
+- ``rollback``: in process (a control.json ``rollback`` command) while the trainer
+  lives, else by restart from the last known-good checkpoint; then the follow-on sets.
+- ``pause`` / ``resume`` / ``notify``: commands plus an Alertmanager-compatible webhook.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from watchdog.backends.dialect import Dialect, ProtocolDialect
+from watchdog.backends.local import Backend, BackendUnavailable, TrainerProcess
+from watchdog.control.store import ActionRecord, BadSpan, Phase, RunRecord, Store
+from watchdog.core.planner import MICRO_BATCH_KEYS, MINI_BATCH_OF, config_value, snap_micro_batch
+from watchdog.core.vocabulary import ActionStatus, JournalKind
+from watchdog.protocol import hydra
+from watchdog.protocol.catalog import RESUME_MODE_KEY, RESUME_PATH_KEY
+from watchdog.protocol.control import Command, Control, ControlError, read_control, write_control
+from watchdog.protocol.runinfo import RunInfo
+
+log = logging.getLogger(__name__)
+
+
+
+class ActuatorError(RuntimeError):
+    """An action could not be carried out; the message names the run and the action."""
+
+
+# -- pure helpers ---------------------------------------------------------------------
+
+
+def restart_command(base: Sequence[str], overrides: Mapping[str, Any], resume_path: str | None,
+                    fresh: bool = False) -> list[str]:
+    """``base`` with every override (replacing the same key), then the resume arguments, in Hydra's grammar.
+
+    ``fresh``: from the initial weights, whatever the base command says (``trainer.resume_mode=disable``).
+    """
+    resume = {RESUME_MODE_KEY: "disable"} if fresh else {}
+    if resume_path and not fresh:
+        resume = {RESUME_MODE_KEY: "resume_path", RESUME_PATH_KEY: resume_path}
+    return hydra.with_overrides(base, overrides, [hydra.format_override(k, v) for k, v in resume.items()])
+
+
+def choose_known_good(checkpoints: Sequence[Any], spans: Sequence[BadSpan]) -> Any | None:
+    """Newest complete checkpoint not written while a divergence rule fired (not merely the newest)."""
+    for info in sorted(checkpoints, key=lambda c: c.step, reverse=True):
+        if not getattr(info, "complete", False):
+            continue
+        if any(s.covers(info.step, getattr(info, "ts", None)) for s in spans):
+            continue
+        return info
+    return None
+
+
+def alert_payload(
+    run_id: str, rule: str, severity: str, summary: str, description: str,
+    status: str = "firing", now: float | None = None, external_url: str = "",
+) -> dict[str, Any]:
+    """One alert in Alertmanager's webhook format (version 4), so existing receivers take it as is."""
+    ts = datetime.fromtimestamp(now if now is not None else time.time(), tz=timezone.utc)
+    labels = {"alertname": "PPOWatchdogEscalation", "run": run_id, "rule": rule, "severity": severity or "critical"}
+    fingerprint = hashlib.sha256(json.dumps(labels, sort_keys=True).encode()).hexdigest()[:16]
+    alert = {
+        "status": status,
+        "labels": labels,
+        "annotations": {"summary": summary, "description": description},
+        "startsAt": ts.isoformat().replace("+00:00", "Z"),
+        "endsAt": "0001-01-01T00:00:00Z",
+        "generatorURL": external_url,
+        "fingerprint": fingerprint,
+    }
+    return {
+        "version": "4",
+        "groupKey": f'{{}}:{{run="{run_id}"}}',
+        "truncatedAlerts": 0,
+        "status": status,
+        "receiver": "ppo-watchdog",
+        "groupLabels": {"run": run_id},
+        "commonLabels": labels,
+        "commonAnnotations": alert["annotations"],
+        "externalURL": external_url,
+        "alerts": [alert],
+    }
+
+
+# -- I/O shells -----------------------------------------------------------------------
+
+
+@dataclass
+class Notifier:
+    """Posts Alertmanager-compatible JSON to a webhook (if configured) and always logs."""
+
+    url: str | None = None
+    """Webhook URL (an Alertmanager receiver, Slack bridge, ...); None: log only."""
+    timeout_s: float = 5.0
+    """HTTP timeout."""
+    sent: list[dict[str, Any]] = field(default_factory=list)
+    """Payloads posted (or attempted) by this process, newest last."""
+
+    def notify(self, payload: dict[str, Any]) -> str:
+        """Send; returns an outcome string (never raises: an alert failure must not stop remediation)."""
+        alert = payload["alerts"][0]
+        log.warning("ALERT %s run=%s rule=%s: %s", alert["status"], alert["labels"]["run"],
+                    alert["labels"]["rule"], alert["annotations"]["summary"])
+        self.sent.append(payload)
+        if not self.url:
+            return "logged"
+        req = urllib.request.Request(
+            self.url, data=json.dumps(payload).encode(), method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
+                return f"webhook {resp.status}"
+        except (urllib.error.URLError, OSError) as exc:
+            log.error("webhook %s failed: %s", self.url, exc)
+            return f"webhook failed: {exc}"
+
+
+@dataclass
+class RunHandle:
+    """What the actuator needs about one run besides its store record."""
+
+    run: RunRecord
+    """The store record (kept in sync by the controller)."""
+    proc: TrainerProcess | None = None
+    """The trainer process, when one is running or attached."""
+    last_step: int | None = None
+    """Newest step seen."""
+    applied_commands: set[str] = field(default_factory=set)
+    """Command ids the trainer reported as executed."""
+    backend: Backend | None = None
+    """This run's own backend (a Ray Job backend for its cluster); None: the actuator's."""
+    dialect: Dialect = None  # type: ignore[assignment]  # set in __post_init__
+    """How the trainer speaks (:mod:`watchdog.backends.dialect`): the protocol, or the zero-patch glue of
+    an unmodified verl run."""
+
+    def __post_init__(self) -> None:
+        if self.dialect is None:
+            self.dialect = ProtocolDialect(self.run.run_dir)
+
+
+@dataclass
+class ActuatorConfig:
+    """Timing and budgets of the actuator."""
+
+    live_timeout_s: float = 60.0
+    """An unconfirmed control.json version falls back to a restart after this long."""
+    stop_grace_s: float = 15.0
+    """SIGTERM grace before SIGKILL (the trainer saves a checkpoint on SIGTERM)."""
+    signal_live: bool = True
+    """Send SIGUSR1 after writing control.json (a local child reads it at once)."""
+    log_name: str = "trainer.log"
+    """File in the run directory receiving the trainer's output."""
+
+
+class Actuator:
+    """Drives journal entries forward; each call does at most one idempotent phase."""
+
+    def __init__(
+        self, store: Store, backend: Backend, notifier: Notifier | None = None,
+        config: ActuatorConfig | None = None, on_action: Callable[[str, str, str, str], None] | None = None,
+        crash_hook: Callable[[str], None] | None = None,
+    ) -> None:
+        self.store = store
+        self.backend = backend
+        self.notifier = notifier or Notifier()
+        self.config = config or ActuatorConfig()
+        self._on_action = on_action or (lambda run, rule, kind, outcome: None)
+        # Test seam: called with a phase name right after that phase's effect; a test passes a
+        # function that SIGKILLs this very process there (a real kill -9 between write and confirm).
+        self._crash_hook = crash_hook or (lambda phase: None)
+
+    # -- control.json ----------------------------------------------------------------
+
+    def reserve_version(self, h: RunHandle, entry: ActionRecord | None, overrides: dict[str, Any]) -> int:
+        """Reserve the next control version in SQLite (before the file exists) and the new desired overrides."""
+        version = h.run.control_version + 1
+        with self.store.transaction():
+            self.store.update_run(h.run.run_id, control_version=version, overrides=overrides)
+            if entry is not None:
+                self.store.update_action(entry.id, control_version=version)
+        h.run.control_version = version
+        h.run.overrides = dict(overrides)
+        return version
+
+    def write_control(self, h: RunHandle, version: int) -> bool:
+        """Write control.json at ``version`` unless it is already there; False when skipped."""
+        run_dir = Path(h.run.run_dir)
+        try:
+            current = read_control(run_dir)
+        except ControlError as exc:
+            log.error("%s: replacing garbled control.json: %s", h.run.run_id, exc)
+            current = None
+        if current is not None and current.version >= version:
+            return False
+        commands = self._pending_commands(h)
+        control = Control(version, dict(h.run.overrides), tuple(commands))
+        write_control(run_dir, control)
+        self.store.record_control(h.run.run_id, version, dict(h.run.overrides), [c.to_json() for c in commands])
+        return True
+
+    def _pending_commands(self, h: RunHandle) -> list[Command]:
+        """One-shot commands of open entries (listed again in each version until confirmed; ids dedupe)."""
+        out = []
+        for e in self.store.open_actions(h.run.run_id):
+            cmd = e.payload.get("command")
+            if cmd and e.status in (ActionStatus.INTENT, ActionStatus.SENT) and cmd["id"] not in h.applied_commands:
+                args = {k: v for k, v in cmd.items() if k not in ("id", "kind")}
+                out.append(Command(cmd["id"], cmd["kind"], args))
+        return out
+
+    def _signal(self, h: RunHandle) -> None:
+        # Only a trainer that speaks the protocol (its run.json lists live keys) handles SIGUSR1;
+        # to any other process (verl's main_ppo) the default action of SIGUSR1 is death.
+        info = RunInfo.read(h.run.run_dir)
+        if not info.live_keys:
+            return
+        if h.proc is not None and info.pid != h.proc.pid:
+            # Not yet up: a relaunched trainer writes run.json with its pid just before installing
+            # its handler, and reads control.json before its first step anyway.
+            return
+        if self.config.signal_live and h.proc is not None and h.proc.alive():
+            try:
+                h.proc.signal(signal.SIGUSR1)
+            except OSError as exc:
+                log.warning("%s: SIGUSR1 failed: %s", h.run.run_id, exc)
+
+    # -- processes -------------------------------------------------------------------
+
+    def launch(self, h: RunHandle, resume_path: str | None, now: float, once: Sequence[str] = (),
+               fresh: bool = False) -> TrainerProcess:
+        """Start the run's command with the desired overrides (and resume arguments).
+
+        ``once``: arguments for this launch only (e.g. :func:`skip_batches_arg`, a rollback past the
+        batches that led to a spike); ``fresh``: from the initial weights (no resume at all).
+        """
+        if not h.run.command:
+            raise ActuatorError(f"run {h.run.run_id}: no command to launch (a watched run without a restart command)")
+        cmd = restart_command(h.run.command, h.run.overrides, resume_path, fresh=fresh) + list(once)
+        # verl: its file logger, checkpoint dir and KL coefficient carried over; the protocol: as it is.
+        cmd, env = h.dialect.prepare_launch(cmd, h.run.overrides, resume_path)
+        backend = h.backend or self.backend
+        proc = backend.start(cmd, env=env, cwd=None, log_path=Path(h.run.run_dir) / self.config.log_name)
+        h.dialect.launched(proc.pid, cmd, resume_path)
+        # A Ray Job has a submission id instead of a pid; a local process has none.
+        job_id = getattr(proc, "job_id", None)
+        h.proc = proc
+        h.run.pid = proc.pid
+        h.run.job_id = job_id
+        h.run.phase = Phase.RUNNING
+        h.run.launched_ts = now
+        h.run.last_progress_ts = now
+        h.run.exit_code = None
+        self.store.update_run(h.run.run_id, pid=proc.pid, job_id=job_id, phase=Phase.RUNNING, launched_ts=now,
+                              last_progress_ts=now, exit_code=None)
+        return proc
+
+    def stop(self, h: RunHandle) -> int | None:
+        """Stop the trainer (SIGTERM, grace, SIGKILL)."""
+        if h.proc is None or not h.proc.alive():
+            return h.proc.poll() if h.proc is not None else None
+        return h.proc.stop(self.config.stop_grace_s)
+
+    # -- journal driving -------------------------------------------------------------
+
+    def drive(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
+        """Advance one journal entry by one phase."""
+        handler = getattr(self, f"_drive_{entry.kind}", None)
+        if handler is None:
+            self._finish(h, entry, "failed", error=f"unknown action kind {entry.kind!r}")
+            return
+        try:
+            handler(h, entry, now)
+        except BackendUnavailable as exc:
+            # Nothing was started or stopped (the job server did not answer): the entry stays open
+            # and the next tick drives the same phase again.
+            log.warning("%s: action %d (%s) waits for the backend: %s", h.run.run_id, entry.id, entry.kind, exc)
+        except Exception as exc:  # recorded and the loop goes on (a daemon must not die of one run)
+            log.exception("%s: action %d (%s) failed", h.run.run_id, entry.id, entry.kind)
+            self._finish(h, entry, "failed", error=f"{type(exc).__name__}: {exc}")
+
+    def _finish(self, h: RunHandle, entry: ActionRecord, status: str, **result: Any) -> None:
+        merged = {**entry.result, **result}
+        self.store.update_action(entry.id, status=status, result=merged)
+        entry.status, entry.result = status, merged
+        if entry.decision_id is not None:
+            self.store.settle_decision(entry.decision_id)
+        outcome = "ok" if status == ActionStatus.DONE else "failed"
+        self._on_action(h.run.run_id, entry.payload.get("rule", ""), entry.kind, outcome)
+
+    def _drive_live_set(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
+        if not h.dialect.live and entry.status == ActionStatus.INTENT:
+            self._drive_zero_patch(h, entry)
+            return
+        if entry.status == ActionStatus.INTENT:
+            if entry.control_version is None:
+                overrides = {**h.run.overrides, **entry.payload.get("set", {})}
+                entry.control_version = self.reserve_version(h, entry, overrides)
+            self.write_control(h, entry.control_version)
+            self._crash_hook("control_written")
+            self._signal(h)
+            deadline = now + self.config.live_timeout_s
+            self.store.update_action(entry.id, status=ActionStatus.SENT, deadline=deadline)
+            entry.status, entry.deadline = ActionStatus.SENT, deadline
+            return
+        if entry.status == ActionStatus.SENT and entry.deadline is not None and now > entry.deadline:
+            if h.proc is not None and h.proc.alive():
+                log.warning("%s: control v%s not applied within %.0fs: restarting instead",
+                            h.run.run_id, entry.control_version, self.config.live_timeout_s)
+                rid = self.store.add_action(h.run.run_id, "restart", {
+                    "reason": f"control v{entry.control_version} not applied in time", "resume": "latest",
+                    "rule": entry.payload.get("rule", ""),
+                }, decision_id=entry.decision_id)
+                self._finish(h, entry, "done", outcome=f"v{entry.control_version} timed out: applied by restart",
+                             handed_to=rid)
+
+    _drive_command = _drive_live_set
+
+    def _drive_zero_patch(self, h: RunHandle, entry: ActionRecord) -> None:
+        """What a live entry becomes for a trainer that reads no control.json (unmodified verl)."""
+        kind = "set" if entry.kind == JournalKind.LIVE_SET else (entry.payload.get("command") or {}).get("kind", entry.kind)
+        if kind in ("set", "resume"):
+            rid = self.store.add_action(h.run.run_id, "restart", {
+                "rule": entry.payload.get("rule", ""), "resume": "latest", "set": dict(entry.payload.get("set", {})),
+                "reason": f"{kind} in zero-patch mode (verl changes nothing in process)",
+            }, decision_id=entry.decision_id)
+            self._finish(h, entry, "done", outcome=f"by restart (journal {rid}): verl changes nothing in process",
+                         handed_to=rid)
+        elif kind == "pause":
+            code = self.stop(h)
+            self._finish(h, entry, "done", outcome=f"trainer stopped (exit {code}): verl cannot pause in place; "
+                                                    "`watchdog resume` restarts it from its latest checkpoint")
+        else:
+            self._finish(h, entry, "failed", error=f"{kind}: verl reads no control.json (zero-patch mode)")
+
+    def _drive_notify(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
+        p = entry.payload
+        payload = alert_payload(h.run.run_id, p.get("rule", ""), p.get("severity", ""), p.get("summary", ""),
+                                p.get("description", ""), now=now)
+        self._finish(h, entry, "done", outcome=self.notifier.notify(payload))
+
+    def _drive_restart(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
+        p = dict(entry.payload)
+        if "resume_path" not in p:
+            # Resolve and record the checkpoint before acting: a re-drive uses the same one.
+            info = self._resolve_checkpoint(h, p.get("resume", "latest"))
+            p["resume_path"] = str(info.path) if info else None
+            p["resume_step"] = info.step if info else None
+            if p.get("set"):
+                p["set"] = self._snap(h, p["set"])
+            self.store.update_action(entry.id, payload=p)
+            entry.payload = p
+        if "lr_patch" not in p and "refused" not in p:
+            # verl's resume trap: the checkpoint's lr wins over optim.lr. Its dialect resumes from a copy
+            # that carries the new lr, or refuses the lr change (audited) rather than lose it silently.
+            planned = h.dialect.plan_resume(p, {**h.run.overrides, **p.get("set", {})})
+            if planned != p:
+                p = planned
+                self.store.update_action(entry.id, payload=p)
+                entry.payload = p
+            if p.get("refused") and not p.get("set") and p.get("resume") == "latest" \
+                    and h.proc is not None and h.proc.alive():
+                self._finish(h, entry, "failed", error=p["refused"])  # nothing left worth a restart
+                return
+        stopped_ts = time.time()
+        trained_to = h.run.last_step
+        code = self.stop(h)
+        if p.get("resume") == "scratch":
+            # Start over from the initial weights: nothing saved on the abandoned timeline (the
+            # stopped trainer's SIGTERM checkpoint included) may be resumed by a later restart.
+            from watchdog.protocol import checkpoint as ckpt
+
+            moved = ckpt.set_aside(h.dialect.checkpoint_root, f"{entry.id}")
+            if moved is not None:
+                p["set_aside"] = str(moved)
+                self.store.update_action(entry.id, payload=p)
+        overrides = {k: v for k, v in {**h.run.overrides, **p.get("set", {})}.items()
+                     if k not in p.get("refused_keys", ())}
+        version = self.reserve_version(h, None, overrides)
+        self.write_control(h, version)
+        rewinding = p.get("resume") in ("known_good", "path", "scratch")
+        skip = int(p.get("skip_batches") or 0) if rewinding and p["resume_path"] else 0
+        skip_arg = skip_batches_arg(h.run.run_dir, skip) if skip else None
+        if skip and skip_arg is None:
+            p["skip_note"] = f"skip_batches={skip} not done (the trainer offers no key for it)"
+        self.launch(h, p["resume_path"], now, once=[skip_arg] if skip_arg else (), fresh=p.get("resume") == "scratch")
+        if rewinding and p.get("resume_step") is not None:
+            # Went back past the divergence: checkpoints of these steps written from now on are re-runs.
+            self.store.close_bad_spans(h.run.run_id, max(h.run.last_step or 0, int(p["resume_step"])))
+        # Live entries older than this restart are carried by it (their overrides are in the args).
+        for other in self.store.open_actions(h.run.run_id):
+            if other.id != entry.id and other.kind == JournalKind.LIVE_SET:
+                self._finish(h, other, "done", outcome=f"applied by restart (v{version})")
+        where = ("the start" if p.get("resume") == "scratch" else
+                 f"step {p['resume_step']}" if p.get("resume_step") is not None else "scratch")
+        notes = "".join(f"; {p[k]}" for k in ("lr_patch", "refused", "skip_note") if p.get(k) and p[k] != "none needed")
+        if skip and not p.get("skip_note"):
+            notes += f"; skipped {skip} batches"
+        who = f"ray job {h.run.job_id}" if h.run.job_id else f"pid {h.run.pid}"
+        self._finish(h, entry, "done", outcome=f"restarted from {where} ({who}, prior exit {code}){notes}",
+                     pid=h.run.pid, job_id=h.run.job_id, resume_step=p.get("resume_step"), exit_code=code,
+                     stopped_ts=stopped_ts, steps_lost=_steps_lost(trained_to, p.get("resume_step")))
+
+    def _drive_stop(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
+        """Nothing is left to try and no human waits: stop the trainer and end the run with a verdict."""
+        code = self.stop(h)
+        verdict = str(entry.payload.get("verdict", "escalated"))
+        h.run.phase = Phase.STOPPED
+        self.store.update_run(h.run.run_id, phase=Phase.STOPPED)
+        log.warning("%s: run stopped by the watchdog: %s", h.run.run_id, verdict)
+        self._finish(h, entry, "done", outcome=f"run stopped (trainer exit {code}): {verdict}", exit_code=code)
+
+    def _drive_rollback(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
+        p = dict(entry.payload)
+        if entry.status == ActionStatus.INTENT:
+            info = self._resolve_checkpoint(h, "known_good")
+            if info is None and self._resolve_checkpoint(h, "latest") is None:
+                # Diverged before the first checkpoint: the initial weights (the SFT model, which is
+                # also the reference) are the oldest known-good state. Start over with the sets.
+                p.update(resume="scratch", resume_path=None, resume_step=0)
+                if p.get("set"):
+                    p["set"] = self._snap(h, p["set"])
+                restart_id = self.store.add_action(h.run.run_id, "restart", p, decision_id=entry.decision_id)
+                self._finish(h, entry, "done", outcome=f"by restart from the start (journal {restart_id}): "
+                                                       "no checkpoint yet", handed_to=restart_id)
+                return
+            if info is None:
+                self._finish(h, entry, "failed", error="no known-good checkpoint to roll back to")
+                return
+            p.update(resume_path=str(info.path), resume_step=info.step)
+            if h.proc is None or not h.proc.alive() or not h.dialect.live or not _rolls_back_in_process(h):
+                # No live trainer that restores in process (dead; verl, which reads no control.json; or
+                # a trainer whose run.json leaves rollback out of its commands): a restart from that
+                # checkpoint carries the sets.
+                p["resume"] = "path"
+                restart_id = self.store.add_action(h.run.run_id, "restart", p, decision_id=entry.decision_id)
+                self._finish(h, entry, "done", outcome=f"by restart (journal {restart_id}) to step {info.step}",
+                             handed_to=restart_id)
+                return
+            cmd = {"id": f"rb{entry.id}", "kind": "rollback", "path": str(info.path), "to_step": info.step,
+                   "skip_batches": int(p.get("skip_batches", 0))}
+            p["command"] = cmd
+            self.store.update_action(entry.id, payload=p)
+            entry.payload = p
+            entry.control_version = self.reserve_version(h, entry, dict(h.run.overrides))
+            self.write_control(h, entry.control_version)
+            self._signal(h)
+            deadline = now + self.config.live_timeout_s
+            self.store.update_action(entry.id, status=ActionStatus.SENT, deadline=deadline)
+            entry.status, entry.deadline = ActionStatus.SENT, deadline
+            return
+        if entry.status == ActionStatus.SENT and entry.payload["command"]["id"] in h.applied_commands:
+            sets = self._snap(h, p.get("set", {}))
+            if sets:
+                # Follow-on sets only now: restoring the checkpoint also restores the old lr / kl_coef.
+                self.store.add_action(h.run.run_id, "live_set", {"set": sets, "rule": p.get("rule", "")},
+                                      decision_id=entry.decision_id)
+            self._finish(h, entry, "done", outcome=f"rolled back in process to step {p['resume_step']}")
+            return
+        ended = entry.status == ActionStatus.SENT and (h.proc is None or not h.proc.alive())
+        if ended or (entry.status == ActionStatus.SENT and entry.deadline is not None and now > entry.deadline):
+            p.pop("command", None)
+            p["resume"] = "path"
+            rid = self.store.add_action(h.run.run_id, "restart", p, decision_id=entry.decision_id)
+            why = ("the trainer ended before rolling back in process: re-running the tail by restart"
+                   if ended else "in-process rollback timed out: by restart")
+            self._finish(h, entry, "done", outcome=f"{why} (journal {rid}) from step {p.get('resume_step')}",
+                         handed_to=rid)
+
+    def _drive_resume(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
+        if entry.status == ActionStatus.INTENT and "command" not in entry.payload:
+            p = {**entry.payload, "command": {"id": f"rs{entry.id}", "kind": "resume"}}
+            self.store.update_action(entry.id, payload=p)
+            entry.payload = p
+            h.run.phase = Phase.RUNNING
+            h.run.last_progress_ts = now
+            self.store.update_run(h.run.run_id, phase=Phase.RUNNING, last_progress_ts=now)
+        if entry.status == ActionStatus.SENT and entry.payload["command"]["id"] in h.applied_commands:
+            self._finish(h, entry, "done", outcome="resumed")
+            return
+        self._drive_live_set(h, entry, now)
+
+    def confirm(self, h: RunHandle, version: int, step: int | None, command_ids: Sequence[str]) -> None:
+        """The trainer's ``applied`` event: confirm every sent entry carried by ``version``."""
+        h.applied_commands.update(command_ids)
+        self.store.mark_control_applied(h.run.run_id, version, step)
+        for e in self.store.open_actions(h.run.run_id):
+            # An ``intent`` with a version is confirmed too: the trainer applied it, so the file was
+            # written (the watchdog died between writing it and marking it sent).
+            if e.status not in (ActionStatus.INTENT, ActionStatus.SENT) or e.control_version is None or e.control_version > version:
+                continue
+            cmd = e.payload.get("command")
+            if cmd and cmd["id"] not in h.applied_commands:
+                continue
+            if e.kind in (JournalKind.LIVE_SET, "command", JournalKind.RESUME):
+                self._finish(h, e, "done", outcome=f"applied v{version} at step {step}", applied_step=step)
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _resolve_checkpoint(self, h: RunHandle, which: str) -> Any | None:
+        infos = [c for c in h.dialect.checkpoints() if c.complete]
+        if which == "known_good":
+            return choose_known_good(infos, self.store.bad_spans(h.run.run_id))
+        return max(infos, key=lambda c: c.step) if infos else None
+
+    def _snap(self, h: RunHandle, sets: dict[str, Any]) -> dict[str, Any]:
+        """Micro-batch sizes must divide the mini batch; round down to one that does."""
+        out = dict(sets)
+        cfg = run_config(h.run.run_dir)
+        for key in MICRO_BATCH_KEYS:
+            if key in out:
+                mini = config_value(cfg, MINI_BATCH_OF[key])
+                out[key] = snap_micro_batch(int(out[key]), int(mini) if mini is not None else None)
+        return out
+
+
+def _steps_lost(trained_to: int | None, resume_step: int | None) -> int:
+    """Steps the relaunch trains again: from the checkpoint it resumes to where the trainer was."""
+    if trained_to is None:
+        return 0
+    return max(0, trained_to - (resume_step or 0))
+
+
+def skip_batches_arg(run_dir: str | Path, n: int) -> str | None:
+    """``KEY=n`` for the key the trainer's run.json offers for skipping batches on resume, else None.
+
+    verl has no such key (Hydra rejects unknown keys), so it is passed only when the trainer asks
+    for it by name; the embedded trainer names ``trainer.resume_skip_batches``.
+    """
+    key = RunInfo.read(run_dir).skip_batches_key
+    return hydra.format_override(key, int(n)) if key and n > 0 else None
+
+
+def _rolls_back_in_process(h: RunHandle) -> bool:
+    """Whether the trainer restores a checkpoint itself: run.json's ``commands`` (all when absent)."""
+    commands = RunInfo.read(h.run.run_dir).commands
+    return commands is None or "rollback" in commands
+
+
+def run_config(run_dir: str | Path) -> dict[str, Any]:
+    """The trainer's config snapshot from run.json (empty when absent)."""
+    return RunInfo.read(run_dir).config
+
+
+

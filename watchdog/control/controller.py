@@ -1,0 +1,796 @@
+"""One run's control loop: tail -> rules engine -> decisions -> actuator, one tick at a time.
+
+The pure half (:func:`heartbeat_timeout`, :func:`span_start`, and
+:mod:`watchdog.core.planner` and :mod:`watchdog.core.pricing`, shared with replay and eval) takes data
+and returns data; :class:`RunController` is the thin shell
+that reads the run directory, persists to the store and hands journal entries to the
+:class:`~watchdog.control.actuator.Actuator`.
+
+Ordering inside a tick is what makes a restarted watchdog lose nothing and double
+nothing: the engine's new state, the decisions, their journal intents and the tail
+offsets are committed in one SQLite transaction *before* any action is carried out;
+actions are then driven from the journal, each phase idempotent.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from watchdog.backends.local import Backend, SupervisorError, read_tail
+from watchdog.control.actuator import Actuator, RunHandle, run_config
+from watchdog.control.store import ActionRecord, Phase, RunRecord, Store
+from watchdog.core.engine import BLIND_AFTER_STEPS
+from watchdog.core.planner import (
+    MICRO_BATCH_KEYS,
+    MINI_BATCH_OF,
+    ON_ESCALATE,
+    PlanContext,
+    Planned,
+    config_value,
+    plan_decision,
+    snap_micro_batch,
+)
+from watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
+from watchdog.core.vocabulary import OPEN_ACTION_STATUSES, ActionStatus, DecisionKind, JournalKind
+from watchdog.protocol import catalog, rundir
+from watchdog.protocol.events import Event
+from watchdog.protocol.runinfo import RunInfo
+
+log = logging.getLogger(__name__)
+
+STATE_VERSION = 1
+#: Phases after which a run needs no more watching (``stopped``: ended by the watchdog with a verdict).
+DONE_PHASES = (Phase.FINISHED, Phase.FAILED, Phase.STOPPED)
+#: Rule names of the controller's own decisions (not from a rule file).
+RULE_OOM = "watchdog:oom"
+RULE_CRASH = "watchdog:crash"
+RULE_HANG = "watchdog:hang"
+RULE_BUDGET = "watchdog:budget"
+
+@dataclass
+class ControllerConfig:
+    """Budgets and timings of the controller."""
+
+    restart_budget: int = 3
+    """Restarts for crash, hang and live-apply timeouts before the run is handed to a human."""
+    oom_retry_budget: int = 3
+    """OOM restarts (each with a smaller micro batch) before giving up."""
+    heartbeat_min_s: float = 30.0
+    """Hang timeout floor: no new step for this long (and ``heartbeat_factor`` step times) is a hang."""
+    heartbeat_factor: float = 10.0
+    """Hang timeout in median step times."""
+    startup_timeout_s: float = 600.0
+    """Allowed time from launch to the first new step (model build, SFT warm start)."""
+    window_size: int = 256
+    """Steps of history the rules see."""
+    rollback_margin_steps: int = 1
+    """Checkpoints this many steps before a divergence rule's condition first held count as bad too:
+    the checkpoint at step N holds the weights that produced step N+1's diverged metrics."""
+    live_keys: tuple[str, ...] = catalog.LIVE_KEYS
+    """Keys the trainer changes at a step boundary; others go by restart."""
+    tuning_relaunch_every: int = 100
+    """Steps trained between two relaunches made only for tuning sets (at most one per this many)."""
+    startup_s: float = DEFAULT_STARTUP_S
+    """Cost of a relaunch before the run has measured its own (stop to first new step), seconds."""
+    on_escalate: str = "pause"
+    """What a pause for a human becomes: pause (wait for `watchdog resume`), stop (end with a verdict), continue."""
+    pause_timeout_s: float | None = None
+    """A run paused for a human this long with nobody resuming it is stopped with a verdict (None: wait)."""
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_min_s <= 0 or self.heartbeat_factor <= 0:
+            raise ValueError(f"heartbeat_min_s and heartbeat_factor must be > 0, got "
+                             f"{self.heartbeat_min_s}, {self.heartbeat_factor}")
+        if self.restart_budget < 0 or self.oom_retry_budget < 0:
+            raise ValueError("budgets must be >= 0")
+        if self.on_escalate not in ON_ESCALATE:
+            raise ValueError(f"on_escalate must be one of {', '.join(ON_ESCALATE)}, got {self.on_escalate!r}")
+        if self.pause_timeout_s is not None and not self.pause_timeout_s > 0:
+            raise ValueError(f"pause_timeout_s must be > 0 seconds, got {self.pause_timeout_s!r}")
+        RelaunchPolicy(self.tuning_relaunch_every)  # validates the spacing
+
+    @property
+    def relaunch_policy(self) -> RelaunchPolicy:
+        """When a tuning relaunch may go."""
+        return RelaunchPolicy(self.tuning_relaunch_every)
+
+
+# -- pure core ------------------------------------------------------------------------
+
+
+def heartbeat_timeout(step_times: Sequence[float], cfg: ControllerConfig) -> float:
+    """Seconds without a new step that count as a hang: max(floor, factor x median step time)."""
+    finite = [t for t in step_times if t == t and t > 0]
+    if not finite:
+        return cfg.heartbeat_min_s
+    return max(cfg.heartbeat_min_s, cfg.heartbeat_factor * statistics.median(finite))
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and catalog.is_finite(float(v))
+
+
+def span_start(fire_step: int, for_steps: int, margin: int) -> int:
+    """First step whose checkpoint is suspect when a divergence rule fires at ``fire_step``."""
+    return fire_step - max(1, for_steps) + 1 - max(0, margin)
+
+
+# -- the rules engine, behind a narrow interface ---------------------------------------
+
+
+class RulesEngine(Protocol):
+    """What the controller needs from the rules engine."""
+
+    def new_window(self, size: int) -> Any: ...
+
+    def initial_state(self) -> Any: ...
+
+    def state_from_json(self, d: dict[str, Any]) -> Any: ...
+
+    def evaluate(self, window: Any, state: Any, step: int) -> tuple[list[Any], Any]: ...
+
+    def for_steps(self, rule: str) -> int: ...
+
+
+class EngineRules:
+    """The real rules engine (watchdog.core.engine) over a loaded rule set."""
+
+    def __init__(self, paths: Sequence[str | Path]) -> None:
+        from watchdog.core import engine, series
+        from watchdog.core.rulefile import load_rules
+
+        self._engine = engine
+        self._series = series
+        self.ruleset = load_rules([str(p) for p in paths])
+
+    def new_window(self, size: int) -> Any:
+        return self._series.Window(size)
+
+    def initial_state(self) -> Any:
+        return self._engine.EngineState()
+
+    def state_from_json(self, d: dict[str, Any]) -> Any:
+        return self._engine.EngineState.from_json(d)
+
+    def evaluate(self, window: Any, state: Any, step: int) -> tuple[list[Any], Any]:
+        return self._engine.evaluate(self.ruleset, window, state, step)
+
+    def rule_names(self) -> list[str]:
+        """Names of the loaded rules, in file order."""
+        return [str(r.name) for r in getattr(self.ruleset, "rules", ())]
+
+    def for_steps(self, rule: str) -> int:
+        for r in getattr(self.ruleset, "rules", ()):
+            if getattr(r, "name", None) == rule:
+                for attr in ("for_steps", "for_", "hold"):
+                    v = getattr(r, attr, None)
+                    if isinstance(v, int):
+                        return v
+        return 1
+
+
+# -- the shell ------------------------------------------------------------------------
+
+
+class NullTelemetry:
+    """Stands in for :class:`watchdog.observe.telemetry.WatchdogMetrics` when none is given."""
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        return lambda *a, **k: None
+
+
+@dataclass
+class TickResult:
+    """What one tick did (for logs and tests)."""
+
+    new_steps: list[int] = field(default_factory=list)
+    """Steps evaluated."""
+    decisions: list[int] = field(default_factory=list)
+    """Decision ids recorded."""
+    done: bool = False
+    """The run needs no more watching (finished or given up)."""
+
+
+class RunController:
+    """Watches and remediates one run; call :meth:`tick` periodically (never concurrently)."""
+
+    def __init__(
+        self, store: Store, run_id: str, rules: RulesEngine, actuator: Actuator,
+        config: ControllerConfig | None = None, telemetry: Any = None, backend: Backend | None = None,
+        source: Any = None,
+    ) -> None:
+        """``backend``: this run's own (a Ray Job backend for its cluster); default the actuator's.
+        ``source``: what the run's metrics and events are read through (``poll()``, ``offsets``, as
+        :class:`~watchdog.sources.ingest.RunTailer`; e.g. a :class:`~watchdog.sources.prometheus.PrometheusSource`);
+        default a RunTailer on the run directory."""
+        self.store = store
+        self.rules = rules
+        self.actuator = actuator
+        self.config = config or ControllerConfig()
+        self.telemetry = telemetry or NullTelemetry()
+        run = store.require_run(run_id)
+        from watchdog.backends.zero_patch import dialect_for
+
+        self.h = RunHandle(run, backend=backend, dialect=dialect_for(run.run_dir, run_id))
+        from watchdog.sources.ingest import RunTailer
+
+        saved = store.load_engine_state(run_id) or {}
+        self.tailer = source if source is not None else RunTailer(run.run_dir)
+        if saved.get("tailer"):
+            self.tailer.offsets = saved["tailer"]
+        self.window = rules.new_window(self.config.window_size)
+        self.state = rules.state_from_json(saved["engine"]) if saved.get("engine") else rules.initial_state()
+        self._rebuild_window(saved.get("tailer"))
+        self.latest: dict[str, float] = {}
+        """The newest logged value of each metric, by catalog short name (what a set starts from)."""
+        ctl = saved.get("controller") or {}
+        self._last_checkpoint: int | None = ctl.get("last_checkpoint")
+        """Step of the newest checkpoint event (a tuning relaunch waits for one)."""
+        self._last_tuning_clock: int | None = ctl.get("last_tuning_relaunch")
+        """Engine clock at the last relaunch made for tuning only."""
+        self._blind_warned = bool(ctl.get("blind_warned"))
+        self._paused_since: float | None = None
+        """When the run last entered a pause for a human (the pause timeout counts from there)."""
+        self._step_times: list[float] = []
+        self._saw_finished = False
+        self._saw_oom: dict[str, Any] | None = None
+        self._events_since_eval = False
+        # True from a rollback (or restart from a checkpoint) being decided until the metrics show
+        # the trainer back on an earlier step: divergence rules keep firing on the abandoned steps
+        # meanwhile, and those fires are the same divergence, not a new one.
+        self._rewind_pending = any(e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART) and e.status != ActionStatus.WAITING
+                                   for e in store.open_actions(run_id))
+        self._rewind_to: int | None = None
+        """Step the trainer went back to (its rollback / started event); the next step there ends the wait."""
+        # launched_ts of the launch whose first step has been seen; until then the (long)
+        # startup timeout applies instead of the heartbeat. A re-attached run counts as started.
+        self._launch_seen: float | None = run.launched_ts if run.last_step is not None else None
+        self._started_ts: float | None = run.launched_ts if run.last_step is not None else None
+        if run.phase in (Phase.RUNNING, Phase.PAUSED, Phase.ESCALATED, Phase.RESTARTING):
+            self._attach()
+
+    @property
+    def run(self) -> RunRecord:
+        return self.h.run
+
+    def _attach(self) -> None:
+        """Adopt the trainer an earlier watchdog started: by Ray job id, else by pid."""
+        run, backend = self.run, self.h.backend or self.actuator.backend
+        if run.job_id is not None:
+            attach_job = getattr(backend, "attach_job", None)
+            if attach_job is None:
+                raise SupervisorError(f"run {run.run_id}: its trainer runs as Ray job {run.job_id}; "
+                                      "give the run its Ray address to watch it")
+            # Kept even when it has ended: the job server still knows its exit code.
+            self.h.proc = attach_job(run.job_id, Path(run.run_dir) / self.actuator.config.log_name)
+            log.info("%s: attached to Ray job %s", run.run_id, run.job_id)
+        elif run.pid is not None:
+            proc = backend.attach(run.pid)
+            if proc.alive():
+                self.h.proc = proc
+                log.info("%s: attached to running trainer pid %d", run.run_id, run.pid)
+
+    def _rebuild_window(self, offsets: Mapping[str, Any] | None) -> None:
+        """After a watchdog restart: the window as it stood (records and events read so far)."""
+        if not offsets:
+            return
+        replay = getattr(self.tailer, "replay", None)
+        if callable(replay):  # a source other than the run's files (Prometheus) reads its own history
+            records, events = replay()
+            for rec in records:
+                self.window.append_record(rec)
+            self.window.add_events(events)
+            return
+        from watchdog.sources.ingest import dedup_records
+
+        run_dir = Path(self.run.run_dir)
+        m_off = int(offsets.get("metrics", {}).get("offset", 0))
+        e_off = int(offsets.get("events", {}).get("offset", 0))
+        recs = rundir.read_jsonl(run_dir / rundir.METRICS, until=m_off).records
+        for rec in dedup_records(r for r in recs if "step" in r):
+            self.window.append_record(rec)
+        # Events in file order so their sequence numbers match what the engine state remembers.
+        self.window.add_events(rundir.events_of(rundir.read_jsonl(run_dir / rundir.EVENTS, until=e_off)))
+
+    # -- tick --------------------------------------------------------------------------
+
+    def tick(self, now: float | None = None) -> TickResult:
+        """Launch if new, ingest, evaluate, plan (committed), watch liveness, drive actions."""
+        now = time.time() if now is None else now
+        result = TickResult()
+        if self.run.phase == Phase.NEW:
+            self.actuator.launch(self.h, None, now)
+        # verl writes no events: its dialect relays the metrics, notes the checkpoints and classifies the
+        # exit (not that of a trainer the watchdog stopped itself to pause the run).
+        self.h.dialect.poll(self.h.proc, watch_exit=self.run.phase not in (Phase.PAUSED, Phase.ESCALATED))
+        records, events = self.tailer.poll()
+        self._handle_events(events, now)
+        decisions = self._evaluate(records, events, now, result)
+        self._commit(decisions, result)
+        self._watch_liveness(now)
+        self._check_pause_timeout(now)
+        for entry in self.store.open_actions(self.run.run_id):
+            if entry.status == ActionStatus.WAITING:
+                continue
+            if self.run.phase in DONE_PHASES and entry.kind not in (JournalKind.NOTIFY, JournalKind.STOP):
+                # The run has ended (stopped with a verdict, given up, finished): nothing may relaunch
+                # it, and a live change can never be confirmed. Closed, said, not left open forever.
+                self.store.update_action(entry.id, status=ActionStatus.FAILED,
+                                         result={**entry.result, "error": f"the run had {self.run.phase}"})
+                if entry.decision_id is not None:
+                    self.store.settle_decision(entry.decision_id)
+                continue
+            self.actuator.drive(self.h, entry, now)
+        if self.latest:
+            self.telemetry.data_age(self.run.run_id, max(0.0, now - (self.run.last_progress_ts or now)))
+        self._publish_rule_states()
+        result.done = self.run.phase in DONE_PHASES and not any(
+            e.status != ActionStatus.WAITING for e in self.store.open_actions(self.run.run_id))
+        return result
+
+    def _handle_events(self, events: list[Event], now: float) -> None:
+        for e in events:
+            kind = e.get("kind")
+            if kind == "applied":
+                ids = [c if isinstance(c, str) else c.get("id", "") for c in e.get("commands", [])]
+                self.actuator.confirm(self.h, int(e.get("version", 0)), e.get("step"), ids)
+            elif kind == JournalKind.ROLLBACK:
+                self._rewind_to = int(e.get("to_step") or 0)
+                self.store.close_bad_spans(self.run.run_id, int(e.get("from_step") or e.get("to_step") or 0))
+                self.run.last_progress_ts = now
+            elif kind == "paused":
+                if self.run.phase == Phase.RUNNING:
+                    self._set_phase(Phase.PAUSED)
+            elif kind == "resumed":
+                self.run.last_progress_ts = now
+                self._set_phase(Phase.RUNNING)
+            elif kind == "finished":
+                self._saw_finished = True
+            elif kind == "checkpoint" and isinstance(e.get("step"), int):
+                self._last_checkpoint = int(e["step"])
+            elif kind == "oom":
+                self._saw_oom = e
+            elif kind == "started":
+                self._saw_finished = False
+                self._saw_oom = None
+                self.run.last_progress_ts = now
+                self._started_ts = float(e.get("ts") or now)
+                if self._rewind_pending:
+                    self._rewind_to = int(e.get("resumed_from") or e.get("step") or 0)
+
+    def _evaluate(self, records: list[dict[str, Any]], events: list[Event], now: float,
+                  result: TickResult) -> list[Any]:
+        pending = sorted(events, key=lambda e: int(e["step"]) if isinstance(e.get("step"), int) else -1)
+        decisions: list[Any] = []
+        for rec in records:
+            step = int(rec["step"])
+            while pending and isinstance(pending[0].get("step"), int) and pending[0]["step"] <= step:
+                self.window.add_event(pending.pop(0))
+            while pending and not isinstance(pending[0].get("step"), int):
+                self.window.add_event(pending.pop(0))
+            if self._rewind_to is not None and step <= self._rewind_to + 1:
+                # The first step of the new timeline: metrics from here on are after the rollback.
+                self._rewind_pending, self._rewind_to = False, None
+            self.window.append_record(rec)
+            data = rec.get("data", {})
+            self.latest.update(catalog.to_short(data if isinstance(data, Mapping) else {}))
+            t = data.get("perf/time_per_step")
+            if _finite(t):
+                self._step_times = (self._step_times + [float(t)])[-50:]
+            self.run.last_progress_ts = now
+            self.run.last_step = step
+            if self._started_ts is not None and self._started_ts >= (self.run.launched_ts or 0):
+                # A step from the process launched last (not a stale line of the one stopped before).
+                if self._launch_seen != self.run.launched_ts:
+                    self._measure_startup(now)
+                self._launch_seen = self.run.launched_ts
+            self._events_since_eval = False
+            decisions += self._run_engine(step, result)
+        if pending:
+            self.window.add_events(pending)
+            self._events_since_eval = True
+        alive = self.h.proc is not None and self.h.proc.alive()
+        if self._events_since_eval and not alive and self.run.last_step is not None:
+            # The trainer ended after events no metric line followed (an OOM mid-step): let the
+            # rules see them now, at the step the trainer was in.
+            step = max([self.run.last_step] + [e["step"] for e in events if isinstance(e.get("step"), int)])
+            self._events_since_eval = False
+            decisions += self._run_engine(step, result)
+        return decisions
+
+    def _warn_blind(self) -> None:
+        """Once per run, a few steps in: the rules that read a metric this run does not log, and why."""
+        self._blind_warned = True
+        from watchdog.core.engine import blind_rules, describe_blind
+
+        for line in describe_blind(blind_rules(getattr(self.rules, "ruleset", ()), self.window.sources)):
+            log.warning("%s: %s", self.run.run_id, line)
+
+    def _run_engine(self, step: int, result: TickResult) -> list[Any]:
+        if not self._blind_warned and len(self.window.steps()) >= BLIND_AFTER_STEPS:
+            self._warn_blind()
+        try:
+            decisions, self.state = self.rules.evaluate(self.window, self.state, step)
+        except Exception:  # recorded; the loop goes on with the old state
+            log.exception("%s: rules failed at step %d", self.run.run_id, step)
+            self.telemetry.error(self.run.run_id, "evaluate")
+            return []
+        result.new_steps.append(step)
+        return list(decisions)
+
+    def _plan_context(self, overrides: Mapping[str, Any], cfg: Mapping[str, Any]) -> PlanContext:
+        # The trainer says what it can change live (run.json); without that, the configured list.
+        # An empty list is an answer too: a zero-patch verl run changes nothing live.
+        live = RunInfo.read(self.run.run_dir).live_keys
+        live_keys = live if live is not None else self.config.live_keys
+        return PlanContext(overrides, self.latest, cfg, live_keys, dict(self.window.sources), self.config.on_escalate)
+
+    def cost_model(self) -> CostModel:
+        """This run's prices: its measured start-up (else the configured one) and median step time."""
+        times = sorted(self._step_times)
+        return CostModel(self.run.startup_s if self.run.startup_s is not None else self.config.startup_s,
+                         times[len(times) // 2] if times else 0.0)
+
+    def _steps_since_checkpoint(self) -> int:
+        if self.run.last_step is None:
+            return 0
+        return max(0, self.run.last_step - (self._last_checkpoint if self._last_checkpoint is not None else 0))
+
+    def _commit(self, decisions: list[Any], result: TickResult) -> None:
+        """Decisions, intents, engine state and offsets in one transaction (before acting)."""
+        cfg = run_config(self.run.run_dir)
+        with self.store.transaction():
+            overrides = {**self.run.overrides, **self._waiting_sets()}
+            for d in decisions:
+                planned = plan_decision(d, self._plan_context(overrides, cfg))
+                covered = ""
+                if self._saw_finished and any(p.kind not in (JournalKind.NOTIFY, JournalKind.ROLLBACK) for p in planned):
+                    # The trainer wrote its last step and ended: nothing is left to change live. Said, not
+                    # done. A rollback still goes: it re-runs the tail from the known-good checkpoint,
+                    # since the final weights are what the run is for.
+                    covered = "too late: the trainer had finished"
+                    planned = [p for p in planned if p.kind in (JournalKind.NOTIFY, JournalKind.ROLLBACK)]
+                planned, merged = self._merge_into_pending_relaunch(planned)
+                covered = covered or merged
+                if any(p.relaunch for p in planned) and self._rollback_in_flight():
+                    covered = "covered by the rollback in progress"
+                    planned = []
+                for p in planned:
+                    if p.kind == JournalKind.LIVE_SET or self._deferrable(p):
+                        overrides.update(p.payload.get("set", {}))  # a repeat compounds on what is wanted
+                actions = [a.to_json() for a in d.actions]
+                did = self.store.add_decision(
+                    self.run.run_id, d.step, d.rule, d.kind, actions, dict(d.inputs),
+                    getattr(d, "severity", ""), getattr(d, "message", ""),
+                    status="pending" if planned else "skipped",
+                    outcome="" if planned else covered or ("resolved" if d.kind == DecisionKind.RESOLVE else "no action"),
+                    signals=dict(getattr(d, "signals", {}) or {}),
+                )
+                result.decisions.append(did)
+                if d.kind == DecisionKind.ESCALATE:
+                    self.telemetry.escalation(self.run.run_id, d.rule)
+                if planned and (getattr(d, "divergence", False) or any(p.kind == JournalKind.ROLLBACK for p in planned)):
+                    # (A divergence covered by the rollback in progress is the abandoned timeline's: that
+                    # rollback closes its span; a span opened for it would never close.)
+                    start = span_start(d.step, self.rules.for_steps(d.rule), self.config.rollback_margin_steps)
+                    self.store.open_bad_span(self.run.run_id, d.rule, start, did)
+                for p in planned:
+                    self._journal(p, did, d.kind == DecisionKind.ESCALATE)
+            self._release_waiting()
+            self.store.save_engine_state(self.run.run_id, {
+                "version": STATE_VERSION, "engine": self.state.to_json(), "tailer": self.tailer.offsets,
+                "controller": {"last_checkpoint": self._last_checkpoint,
+                               "last_tuning_relaunch": self._last_tuning_clock, "blind_warned": self._blind_warned},
+            })
+            self.store.update_run(self.run.run_id, last_step=self.run.last_step,
+                                  last_evaluated_step=result.new_steps[-1] if result.new_steps else
+                                  self.run.last_evaluated_step,
+                                  last_progress_ts=self.run.last_progress_ts)
+
+    @staticmethod
+    def _deferrable(p: Planned) -> bool:
+        """A relaunch wanted only for tuning: it waits for the next checkpoint."""
+        return p.kind == JournalKind.RESTART and p.payload.get("urgent") is False
+
+    def _journal(self, p: Planned, did: int, escalation: bool) -> None:
+        """Write one planned entry (priced; a tuning relaunch as ``waiting``)."""
+        payload = dict(p.payload)
+        if p.kind == JournalKind.LIVE_SET:
+            payload["cost"] = CostModel.LIVE.to_json()
+        elif p.relaunch:
+            payload["cost"] = self.cost_model().relaunch(self._steps_since_checkpoint()).to_json()
+        if self._deferrable(p):
+            payload["clock"] = self.state.clock
+            self.store.add_action(self.run.run_id, p.kind, payload, decision_id=did, status=ActionStatus.WAITING)
+            self.store.set_decision(did, "pending", "deferred: waits for the next checkpoint (a relaunch "
+                                                    "loses the steps since the last one)")
+            return
+        if p.relaunch:
+            self._rewind_pending = True
+            payload = self._absorb_waiting(payload)
+        aid = self.store.add_action(self.run.run_id, p.kind, payload, decision_id=did)
+        if p.kind == "command":
+            self.store.update_action(aid, payload={**payload, "command": {**payload["command"], "id": f"c{aid}"}})
+        if p.relaunch:
+            self._settle_absorbed(aid)
+        if payload.get("pause"):
+            self._set_phase(Phase.ESCALATED if escalation else Phase.PAUSED)
+
+    # -- deferred tuning relaunches -------------------------------------------------------
+
+    def _waiting(self) -> list[ActionRecord]:
+        return [e for e in self.store.open_actions(self.run.run_id) if e.status == ActionStatus.WAITING]
+
+    def _waiting_sets(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for e in self._waiting():
+            out.update(e.payload.get("set", {}))
+        return out
+
+    def _as_waiting(self, entries: list[ActionRecord]) -> list[Waiting]:
+        return [Waiting(e.id, str(e.payload.get("rule", "")), int(e.payload.get("step", 0)), e.payload.get("set", {}))
+                for e in entries]
+
+    def _absorb_waiting(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """A relaunch that goes anyway carries every waiting set whose rule still fires (its own sets win)."""
+        entries = self._waiting()
+        if not entries:
+            return payload
+        rel = release(self._as_waiting(entries), firing=self.state.firing(), checkpoint_step=self._last_checkpoint,
+                      clock=self.state.clock, last_tuning_relaunch=self._last_tuning_clock,
+                      policy=self.config.relaunch_policy, relaunching=True)
+        self._drop(rel.dropped)
+        if rel.carry:
+            payload = {**payload, "set": {**rel.merged(), **payload.get("set", {})},
+                       "carried": [w.id for w in rel.carry]}
+        return payload
+
+    def _settle_absorbed(self, relaunch_id: int) -> None:
+        entry = self.store.get_action(relaunch_id)
+        for wid in (entry.payload.get("carried", []) if entry else []):
+            self._close(wid, "done", f"carried by the relaunch of journal {relaunch_id} (it went anyway)")
+
+    def _release_waiting(self) -> None:
+        """Waiting tuning sets: dropped when their rule stopped firing, carried at a checkpoint, merged."""
+        entries = self._waiting()
+        if not entries:
+            return
+        rel = release(self._as_waiting(entries), firing=self.state.firing(), checkpoint_step=self._last_checkpoint,
+                      clock=self.state.clock, last_tuning_relaunch=self._last_tuning_clock,
+                      policy=self.config.relaunch_policy, relaunching=False)
+        self._drop(rel.dropped)
+        if not rel.carry:
+            return
+        first = next(e for e in entries if e.id == rel.carry[0].id)
+        rules = sorted({w.rule for w in rel.carry})
+        payload = {**first.payload, "set": rel.merged(), "resume": "latest",
+                   "cost": self.cost_model().relaunch(self._steps_since_checkpoint()).to_json(),
+                   "reason": f"tuning relaunch at the step-{self._last_checkpoint} checkpoint "
+                             f"({len(rel.carry)} set(s) of {', '.join(rules)} merged)"}
+        self.store.update_action(first.id, status=ActionStatus.INTENT, payload=payload)
+        for w in rel.carry[1:]:
+            self._close(w.id, "done", f"merged into the tuning relaunch of journal {first.id}")
+        self._last_tuning_clock = self.state.clock
+        self._rewind_pending = True
+        log.info("%s: %s", self.run.run_id, payload["reason"])
+
+    def _drop(self, dropped: Sequence[Waiting]) -> None:
+        for w in dropped:
+            self._close(w.id, "dropped", f"dropped: {w.rule} stopped firing while the set waited for a checkpoint")
+
+    def _close(self, action_id: int, status: str, outcome: str) -> None:
+        entry = self.store.get_action(action_id)
+        if entry is None:
+            return
+        self.store.update_action(action_id, status=status, result={**entry.result, "outcome": outcome})
+        if entry.decision_id is not None:
+            self.store.settle_decision(entry.decision_id)
+
+    def _measure_startup(self, now: float) -> None:
+        """The first step of a relaunch: what the relaunch cost, stop to this step (kept for pricing)."""
+        done = [e for e in self.store.journal(self.run.run_id) if e.kind == JournalKind.RESTART and e.status == ActionStatus.DONE
+                and isinstance(e.result.get("stopped_ts"), (int, float))]
+        if not done or done[-1].result.get("pid") != self.run.pid or "relaunch_s" in done[-1].result:
+            return  # not a relaunch of the watchdog's (the first launch), or measured already
+        startup = max(0.0, now - float(done[-1].result["stopped_ts"]))
+        self.run.startup_s = startup
+        self.store.update_run(self.run.run_id, startup_s=startup)
+        self.store.update_action(done[-1].id, result={**done[-1].result, "relaunch_s": round(startup, 3)})
+        log.info("%s: relaunch took %.1f s (stop to first new step)", self.run.run_id, startup)
+
+    def _publish_rule_states(self) -> None:
+        """Every rule's state for this run, every tick (a gauge set only on decisions would miss
+        pending, and would keep a state the engine has long left)."""
+        names = getattr(self.rules, "rule_names", None)
+        rule = getattr(self.state, "rule", None)
+        if not callable(names) or not callable(rule):
+            return
+        for name in names():
+            self.telemetry.rule_state(self.run.run_id, name, rule(name).status)
+
+    def _merge_into_pending_relaunch(self, planned: list[Planned]) -> tuple[list[Planned], str]:
+        """Sets that need a relaunch join one about to happen (not carried out yet) instead of waiting."""
+        target = next((e for e in self.store.open_actions(self.run.run_id) if e.kind in (JournalKind.RESTART, JournalKind.ROLLBACK)
+                       and e.status == ActionStatus.INTENT and "resume_path" not in e.payload), None)
+        if target is None:
+            return planned, ""
+        keep = [p for p in planned if not (p.kind == JournalKind.RESTART and p.payload.get("resume") == "latest")]
+        merged = {k: v for p in planned if p not in keep for k, v in p.payload.get("set", {}).items()}
+        if not merged:
+            return planned, ""
+        target.payload = {**target.payload, "set": {**target.payload.get("set", {}), **merged}}
+        self.store.update_action(target.id, payload=target.payload)
+        return keep, f"merged into the pending {target.kind} (journal {target.id})"
+
+    def _rollback_in_flight(self) -> bool:
+        """A rollback or restart is open, or done but the trainer's metrics do not show it yet."""
+        entries = [e for e in self.store.journal(self.run.run_id) if e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART)
+                   and e.status not in (ActionStatus.WAITING, ActionStatus.DROPPED)]
+        if any(e.status in OPEN_ACTION_STATUSES for e in entries):
+            return True
+        return self._rewind_pending and bool(entries) and entries[-1].status == ActionStatus.DONE
+
+    def _set_phase(self, phase: str) -> None:
+        waiting = phase in (Phase.PAUSED, Phase.ESCALATED) and self.run.phase not in (Phase.PAUSED, Phase.ESCALATED)
+        self.run.phase = phase
+        self.store.update_run(self.run.run_id, phase=phase)
+        if waiting:
+            self._paused_since = None  # the pause timeout counts from the next tick's clock
+            after = (f"; stopped with a verdict after {self.config.pause_timeout_s:.0f} s unresumed"
+                     if self.config.pause_timeout_s else "")
+            log.warning("%s: paused for a human: waiting for `watchdog resume %s --state-dir %s`%s",
+                        self.run.run_id, self.run.run_id, self.store.path.parent, after)
+
+    def _check_pause_timeout(self, now: float) -> None:
+        """A pause nobody answers ends the run with a verdict instead of waiting forever."""
+        limit = self.config.pause_timeout_s
+        if limit is None or self.run.phase not in (Phase.PAUSED, Phase.ESCALATED) or self._stop_open():
+            return
+        since = self._paused_since if self._paused_since is not None else now
+        self._paused_since = since
+        if now - since <= limit:
+            return
+        verdict = f"paused {now - since:.0f} s for a human and nobody resumed it (pause timeout {limit:.0f} s)"
+        with self.store.transaction():
+            did = self._own_decision(RULE_BUDGET, verdict, {"paused_s": now - since}, kind="escalate")
+            self.store.add_action(self.run.run_id, "stop", {"rule": RULE_BUDGET, "verdict": verdict},
+                                  decision_id=did)
+
+    def _stop_open(self) -> bool:
+        return any(e.kind == JournalKind.STOP for e in self.store.open_actions(self.run.run_id))
+
+    # -- liveness ------------------------------------------------------------------------
+
+    def _restart_open(self) -> bool:
+        """A relaunch is under way (a deferred one waiting for a checkpoint is not)."""
+        return any(e.kind in (JournalKind.RESTART, JournalKind.ROLLBACK) and e.status != ActionStatus.WAITING
+                   for e in self.store.open_actions(self.run.run_id))
+
+    def _watch_liveness(self, now: float) -> None:
+        if not self.run.managed or self.run.phase in (*DONE_PHASES, Phase.NEW):
+            return
+        proc = self.h.proc
+        if self._restart_open():
+            return
+        if not self.h.dialect.live and self.run.phase in (Phase.PAUSED, Phase.ESCALATED):
+            return  # the zero-patch pause stopped verl on purpose; `watchdog resume` restarts it
+        if proc is None or not proc.alive():
+            code = proc.poll() if proc is not None else self.run.exit_code
+            how = self.h.dialect.classify_exit(code, self._saw_finished, self._saw_oom is not None)
+            self.run.exit_code = code
+            self.store.update_run(self.run.run_id, exit_code=code)
+            if how == "finished":
+                log.info("%s: trainer finished (exit %s)", self.run.run_id, code)
+                self._set_phase(Phase.FINISHED)
+                for e in self.store.open_actions(self.run.run_id):
+                    if e.status == ActionStatus.WAITING:
+                        self._close(e.id, "dropped", "dropped: the run finished before the next checkpoint")
+                        continue
+                    self.store.update_action(e.id, status=ActionStatus.FAILED, result={**e.result,
+                                             "error": f"run finished before the {e.kind} was confirmed"})
+                    if e.decision_id is not None:
+                        self.store.settle_decision(e.decision_id)
+            elif how == "oom":
+                self._on_oom(code)
+            elif how == "usage":
+                # A rejected config fails the same way every time: say why instead of retrying.
+                self._give_up(RULE_CRASH, f"trainer rejected its configuration (exit {code}): "
+                                          f"{log_tail(Path(self.run.run_dir) / self.actuator.config.log_name)}")
+            else:
+                self._on_crash(RULE_CRASH, f"trainer exited with code {code}", {"exit_code": code})
+            return
+        if self.run.phase != Phase.RUNNING:
+            return  # paused or escalated: no steps expected
+        if not getattr(self.tailer, "healthy", True):
+            return  # the metric source is down (Prometheus): no new step says nothing about the trainer
+        starting = self._launch_seen != self.run.launched_ts  # no step yet since the last launch
+        limit = self.config.startup_timeout_s if starting else heartbeat_timeout(self._step_times, self.config)
+        idle = now - (self.run.last_progress_ts or now)
+        if idle > limit:
+            self._on_crash(RULE_HANG, f"no new step for {idle:.0f}s (timeout {limit:.0f}s)",
+                           {"idle_s": idle, "timeout_s": limit})
+
+    def _own_decision(self, rule: str, message: str, inputs: dict[str, Any], kind: str = "fire") -> int:
+        step = self.run.last_step if self.run.last_step is not None else 0
+        return self.store.add_decision(self.run.run_id, step, rule, kind, [], inputs, "critical", message)
+
+    def _on_oom(self, code: int | None) -> None:
+        oom = self._saw_oom or {}
+        self._saw_oom = None
+        if self.run.oom_retries >= self.config.oom_retry_budget:
+            self._give_up(RULE_OOM, f"OOM again after {self.run.oom_retries} retries")
+            return
+        cfg = run_config(self.run.run_dir)
+        failed_mb = oom.get("micro_batch_size")
+        sets: dict[str, Any] = {}
+        for key in MICRO_BATCH_KEYS:
+            cur = self.run.overrides.get(key, config_value(cfg, key))
+            if cur is None:
+                continue
+            # The OOM rule may already have lowered it below the size that failed; if not, -1 here.
+            if failed_mb is None or int(cur) >= int(failed_mb) or key not in self.run.overrides:
+                mini = config_value(cfg, MINI_BATCH_OF[key])
+                sets[key] = snap_micro_batch(int(cur) - 1, int(mini) if mini is not None else None)
+        inputs = {"exit_code": code, "micro_batch_size": failed_mb}
+        with self.store.transaction():
+            did = self._own_decision(RULE_OOM, f"out of memory at micro batch {failed_mb}: restart smaller", inputs)
+            payload = self._absorb_waiting({"rule": RULE_OOM, "resume": "latest", "set": sets, "reason": "oom",
+                                            "cost": self.cost_model().relaunch(self._steps_since_checkpoint()).to_json()})
+            self._settle_absorbed(self.store.add_action(self.run.run_id, "restart", payload, decision_id=did))
+            self.run.oom_retries += 1
+            self._rewind_pending = True
+            self.store.update_run(self.run.run_id, oom_retries=self.run.oom_retries, phase=Phase.RESTARTING)
+            self.run.phase = Phase.RESTARTING
+
+    def _on_crash(self, rule: str, message: str, inputs: dict[str, Any]) -> None:
+        if self.run.restarts >= self.config.restart_budget:
+            if self.h.proc is not None:
+                self.actuator.stop(self.h)
+            self._give_up(rule, f"{message}; restart budget ({self.config.restart_budget}) exhausted")
+            return
+        log.warning("%s: %s: restarting from the last known-good checkpoint", self.run.run_id, message)
+        with self.store.transaction():
+            did = self._own_decision(rule, message, inputs)
+            payload = self._absorb_waiting({"rule": rule, "resume": "known_good", "reason": message,
+                                            "cost": self.cost_model().relaunch(self._steps_since_checkpoint()).to_json()})
+            self._settle_absorbed(self.store.add_action(self.run.run_id, "restart", payload, decision_id=did))
+            self.run.restarts += 1
+            self._rewind_pending = True
+            self.store.update_run(self.run.run_id, restarts=self.run.restarts, phase=Phase.RESTARTING)
+            self.run.phase = Phase.RESTARTING
+
+    def _give_up(self, rule: str, message: str) -> None:
+        with self.store.transaction():
+            did = self._own_decision(RULE_BUDGET, f"{rule}: {message}", {}, kind="escalate")
+            self.store.add_action(self.run.run_id, "notify", {
+                "rule": rule, "severity": "critical", "summary": f"{rule}: run given up, a human is needed",
+                "description": message,
+            }, decision_id=did)
+        self._set_phase(Phase.FAILED)
+        for e in self.store.open_actions(self.run.run_id):
+            if e.kind != JournalKind.NOTIFY:
+                self.store.update_action(e.id, status=ActionStatus.FAILED, result={"error": "run given up"})
+                if e.decision_id is not None:
+                    self.store.settle_decision(e.decision_id)
+        for e in self.store.open_actions(self.run.run_id):
+            self.actuator.drive(self.h, e, time.time())
+
+
+def log_tail(path: Path, lines: int = 3, max_chars: int = 600) -> str:
+    """The last non-empty lines of a trainer log, for a message a human reads."""
+    text = read_tail(path, size=8192)
+    if not text:
+        return f"(nothing in the log at {path})"
+    tail = [ln.strip() for ln in text.splitlines() if ln.strip()][-lines:]
+    return " | ".join(tail)[-max_chars:]
+
+
+def open_entries(store: Store, run_id: str) -> int:
+    """How many journal entries of a run are still open."""
+    return sum(1 for e in store.journal(run_id) if e.status in OPEN_ACTION_STATUSES)

@@ -1,0 +1,427 @@
+"""The watchdog process: many runs, one APScheduler 3.x interval job calling ``tick(now)``.
+
+The scheduler only calls :meth:`Watchdog.tick`; everything it does is in the controller,
+so tests drive ``tick`` directly and the daemon adds nothing but timing. The job runs
+with ``max_instances=1`` (a slow tick is never overlapped by the next), ``coalesce=True``
+(ticks missed while one ran collapse into one) and a ``misfire_grace_time``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from watchdog.backends.local import Backend, LocalBackend, SupervisorError
+from watchdog.backends.zero_patch import MODE_VERL, MODES, VerlModeError, prepare_run, resolve_mode
+from watchdog.control.actuator import Actuator, ActuatorConfig, Notifier
+from watchdog.control.controller import ControllerConfig, EngineRules, RulesEngine, RunController
+from watchdog.control.store import Phase, RunRecord, Store
+from watchdog.core.planner import ON_ESCALATE
+from watchdog.core.rulefile import default_rules_paths
+from watchdog.observe.telemetry import WatchdogMetrics
+from watchdog.protocol.runinfo import RunInfo
+from watchdog.sources.prometheus import SOURCES, SourceConfig, make_source, source_config
+
+log = logging.getLogger(__name__)
+
+DEFAULT_STATE_DIR = ".watchdog"
+
+
+def state_dir_default() -> str:
+    """``$WATCHDOG_STATE_DIR`` or ``./.watchdog``."""
+    return os.environ.get("WATCHDOG_STATE_DIR", DEFAULT_STATE_DIR)
+
+
+class DaemonConfigError(ValueError):
+    """The daemon's config file is invalid; names the file and the key."""
+
+
+@dataclass
+class RunSpec:
+    """One run directory the daemon watches."""
+
+    run_dir: str
+    """The run directory (written by a trainer the daemon may not have started)."""
+    id: str | None = None
+    """Run id (default: the directory's name)."""
+    restart_command: list[str] | None = None
+    """Command that relaunches the trainer; without it the run gets live actions only."""
+    ray_address: str | None = None
+    """Ray job server (``http://HEAD:8265``): the restart command runs there as a Ray Job."""
+    source: str | None = None
+    """Where this run's metrics are read from: files | prometheus (default: the daemon's ``source``)."""
+    prometheus_url: str | None = None
+    """Prometheus for this run (default: the daemon's ``prometheus_url``)."""
+    mode: str = "auto"
+    """auto | embedded | verl, as ``watchdog run --mode``. verl (zero-patch): the restart_command is an
+    unmodified ``python -m verl.trainer.main_ppo ...``; the daemon relays verl's file logger and makes
+    every change a restart with resume. auto: verl for a verl.trainer.main_ppo restart_command, else
+    embedded; without a restart_command, what run.json already says."""
+    run_metrics_port: int | None = None
+    """verl mode: the daemon serves the run's metrics (catalog names) on 127.0.0.1:PORT (-1: any free
+    port, written to run.json), as ``watchdog run --run-metrics-port``."""
+    on_escalate: str | None = None
+    """When this run needs a human: pause | stop | continue (default: the daemon's ``controller.on_escalate``,
+    itself pause: a daemon has a human to page)."""
+
+
+@dataclass
+class DaemonConfig:
+    """``watchdog daemon --config FILE`` (YAML)."""
+
+    runs: list[RunSpec] = field(default_factory=list)
+    """Run directories to watch."""
+    rules: list[str] = field(default_factory=list)
+    """Rule files (default: rules/default.yaml)."""
+    state_dir: str = field(default_factory=state_dir_default)
+    """Where the SQLite state lives."""
+    tick_s: float = 5.0
+    """Seconds between ticks."""
+    metrics_port: int | None = None
+    """Port of the watchdog's own /metrics (None: off; 0: any free port)."""
+    metrics_addr: str = "127.0.0.1"
+    """Bind address of /metrics."""
+    webhook_url: str | None = None
+    """Alertmanager-compatible webhook for escalations (default: $WATCHDOG_WEBHOOK_URL)."""
+    controller: dict[str, Any] = field(default_factory=dict)
+    """ControllerConfig fields (restart_budget, heartbeat_min_s, ...)."""
+    actuator: dict[str, Any] = field(default_factory=dict)
+    """ActuatorConfig fields (live_timeout_s, stop_grace_s, ...)."""
+    source: str = "files"
+    """Where runs' metrics are read from: ``files`` (run_dir/metrics.jsonl) or ``prometheus`` (its HTTP
+    API; events still come from run_dir/events.jsonl)."""
+    prometheus_url: str | None = None
+    """Prometheus base URL for the prometheus source (default: $WATCHDOG_PROMETHEUS_URL)."""
+    file_sd_dir: str | None = None
+    """Prometheus file_sd directory where the prometheus source announces each run's trainer (None: not)."""
+    grafana_url: str | None = None
+    """Grafana for an annotation per action on the "PPO run" dashboard (default: $GRAFANA_URL; token from
+    $GRAFANA_TOKEN_FILE or $GRAFANA_TOKEN, never from this file)."""
+
+    def __post_init__(self) -> None:
+        if self.tick_s <= 0:
+            raise DaemonConfigError(f"tick_s must be > 0, got {self.tick_s!r}")
+        if self.source not in SOURCES:
+            raise DaemonConfigError(f"source must be one of {', '.join(SOURCES)}, got {self.source!r}")
+
+    def source_for(self, spec: RunSpec) -> SourceConfig:
+        """The run's metric source: its own ``source``/``prometheus_url`` over the daemon's."""
+        return source_config(spec.source or self.source, spec.prometheus_url or self.prometheus_url,
+                             self.file_sd_dir)
+
+
+def load_daemon_config(path: Path | str) -> DaemonConfig:
+    """Parse the daemon YAML (safe_load); unknown keys are errors naming the file and key."""
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise DaemonConfigError(f"{path}: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise DaemonConfigError(f"{path}: top level must be a mapping")
+    _check_keys(path, "", doc, {f.name for f in fields(DaemonConfig)})
+    runs = []
+    for i, r in enumerate(doc.get("runs", []) or []):
+        if isinstance(r, str):
+            r = {"run_dir": r}
+        if not isinstance(r, dict) or "run_dir" not in r:
+            raise DaemonConfigError(f"{path}: runs[{i}] needs a run_dir")
+        _check_keys(path, f"runs[{i}].", r, {f.name for f in fields(RunSpec)})
+        runs.append(RunSpec(**r))
+    _check_keys(path, "controller.", doc.get("controller", {}), {f.name for f in fields(ControllerConfig)})
+    _check_keys(path, "actuator.", doc.get("actuator", {}), {f.name for f in fields(ActuatorConfig)})
+    rest = {k: v for k, v in doc.items() if k != "runs"}
+    try:
+        cfg = DaemonConfig(runs=runs, **rest)
+    except (TypeError, ValueError) as exc:
+        raise DaemonConfigError(f"{path}: {exc}") from exc
+    for i, spec in enumerate(cfg.runs):
+        try:
+            cfg.source_for(spec)
+        except ValueError as exc:
+            where = f"runs[{i}].source" if spec.source else "source"
+            raise DaemonConfigError(f"{path}: {where}: {exc}") from exc
+        _check_mode(path, f"runs[{i}].", spec)
+        if spec.on_escalate is not None and spec.on_escalate not in ON_ESCALATE:
+            raise DaemonConfigError(f"{path}: runs[{i}].on_escalate must be one of {', '.join(ON_ESCALATE)}, "
+                                    f"got {spec.on_escalate!r}")
+    return cfg
+
+
+def _check_mode(path: Path, prefix: str, spec: RunSpec) -> None:
+    """A run's mode checked at load time, so a typo stops the daemon before it touches any run dir."""
+    if spec.mode not in MODES:
+        raise DaemonConfigError(f"{path}: {prefix}mode must be one of {', '.join(MODES)}, got {spec.mode!r}")
+    if spec.mode == MODE_VERL and not spec.restart_command:
+        raise DaemonConfigError(f"{path}: {prefix}mode: verl needs a restart_command (the verl command line): "
+                                "the daemon launches every attempt itself")
+    if spec.run_metrics_port is not None and (
+            not spec.restart_command or resolve_mode(spec.mode, spec.restart_command) != MODE_VERL):
+        raise DaemonConfigError(f"{path}: {prefix}run_metrics_port is for mode verl with a restart_command (the "
+                                "embedded trainer serves its own: trainer.metrics_port)")
+
+
+def _check_keys(path: Path, prefix: str, doc: Any, known: set[str]) -> None:
+    if not isinstance(doc, dict):
+        raise DaemonConfigError(f"{path}: {prefix.rstrip('.') or 'top level'} must be a mapping")
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise DaemonConfigError(f"{path}: unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(known))})")
+
+
+class Watchdog:
+    """Controllers for many runs sharing one store, rule set, actuator and telemetry."""
+
+    def __init__(
+        self, store: Store, rules: RulesEngine, backend: Backend | None = None, notifier: Notifier | None = None,
+        controller_config: ControllerConfig | None = None, actuator_config: ActuatorConfig | None = None,
+        telemetry: Any = None, crash_hook: Any = None, annotator: Any = None,
+    ) -> None:
+        """``annotator``: called like the actuator's on_action for each action outcome (a
+        :class:`~watchdog.observe.grafana.ActionAnnotator`); closed by :meth:`close`."""
+        self.store = store
+        self.rules = rules
+        self.telemetry = telemetry
+        self.annotator = annotator
+        self.controller_config = controller_config or ControllerConfig()
+        on_action = _fan_out(telemetry.action if telemetry is not None else None, annotator)
+        self.actuator = Actuator(store, backend or LocalBackend(), notifier, actuator_config, on_action, crash_hook)
+        self.controllers: dict[str, RunController] = {}
+        self._lock = threading.Lock()
+        self.done = threading.Event()
+        """Set when every run is finished or given up (``watchdog run`` exits then)."""
+
+    def add_run(self, run_dir: Path | str, run_id: str | None = None, command: Sequence[str] | None = None,
+                managed: bool = True, ray_address: str | None = None,
+                source: SourceConfig | None = None, mode: str | None = None,
+                run_metrics_port: int | None = None, retry_ended: bool = True,
+                on_escalate: str | None = None) -> RunController:
+        """Register (or take back from the store) a run and build its controller.
+
+        ``ray_address``: launch the trainer as Ray Jobs on that cluster instead of as a local process.
+        ``source``: where its metrics are read from (default: its files).
+        ``mode``: auto | embedded | verl: the run directory is set up for it first
+        (:func:`~watchdog.backends.zero_patch.prepare_run`, as ``watchdog run`` does), and the controller
+        builds the zero-patch glue from that; None: the run directory is taken as it is.
+        ``run_metrics_port``: verl mode's /metrics for the run (-1: any free port).
+        ``retry_ended``: a run that finished or was given up is launched again (``watchdog run``
+        on the same directory: the user asks for a new attempt); the daemon passes False, so
+        restarting the daemon does not relaunch the runs of its config that already ended.
+        ``on_escalate``: this run's escalation policy (default: the controller config's)."""
+        run_dir = Path(run_dir).resolve()
+        run_id = run_id or run_dir.name
+        if mode is not None:
+            try:
+                prepare_run(run_dir, command, mode, metrics_port=run_metrics_port)
+            except VerlModeError as exc:
+                raise VerlModeError(f"run {run_id}: {exc}") from exc
+        backend: Backend | None = None
+        if ray_address:
+            from watchdog.backends.ray_jobs import RayJobBackend
+
+            backend = RayJobBackend(ray_address, run_id, stop_wait_s=self.actuator.config.stop_grace_s)
+        existing = self.store.get_run(run_id)
+        if existing is None:
+            self.store.upsert_run(RunRecord(run_id, str(run_dir), list(command or []), managed=managed,
+                                            phase=Phase.NEW if (managed and command) else Phase.DETACHED))
+        elif existing.phase in (Phase.FINISHED, Phase.FAILED, Phase.STOPPED) and managed and command and retry_ended:
+            # Same run directory again: a new attempt (the trainer resumes from its checkpoints).
+            self.store.update_run(run_id, phase=Phase.NEW, command=list(command), restarts=0, oom_retries=0)
+        elif command and existing.command != list(command):
+            self.store.update_run(run_id, command=list(command))
+        config = self.controller_config if on_escalate is None else replace(self.controller_config,
+                                                                             on_escalate=on_escalate)
+        ctl = RunController(self.store, run_id, self.rules, self.actuator, config, self.telemetry,
+                            backend, source=make_source(source, run_dir, run_id, self.telemetry))
+        self.controllers[run_id] = ctl
+        return ctl
+
+    def tick(self, now: float | None = None) -> bool:
+        """One pass over every run; True when all are done. Errors in one run never stop the others."""
+        if not self._lock.acquire(blocking=False):
+            return False  # a tick is still running (max_instances=1 makes this rare)
+        try:
+            now = time.time() if now is None else now
+            t0 = time.perf_counter()
+            all_done = True
+            for run_id, ctl in list(self.controllers.items()):
+                try:
+                    all_done &= ctl.tick(now).done
+                except SupervisorError as exc:  # a launch the backend refused (a Ray head down): next tick
+                    log.error("%s: %s", run_id, exc)
+                    if self.telemetry is not None:
+                        self.telemetry.error(run_id, "tick")
+                    all_done = False
+                except Exception:
+                    log.exception("%s: tick failed", run_id)
+                    if self.telemetry is not None:
+                        self.telemetry.error(run_id, "tick")
+                    all_done = False
+            if self.telemetry is not None:
+                self.telemetry.runs_watched(len(self.controllers))
+                self.telemetry.last_tick(time.time())
+                self.telemetry.eval_seconds(time.perf_counter() - t0)
+            if all_done and self.controllers:
+                self.done.set()
+            return all_done
+        finally:
+            self._lock.release()
+
+    def close(self, withdraw_targets: bool = False) -> None:
+        """Post the queued Grafana annotations and close the metric sources (on shutdown).
+
+        ``withdraw_targets``: the trainers are gone too (``watchdog run`` at its end), so their
+        Prometheus file_sd targets go; a daemon that stops leaves running trainers scraped.
+        """
+        if self.annotator is not None:
+            self.annotator.close()
+        for ctl in self.controllers.values():
+            close = getattr(ctl.tailer, "close", None)
+            if callable(close):
+                close(withdraw=withdraw_targets)
+            ctl.h.dialect.close()  # a zero-patch run's /metrics server: a daemon restarted in process rebinds
+            close_proc = getattr(ctl.h.proc, "close", None)  # a Ray job's log stream (the job runs on)
+            if callable(close_proc):
+                close_proc()
+
+    def serve_forever(self, tick_s: float, until_done: bool = True, stop: threading.Event | None = None) -> None:
+        """Run ticks on an APScheduler 3.x BackgroundScheduler until done (or ``stop`` is set)."""
+        from apscheduler.schedulers.background import BackgroundScheduler
+
+        sched = BackgroundScheduler(daemon=True)
+        sched.add_job(self.tick, "interval", seconds=tick_s, max_instances=1, coalesce=True,
+                      misfire_grace_time=max(1, int(tick_s * 5)), next_run_time=_now_dt())
+        sched.start()
+        stop = stop or threading.Event()
+        try:
+            while not stop.is_set():
+                if until_done and self.done.wait(timeout=0.2):
+                    break
+                if not until_done:
+                    stop.wait(timeout=0.5)
+        finally:
+            sched.shutdown(wait=True)
+
+
+def _now_dt() -> Any:
+    from datetime import datetime
+
+    return datetime.now()
+
+
+def build_watchdog(
+    state_dir: str | Path, rule_paths: Sequence[str | Path] | None = None, webhook_url: str | None = None,
+    controller: dict[str, Any] | None = None, actuator: dict[str, Any] | None = None,
+    metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", crash_hook: Any = None,
+    grafana_url: str | None = None,
+) -> Watchdog:
+    """A Watchdog from plain settings (the CLI and the daemon config both land here).
+
+    With a Grafana URL (``grafana_url`` or ``$GRAFANA_URL``) every action outcome is also posted
+    as an annotation on the "PPO run" dashboard, from a background thread: a slow or down
+    Grafana never holds up a tick. A token file that is named but unreadable is a
+    DaemonConfigError (someone meant to configure one).
+    """
+    rules = EngineRules(list(rule_paths) if rule_paths else default_rules_paths())
+    telemetry = WatchdogMetrics()
+    if metrics_port is not None:
+        port = telemetry.serve(metrics_port, metrics_addr)
+        log.info("watchdog /metrics on http://%s:%d/metrics", metrics_addr, port)
+    notifier = Notifier(webhook_url or os.environ.get("WATCHDOG_WEBHOOK_URL") or None)
+    return Watchdog(
+        Store(state_dir), rules, LocalBackend(), notifier,
+        ControllerConfig(**(controller or {})), ActuatorConfig(**(actuator or {})), telemetry, crash_hook,
+        annotator=_annotator(grafana_url),
+    )
+
+
+def _annotator(url: str | None) -> Any:
+    """The background Grafana annotator when a Grafana URL is configured, else None."""
+    if not (url or os.environ.get("GRAFANA_URL")):
+        return None  # watchdog.observe.grafana pulls in the dashboard builders: import it only when used
+    from watchdog.observe import grafana
+    from watchdog.observe.dashboards import PPO_RUN_UID
+
+    try:
+        annotator = grafana.annotator_from_env(url, dashboard_uid=PPO_RUN_UID, background=True)
+    except grafana.TokenError as exc:
+        raise DaemonConfigError(f"Grafana annotations: {exc}") from exc
+    if annotator is not None:
+        log.info("annotating actions in Grafana at %s", grafana.redact_url(url or os.environ["GRAFANA_URL"]))
+    return annotator
+
+
+def _fan_out(*hooks: Callable[[str, str, str, str], None] | None) -> Callable[[str, str, str, str], None] | None:
+    """One on_action callback calling each hook given (None when there is none)."""
+    live = [h for h in hooks if h is not None]
+    if not live:
+        return None
+
+    def on_action(run: str, rule: str, kind: str, outcome: str) -> None:
+        for hook in live:
+            hook(run, rule, kind, outcome)
+
+    return on_action
+
+
+def run_daemon(cfg: DaemonConfig, stop: threading.Event | None = None) -> Watchdog:
+    """``watchdog daemon``: watch every configured run until stopped."""
+    wd = prepare_daemon(cfg)
+    try:
+        wd.serve_forever(cfg.tick_s, until_done=False, stop=stop)
+    finally:
+        wd.close()
+    return wd
+
+
+def prepare_daemon(cfg: DaemonConfig) -> Watchdog:
+    """The daemon's Watchdog with every configured run added (adopting trainers already running)."""
+    wd = build_watchdog(cfg.state_dir, cfg.rules, cfg.webhook_url, cfg.controller, cfg.actuator,
+                        cfg.metrics_port, cfg.metrics_addr, grafana_url=cfg.grafana_url)
+    for spec in cfg.runs:
+        cmd = spec.restart_command
+        ctl = wd.add_run(spec.run_dir, spec.id, cmd, managed=bool(cmd), ray_address=spec.ray_address,
+                         source=cfg.source_for(spec), mode=spec.mode, run_metrics_port=spec.run_metrics_port,
+                         retry_ended=False, on_escalate=spec.on_escalate)
+        if cmd and ctl.run.phase == Phase.NEW and spec.ray_address:
+            # run.json's pid is a process on the Ray head, not one this machine can watch: its job id.
+            _adopt_ray_job(wd, ctl)
+        elif cmd and ctl.run.phase == Phase.NEW:
+            # A run it did not start: adopt the running trainer instead of launching a second one.
+            pid = _run_pid(ctl.run.run_dir)
+            if pid is not None:
+                wd.store.update_run(ctl.run.run_id, phase=Phase.RUNNING, pid=pid)
+                ctl.h.run.phase, ctl.h.run.pid = Phase.RUNNING, pid
+                ctl.h.proc = wd.actuator.backend.attach(pid)
+    return wd
+
+
+def _adopt_ray_job(wd: Watchdog, ctl: RunController) -> None:
+    """A Ray run with no record here: attach to the job run.json names while it runs, rather than
+    submitting a second trainer into the same run directory."""
+    job_id = RunInfo.read(ctl.run.run_dir).ray_job_id
+    adopt = getattr(ctl.h.backend, "adopt_job", None)
+    if not job_id or adopt is None:
+        return
+    try:
+        proc = adopt(job_id, Path(ctl.run.run_dir) / wd.actuator.config.log_name)
+    except SupervisorError as exc:
+        log.error("%s: ray job %s from run.json not adopted: %s", ctl.run.run_id, job_id, exc)
+        return
+    if proc is not None:
+        wd.store.update_run(ctl.run.run_id, phase=Phase.RUNNING, job_id=job_id)
+        ctl.h.run.phase, ctl.h.run.job_id = Phase.RUNNING, job_id
+        ctl.h.proc = proc
+        log.info("%s: adopted running ray job %s (from run.json)", ctl.run.run_id, job_id)
+
+
+def _run_pid(run_dir: str) -> int | None:
+    return RunInfo.read(run_dir).pid

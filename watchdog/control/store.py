@@ -1,0 +1,668 @@
+"""The watchdog's durable state: one SQLite file (WAL) per state directory.
+
+What lives here is what a restarted watchdog needs to carry on without losing or
+doubling an action:
+
+- ``runs``: each supervised or watched run, its command, desired overrides, the newest
+  control.json version, restart and OOM-retry counters, tail offsets and the last step
+  evaluated (so a restart never re-decides a step).
+- ``rule_states``: the rules engine's serialised state (cooldowns, budgets, pending
+  counters) with its version.
+- ``decisions``: every decision with its inputs, its status (pending / applied / failed /
+  skipped) and its outcome, the audit log ``watchdog history`` prints.
+- ``journal``: the actions journal. An action's intent is written (in the same
+  transaction as the decision and the engine state) before it is carried out and marked
+  done only after confirmation; a restarted watchdog re-drives open entries, which are
+  idempotent by construction (control.json versions, pids).
+- ``control_versions``: every control.json version written and the step it was applied at.
+- ``bad_spans``: steps during which a divergence rule fired, for "last known-good".
+
+All writes go through one connection guarded by a lock: the scheduler's worker thread
+and the CLI thread may share a :class:`Store`.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from watchdog.core.vocabulary import (
+    ACTION_STATUSES,
+    DECISION_STATUSES,
+    OPEN_ACTION_STATUSES,
+    ActionStatus,
+    Word,
+)
+
+SCHEMA_VERSION = 3
+_JOURNAL_TABLE = """
+CREATE TABLE IF NOT EXISTS journal (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL,
+    decision_id INTEGER,
+    kind TEXT NOT NULL,
+    payload TEXT NOT NULL DEFAULT '{}',
+    status TEXT NOT NULL CHECK (status IN ('intent', 'sent', 'waiting', 'done', 'failed', 'dropped')),
+    control_version INTEGER,
+    deadline REAL,
+    result TEXT NOT NULL DEFAULT '{}',
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+)"""
+#: What brings a database of version N-1 to version N, applied in the opening transaction.
+_MIGRATIONS: dict[int, tuple[str, ...]] = {
+    2: ("ALTER TABLE runs ADD COLUMN job_id TEXT",),  # the Ray Job a run's trainer runs as
+    3: (
+        # Read positions live with the engine state (one transaction per tick); these were never read.
+        "ALTER TABLE runs DROP COLUMN metrics_offset",
+        "ALTER TABLE runs DROP COLUMN events_offset",
+        "ALTER TABLE runs DROP COLUMN events_line",
+        "ALTER TABLE runs ADD COLUMN startup_s REAL",  # measured relaunch cost: stop to first new step
+        "ALTER TABLE decisions ADD COLUMN signals TEXT NOT NULL DEFAULT '{}'",
+        # The journal gains 'dropped' (a deferred set whose condition cleared) and loses depends_on.
+        "ALTER TABLE journal RENAME TO journal_v2",
+        _JOURNAL_TABLE,
+        "INSERT INTO journal (id, run_id, decision_id, kind, payload, status, control_version, deadline, result,"
+        " created, updated) SELECT id, run_id, decision_id, kind, payload, status, control_version, deadline,"
+        " result, created, updated FROM journal_v2",
+        "DROP TABLE journal_v2",
+        "CREATE INDEX IF NOT EXISTS journal_open ON journal (run_id, status)",
+    ),
+}
+DB_NAME = "watchdog.db"
+
+class Phase(Word):
+    """Where a run is, as the store knows it."""
+
+    NEW = "new"
+    """Registered, not launched yet."""
+    RUNNING = "running"
+    PAUSED = "paused"
+    """Paused by a rule's ``pause`` (waiting for ``watchdog resume``)."""
+    ESCALATED = "escalated"
+    """Paused by an escalation (a budget exhausted)."""
+    RESTARTING = "restarting"
+    FINISHED = "finished"
+    FAILED = "failed"
+    """Given up (restart or OOM budget spent, a rejected config)."""
+    STOPPED = "stopped"
+    """Ended by the watchdog with a verdict (``--on-escalate stop``, the pause timeout)."""
+    DETACHED = "detached"
+    """Watched only: the watchdog launches nothing."""
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    run_dir TEXT NOT NULL,
+    command TEXT NOT NULL DEFAULT '[]',
+    managed INTEGER NOT NULL DEFAULT 1,
+    phase TEXT NOT NULL DEFAULT 'new',
+    pid INTEGER,
+    job_id TEXT,
+    overrides TEXT NOT NULL DEFAULT '{}',
+    control_version INTEGER NOT NULL DEFAULT 0,
+    restarts INTEGER NOT NULL DEFAULT 0,
+    oom_retries INTEGER NOT NULL DEFAULT 0,
+    last_step INTEGER,
+    last_evaluated_step INTEGER,
+    last_progress_ts REAL,
+    launched_ts REAL,
+    exit_code INTEGER,
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
+    startup_s REAL
+);
+CREATE TABLE IF NOT EXISTS rule_states (
+    run_id TEXT PRIMARY KEY,
+    version INTEGER,
+    state TEXT NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS control_versions (
+    run_id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    overrides TEXT NOT NULL,
+    commands TEXT NOT NULL,
+    written_ts REAL,
+    applied_step INTEGER,
+    applied_ts REAL,
+    PRIMARY KEY (run_id, version)
+);
+CREATE TABLE IF NOT EXISTS decisions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    rule TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    severity TEXT NOT NULL DEFAULT '',
+    message TEXT NOT NULL DEFAULT '',
+    actions TEXT NOT NULL DEFAULT '[]',
+    inputs TEXT NOT NULL DEFAULT '{}',
+    status TEXT NOT NULL CHECK (status IN ('pending', 'applied', 'failed', 'skipped')),
+    outcome TEXT NOT NULL DEFAULT '',
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
+    signals TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS decisions_run ON decisions (run_id, step);
+""" + _JOURNAL_TABLE + """;
+CREATE INDEX IF NOT EXISTS journal_open ON journal (run_id, status);
+CREATE TABLE IF NOT EXISTS bad_spans (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL,
+    rule TEXT NOT NULL,
+    start_step INTEGER NOT NULL,
+    end_step INTEGER,
+    decision_id INTEGER,
+    opened_ts REAL NOT NULL,
+    closed_ts REAL
+);
+"""
+
+
+class StoreError(RuntimeError):
+    """The state database cannot be used (wrong schema version, unknown run); names the file."""
+
+
+@dataclass
+class RunRecord:
+    """One run as the store knows it."""
+
+    run_id: str
+    """Stable name of the run (the run directory's name unless given)."""
+    run_dir: str
+    """Absolute path of the run directory."""
+    command: list[str] = field(default_factory=list)
+    """The command the watchdog launches (empty for a run it only watches)."""
+    managed: bool = True
+    """True when the watchdog started the trainer and may stop and relaunch it."""
+    phase: str = Phase.NEW
+    """A :class:`Phase`."""
+    pid: int | None = None
+    """Process id of the current trainer (process-group leader); None for a Ray Job."""
+    job_id: str | None = None
+    """Ray submission id of the current trainer when it runs as a Ray Job (then ``pid`` is None)."""
+    overrides: dict[str, Any] = field(default_factory=dict)
+    """Desired config overrides (verl Hydra keys), also in control.json and restart args."""
+    control_version: int = 0
+    """Newest control.json version written."""
+    restarts: int = 0
+    """Restarts used for crash/hang/live-timeout (bounded by the restart budget)."""
+    oom_retries: int = 0
+    """OOM restarts used (bounded separately)."""
+    last_step: int | None = None
+    """Newest step seen in metrics.jsonl."""
+    last_evaluated_step: int | None = None
+    """Newest step the rules were evaluated at; never evaluated again unless rewound."""
+    last_progress_ts: float | None = None
+    """Wall time when the newest step (or the launch) was first seen: the heartbeat."""
+    launched_ts: float | None = None
+    """Wall time of the last launch."""
+    exit_code: int | None = None
+    """Exit code of the last trainer process, when known."""
+    created: float = 0.0
+    """When the run was first registered."""
+    updated: float = 0.0
+    """Last change."""
+    startup_s: float | None = None
+    """Measured cost of the last relaunch: the old trainer stopped to the new one's first step (seconds)."""
+
+
+@dataclass
+class ActionRecord:
+    """One entry of the actions journal."""
+
+    id: int
+    """Journal id (monotonic)."""
+    run_id: str
+    """Run the action is for."""
+    decision_id: int | None
+    """Decision that asked for it (None for the watchdog's own: crash restart, resume)."""
+    kind: str
+    """live_set | command | restart | notify | resume ..."""
+    payload: dict[str, Any]
+    """Everything needed to carry it out again after a crash."""
+    status: str
+    """One of :data:`ACTION_STATUSES`."""
+    control_version: int | None
+    """control.json version carrying it (live actions), for confirmation."""
+    deadline: float | None
+    """Wall time after which an unconfirmed live action falls back to a restart."""
+    result: dict[str, Any]
+    """What happened (pid, applied step, error)."""
+    created: float
+    """When the intent was written."""
+    updated: float
+    """Last change."""
+
+
+_RUN_JSON_FIELDS = ("command", "overrides")
+_RUN_COLUMNS = tuple(RunRecord.__dataclass_fields__)
+
+
+def _now() -> float:
+    return time.time()
+
+
+class Store:
+    """SQLite (WAL) state of a watchdog; one file, shared by the daemon and the CLI."""
+
+    def __init__(self, path: Path | str) -> None:
+        path = Path(path)
+        if path.is_dir() or path.suffix != ".db":
+            path.mkdir(parents=True, exist_ok=True)
+            path = path / DB_NAME
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._lock = threading.RLock()
+        # isolation_level=None: we issue BEGIN/COMMIT ourselves so a decision, the engine
+        # state and the journal intents land in one transaction.
+        self._db = sqlite3.connect(str(path), timeout=30.0, isolation_level=None, check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=30000")
+        self._depth = 0
+        with self.transaction():
+            for stmt in _SCHEMA.split(";"):
+                if stmt.strip():
+                    self._db.execute(stmt)
+            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+            if row is None:
+                self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+            elif int(row["value"]) != SCHEMA_VERSION:
+                self._migrate(path, int(row["value"]))
+
+    def _migrate(self, path: Path, version: int) -> None:
+        """Bring an older database up to :data:`SCHEMA_VERSION` (inside the opening transaction)."""
+        if not 1 <= version < SCHEMA_VERSION:
+            raise StoreError(f"{path}: schema version {version}, this watchdog speaks {SCHEMA_VERSION}")
+        for v in range(version + 1, SCHEMA_VERSION + 1):
+            for stmt in _MIGRATIONS[v]:
+                self._db.execute(stmt)
+        self._db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
+
+    def close(self) -> None:
+        """Close the connection."""
+        with self._lock:
+            self._db.close()
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One atomic unit; nests (inner blocks join the outer transaction)."""
+        with self._lock:
+            outer = self._depth == 0
+            if outer:
+                self._db.execute("BEGIN IMMEDIATE")
+            self._depth += 1
+            try:
+                yield self._db
+            except BaseException:
+                self._depth -= 1
+                if outer:
+                    self._db.execute("ROLLBACK")
+                raise
+            self._depth -= 1
+            if outer:
+                self._db.execute("COMMIT")
+
+    # -- runs ---------------------------------------------------------------------------
+
+    def upsert_run(self, run: RunRecord) -> RunRecord:
+        """Insert or replace a run record."""
+        now = _now()
+        run.created = run.created or now
+        run.updated = now
+        values = []
+        for name in _RUN_COLUMNS:
+            v = getattr(run, name)
+            if name in _RUN_JSON_FIELDS:
+                v = json.dumps(v, sort_keys=True)
+            elif name == "managed":
+                v = int(v)
+            values.append(v)
+        with self.transaction() as db:
+            db.execute(
+                f"INSERT OR REPLACE INTO runs ({', '.join(_RUN_COLUMNS)}) "
+                f"VALUES ({', '.join('?' * len(_RUN_COLUMNS))})",
+                values,
+            )
+        return run
+
+    def get_run(self, run_id: str) -> RunRecord | None:
+        """The run, or None."""
+        with self._lock:
+            row = self._db.execute("SELECT * FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        return _run_from_row(row) if row else None
+
+    def require_run(self, run_id: str) -> RunRecord:
+        """The run; raises :class:`StoreError` naming the database when unknown."""
+        run = self.get_run(run_id)
+        if run is None:
+            raise StoreError(f"{self.path}: no run {run_id!r} (known: {', '.join(self.run_ids()) or 'none'})")
+        return run
+
+    def run_ids(self) -> list[str]:
+        """All run ids, oldest first."""
+        with self._lock:
+            return [r["run_id"] for r in self._db.execute("SELECT run_id FROM runs ORDER BY created")]
+
+    def list_runs(self) -> list[RunRecord]:
+        """All runs, oldest first."""
+        with self._lock:
+            rows = self._db.execute("SELECT * FROM runs ORDER BY created").fetchall()
+        return [_run_from_row(r) for r in rows]
+
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        """Change some fields of a run."""
+        unknown = set(fields) - set(_RUN_COLUMNS)
+        if unknown:
+            raise KeyError(f"unknown run field(s): {', '.join(sorted(unknown))}")
+        fields["updated"] = _now()
+        sets, values = [], []
+        for name, v in fields.items():
+            if name in _RUN_JSON_FIELDS:
+                v = json.dumps(v, sort_keys=True)
+            elif name == "managed":
+                v = int(v)
+            sets.append(f"{name}=?")
+            values.append(v)
+        with self.transaction() as db:
+            cur = db.execute(f"UPDATE runs SET {', '.join(sets)} WHERE run_id=?", (*values, run_id))
+            if cur.rowcount != 1:
+                raise StoreError(f"{self.path}: no run {run_id!r}")
+
+    # -- engine state -------------------------------------------------------------------
+
+    def load_engine_state(self, run_id: str) -> dict[str, Any] | None:
+        """The rules engine's serialised state for a run, or None."""
+        with self._lock:
+            row = self._db.execute("SELECT state FROM rule_states WHERE run_id=?", (run_id,)).fetchone()
+        return json.loads(row["state"]) if row else None
+
+    def save_engine_state(self, run_id: str, state: dict[str, Any]) -> None:
+        """Persist the engine state (it carries its own ``version``)."""
+        with self.transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO rule_states VALUES (?, ?, ?, ?)",
+                (run_id, state.get("version"), json.dumps(state, sort_keys=True), _now()),
+            )
+
+    # -- decisions ----------------------------------------------------------------------
+
+    def add_decision(
+        self,
+        run_id: str,
+        step: int,
+        rule: str,
+        kind: str,
+        actions: list[dict[str, Any]],
+        inputs: dict[str, float],
+        severity: str = "",
+        message: str = "",
+        status: str = "pending",
+        outcome: str = "",
+        signals: dict[str, str] | None = None,
+    ) -> int:
+        """Record a decision with its inputs (and the verl key each metric came from); returns its id."""
+        if status not in DECISION_STATUSES:
+            raise ValueError(f"decision status {status!r} not in {DECISION_STATUSES}")
+        now = _now()
+        with self.transaction() as db:
+            cur = db.execute(
+                "INSERT INTO decisions (run_id, step, rule, kind, severity, message, actions, inputs, status,"
+                " outcome, created, updated, signals) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    run_id, int(step), rule, kind, severity, message,
+                    json.dumps(actions, sort_keys=True), json.dumps(_jsonable(inputs), sort_keys=True),
+                    status, outcome, now, now, json.dumps(signals or {}, sort_keys=True),
+                ),
+            )
+            return int(cur.lastrowid or 0)
+
+    def set_decision(self, decision_id: int, status: str, outcome: str | None = None) -> None:
+        """Change a decision's status (and outcome text)."""
+        if status not in DECISION_STATUSES:
+            raise ValueError(f"decision status {status!r} not in {DECISION_STATUSES}")
+        with self.transaction() as db:
+            if outcome is None:
+                db.execute("UPDATE decisions SET status=?, updated=? WHERE id=?", (status, _now(), decision_id))
+            else:
+                db.execute(
+                    "UPDATE decisions SET status=?, outcome=?, updated=? WHERE id=?",
+                    (status, outcome, _now(), decision_id),
+                )
+
+    def decisions(self, run_id: str | None = None) -> list[dict[str, Any]]:
+        """Decisions (oldest first) as plain dicts, each with its journal entries under ``journal``."""
+        with self._lock:
+            if run_id is None:
+                rows = self._db.execute("SELECT * FROM decisions ORDER BY id").fetchall()
+                jrows = self._db.execute("SELECT * FROM journal ORDER BY id").fetchall()
+            else:
+                rows = self._db.execute("SELECT * FROM decisions WHERE run_id=? ORDER BY id", (run_id,)).fetchall()
+                jrows = self._db.execute("SELECT * FROM journal WHERE run_id=? ORDER BY id", (run_id,)).fetchall()
+        by_decision: dict[int, list[dict[str, Any]]] = {}
+        for j in jrows:
+            if j["decision_id"] is not None:
+                by_decision.setdefault(j["decision_id"], []).append(_action_dict(_action_from_row(j)))
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["actions"] = json.loads(d["actions"])
+            d["inputs"] = json.loads(d["inputs"])
+            d["signals"] = json.loads(d["signals"])
+            d["journal"] = by_decision.get(d["id"], [])
+            out.append(d)
+        return out
+
+    def journal(self, run_id: str | None = None) -> list[ActionRecord]:
+        """All journal entries (oldest first)."""
+        with self._lock:
+            if run_id is None:
+                rows = self._db.execute("SELECT * FROM journal ORDER BY id").fetchall()
+            else:
+                rows = self._db.execute("SELECT * FROM journal WHERE run_id=? ORDER BY id", (run_id,)).fetchall()
+        return [_action_from_row(r) for r in rows]
+
+    # -- actions journal ----------------------------------------------------------------
+
+    def add_action(
+        self,
+        run_id: str,
+        kind: str,
+        payload: dict[str, Any],
+        decision_id: int | None = None,
+        status: str = "intent",
+    ) -> int:
+        """Write an action's intent before carrying it out (or, ``waiting``, deferred); returns its journal id."""
+        if status not in ACTION_STATUSES:
+            raise ValueError(f"action status {status!r} not in {ACTION_STATUSES}")
+        now = _now()
+        with self.transaction() as db:
+            cur = db.execute(
+                "INSERT INTO journal (run_id, decision_id, kind, payload, status, created, updated)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (run_id, decision_id, kind, json.dumps(payload, sort_keys=True), status, now, now),
+            )
+            return int(cur.lastrowid or 0)
+
+    def update_action(self, action_id: int, **fields: Any) -> None:
+        """Change status / control_version / deadline / result / payload of a journal entry."""
+        allowed = {"status", "control_version", "deadline", "result", "payload"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise KeyError(f"unknown journal field(s): {', '.join(sorted(unknown))}")
+        if "status" in fields and fields["status"] not in ACTION_STATUSES:
+            raise ValueError(f"action status {fields['status']!r} not in {ACTION_STATUSES}")
+        sets, values = ["updated=?"], [_now()]
+        for name, v in fields.items():
+            if name in ("result", "payload"):
+                v = json.dumps(v, sort_keys=True)
+            sets.append(f"{name}=?")
+            values.append(v)
+        with self.transaction() as db:
+            db.execute(f"UPDATE journal SET {', '.join(sets)} WHERE id=?", (*values, action_id))
+
+    def get_action(self, action_id: int) -> ActionRecord | None:
+        """One journal entry."""
+        with self._lock:
+            row = self._db.execute("SELECT * FROM journal WHERE id=?", (action_id,)).fetchone()
+        return _action_from_row(row) if row else None
+
+    def open_actions(self, run_id: str) -> list[ActionRecord]:
+        """Journal entries not yet done or failed, oldest first: what a (re)started watchdog must drive."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM journal WHERE run_id=? AND status IN ('intent', 'sent', 'waiting') ORDER BY id",
+                (run_id,),
+            ).fetchall()
+        return [_action_from_row(r) for r in rows]
+
+    def settle_decision(self, decision_id: int) -> str:
+        """Derive a decision's status from its journal entries; returns the status."""
+        with self._lock:
+            rows = self._db.execute("SELECT status, result FROM journal WHERE decision_id=?", (decision_id,)).fetchall()
+        statuses = [r["status"] for r in rows]
+        if any(s in OPEN_ACTION_STATUSES for s in statuses):
+            return "pending"
+        if any(s == ActionStatus.FAILED for s in statuses):
+            errors = [json.loads(r["result"]).get("error", "") for r in rows if r["status"] == ActionStatus.FAILED]
+            self.set_decision(decision_id, "failed", "; ".join(e for e in errors if e) or "failed")
+            return "failed"
+        outcomes = [json.loads(r["result"]).get("outcome", "") for r in rows]
+        if statuses and all(s == ActionStatus.DROPPED for s in statuses):
+            self.set_decision(decision_id, "skipped", "; ".join(o for o in outcomes if o) or "dropped")
+            return "skipped"
+        self.set_decision(decision_id, "applied", "; ".join(o for o in outcomes if o) or "applied")
+        return "applied"
+
+    # -- control versions ---------------------------------------------------------------
+
+    def record_control(self, run_id: str, version: int, overrides: dict[str, Any], commands: list[dict[str, Any]]) -> None:
+        """Remember a control.json version as written."""
+        with self.transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO control_versions (run_id, version, overrides, commands, written_ts)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (run_id, version, json.dumps(overrides, sort_keys=True), json.dumps(commands, sort_keys=True), _now()),
+            )
+
+    def mark_control_applied(self, run_id: str, version: int, step: int | None) -> None:
+        """Record the trainer's ``applied`` event for a version (first one wins)."""
+        with self.transaction() as db:
+            db.execute(
+                "UPDATE control_versions SET applied_step=?, applied_ts=? "
+                "WHERE run_id=? AND version=? AND applied_ts IS NULL",
+                (step, _now(), run_id, version),
+            )
+
+    def control_versions(self, run_id: str) -> list[dict[str, Any]]:
+        """All control versions of a run, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT * FROM control_versions WHERE run_id=? ORDER BY version", (run_id,)
+            ).fetchall()
+        out = []
+        for r in rows:
+            d = dict(r)
+            d["overrides"] = json.loads(d["overrides"])
+            d["commands"] = json.loads(d["commands"])
+            out.append(d)
+        return out
+
+    # -- divergence spans (for last known-good) ----------------------------------------
+
+    def open_bad_span(self, run_id: str, rule: str, start_step: int, decision_id: int | None = None) -> int:
+        """Mark steps from ``start_step`` on as taken while a divergence rule fired."""
+        with self.transaction() as db:
+            cur = db.execute(
+                "INSERT INTO bad_spans (run_id, rule, start_step, decision_id, opened_ts) VALUES (?, ?, ?, ?, ?)",
+                (run_id, rule, int(start_step), decision_id, _now()),
+            )
+            return int(cur.lastrowid or 0)
+
+    def close_bad_spans(self, run_id: str, end_step: int) -> None:
+        """Close every open span of a run at ``end_step`` (the rollback happened)."""
+        with self.transaction() as db:
+            db.execute(
+                "UPDATE bad_spans SET end_step=MAX(start_step, ?), closed_ts=? WHERE run_id=? AND end_step IS NULL",
+                (int(end_step), _now(), run_id),
+            )
+
+    def bad_spans(self, run_id: str) -> list[BadSpan]:
+        """Every divergence span of a run, oldest first."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT rule, start_step, end_step, opened_ts, closed_ts FROM bad_spans WHERE run_id=? ORDER BY id",
+                (run_id,),
+            ).fetchall()
+        return [BadSpan(r["rule"], r["start_step"], r["end_step"], r["opened_ts"], r["closed_ts"]) for r in rows]
+
+    def bad_step_predicate(self, run_id: str) -> Callable[[int], bool]:
+        """A step-only predicate for ``checkpoint.last_known_good`` (ignores re-runs of the same steps)."""
+        spans = self.bad_spans(run_id)
+        return lambda step: any(s.covers(step) for s in spans)
+
+
+@dataclass(frozen=True)
+class BadSpan:
+    """Steps during which a divergence rule fired (checkpoints written then are not known-good)."""
+
+    rule: str
+    """The divergence rule."""
+    start_step: int
+    """First step whose checkpoint may hold the diverging weights (before the rule's ``for``)."""
+    end_step: int | None
+    """Last diverged step (closed when the rollback happened); None while open."""
+    opened_ts: float
+    """Wall time the span was opened."""
+    closed_ts: float | None
+    """Wall time it was closed: a checkpoint of the same step written later is a re-run, not bad."""
+
+    def covers(self, step: int, ts: float | None = None) -> bool:
+        """Was a checkpoint of ``step`` written at ``ts`` taken while diverging?"""
+        if step < self.start_step or (self.end_step is not None and step > self.end_step):
+            return False
+        # After a rollback the same step numbers are trained again: those later checkpoints are good.
+        return ts is None or self.closed_ts is None or ts <= self.closed_ts
+
+
+def _jsonable(obj: Any) -> Any:
+    """Inputs may hold NaN/inf (that is often why a rule fired): keep them as strings for strict JSON."""
+    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def _run_from_row(row: sqlite3.Row) -> RunRecord:
+    d = dict(row)
+    for name in _RUN_JSON_FIELDS:
+        d[name] = json.loads(d[name])
+    d["managed"] = bool(d["managed"])
+    return RunRecord(**d)
+
+
+def _action_from_row(row: sqlite3.Row) -> ActionRecord:
+    d = dict(row)
+    d["payload"] = json.loads(d["payload"])
+    d["result"] = json.loads(d["result"])
+    return ActionRecord(**d)
+
+
+def _action_dict(a: ActionRecord) -> dict[str, Any]:
+    return {k: getattr(a, k) for k in ActionRecord.__dataclass_fields__}

@@ -1,0 +1,286 @@
+"""What a rule can ask for: set a config key, roll back, checkpoint, pause, notify.
+
+Actions are plain data. The rules engine only decides; the controller (``watchdog``'s
+actuator) carries them out: a live ``set`` through control.json, a restart-only ``set``
+by relaunching with the override, a rollback to the last known-good checkpoint.
+
+Only known tunable keys may be set (:data:`TUNABLE_KEYS`): a typo in a rule file must
+fail the rule check, not silently write an override the trainer ignores. One key is not
+verl's: ``kl_coef`` is the coefficient of the KL term the run actually has (the reward
+penalty's ``algorithm.kl_ctrl.kl_coef``, or the KL loss's ``actor_rollout_ref.actor.kl_loss_coef``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from watchdog.protocol import catalog
+
+
+@dataclass(frozen=True)
+class TunableKey:
+    """A config key (verl's Hydra name) a rule may change."""
+
+    key: str
+    """verl's Hydra key."""
+    live: bool
+    """True when the embedded trainer applies it at a step boundary; False: restart with an override."""
+    integer: bool = False
+    """Values are whole numbers (results of scale/add are rounded)."""
+    metric: str | None = None
+    """Catalog short name whose value is the key's current value, when one is logged."""
+    metric_first: bool = False
+    """The logged metric is the truth, over the config and the overrides (an adaptive KL controller
+    or a fault moves the KL coefficient away from what was configured)."""
+    verl_default: float | None = None
+    """verl's own default (verl/trainer/config), what a run uses when its command does not set the key."""
+
+
+_INTEGER_KEYS = {
+    "actor_rollout_ref.actor.ppo_epochs",
+    "critic.ppo_epochs",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "critic.ppo_micro_batch_size_per_gpu",
+}
+_METRIC_OF = {
+    "algorithm.kl_ctrl.kl_coef": "kl_coef",
+    "actor_rollout_ref.actor.optim.lr": "lr",
+    "critic.optim.lr": "critic_lr",
+    "actor_rollout_ref.actor.kl_loss_coef": "kl_loss_coef",
+}
+_METRIC_FIRST = {"algorithm.kl_ctrl.kl_coef"}
+#: verl 0.9's defaults (actor/actor.yaml, critic/critic.yaml, ppo_trainer.yaml).
+_VERL_DEFAULTS = {
+    "algorithm.kl_ctrl.kl_coef": 0.001,
+    "actor_rollout_ref.actor.kl_loss_coef": 0.001,
+    "actor_rollout_ref.actor.optim.lr": 1e-6,
+    "critic.optim.lr": 1e-5,
+    "actor_rollout_ref.actor.ppo_epochs": 1,
+    "critic.ppo_epochs": 1,
+    "actor_rollout_ref.actor.entropy_coeff": 0.0,
+    "actor_rollout_ref.actor.clip_ratio": 0.2,
+}
+KL_COEF = "kl_coef"
+"""Not a verl key: the coefficient of whichever KL term the run logs (:func:`resolve_key`)."""
+KL_LOSS_METRIC = "actor/kl_loss"
+
+
+def resolve_key(key: str, signals: Mapping[str, str]) -> str:
+    """The verl key a rule's key means for this run: ``kl_coef`` is ``algorithm.kl_ctrl.kl_coef``
+    (KL in the reward) unless the run's KL signal is verl's KL loss (``use_kl_loss``), whose
+    coefficient is ``actor_rollout_ref.actor.kl_loss_coef``; every other key is itself."""
+    if key != KL_COEF:
+        return key
+    if signals.get("kl") == KL_LOSS_METRIC:
+        return "actor_rollout_ref.actor.kl_loss_coef"
+    return "algorithm.kl_ctrl.kl_coef"
+#: Keys no trainer changes mid-run (they shape batches, buffers or the rollout engine's
+#: memory): the controller applies them by restart with a Hydra override + resume.
+RESTART_KEYS: tuple[TunableKey, ...] = (
+    TunableKey("data.train_batch_size", live=False, integer=True),
+    TunableKey("actor_rollout_ref.actor.ppo_mini_batch_size", live=False, integer=True),
+    TunableKey("critic.ppo_mini_batch_size", live=False, integer=True),
+    TunableKey("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", live=False, integer=True),
+    TunableKey("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", live=False, integer=True),
+    TunableKey("actor_rollout_ref.rollout.gpu_memory_utilization", live=False),
+    TunableKey("actor_rollout_ref.actor.grad_clip", live=False),
+    TunableKey("critic.grad_clip", live=False),
+    TunableKey("critic.cliprange_value", live=False),
+    TunableKey("algorithm.gamma", live=False),
+    TunableKey("algorithm.lam", live=False),
+)
+TUNABLE_KEYS: dict[str, TunableKey] = {
+    **{
+        k: TunableKey(k, live=True, integer=k in _INTEGER_KEYS, metric=_METRIC_OF.get(k),
+                      metric_first=k in _METRIC_FIRST, verl_default=_VERL_DEFAULTS.get(k))
+        for k in catalog.LIVE_KEYS
+    },
+    **{t.key: t for t in RESTART_KEYS},
+    KL_COEF: TunableKey(KL_COEF, live=True, metric="kl_coef", metric_first=True, verl_default=0.001),
+}
+
+SET_OPS = ("scale", "add", "to")
+
+
+@dataclass(frozen=True)
+class SetAction:
+    """Change a config key: scale, add to or set it, then clamp to [min, max]."""
+
+    key: str
+    """Tunable key (see TUNABLE_KEYS)."""
+    op: str
+    """scale | add | to."""
+    value: float
+    """Factor, increment or new value."""
+    min: float | None = None
+    """Lower bound of the result."""
+    max: float | None = None
+    """Upper bound of the result (the cap that keeps repeated raising safe)."""
+    grow: bool = False
+    """Compound the scale with each repeat of the same cause: the n-th fire within the rule's
+    budget scales by ``value ** n`` (x0.5, then x0.25, then x0.125): a remedy that was too weak
+    once is made stronger, not repeated."""
+
+    kind = "set"
+
+    def __post_init__(self) -> None:
+        if self.op not in SET_OPS:
+            raise ValueError(f"set {self.key}: op must be one of {SET_OPS}, got {self.op!r}")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"set {self.key}: min {self.min} > max {self.max}")
+
+    @property
+    def live(self) -> bool:
+        """True when the trainer applies the key at a step boundary."""
+        t = TUNABLE_KEYS.get(self.key)
+        return bool(t and t.live)
+
+    def factor(self, repeat: int = 1) -> float:
+        """The scale of the ``repeat``-th fire (1-based): ``value``, or ``value ** repeat`` when growing."""
+        return self.value ** max(1, repeat) if self.grow else self.value
+
+    def apply(self, current: float, repeat: int = 1) -> float:
+        """The new value from the current one (clamped; whole numbers for integer keys)."""
+        if self.op == "scale":
+            new = current * self.factor(repeat)
+        elif self.op == "add":
+            new = current + self.value
+        else:
+            new = self.value
+        if self.min is not None:
+            new = max(new, self.min)
+        if self.max is not None:
+            new = min(new, self.max)
+        t = TUNABLE_KEYS.get(self.key)
+        integer = t is not None and t.integer and math.isfinite(new)
+        if integer:
+            new = float(round(new))
+            # Rounding must not step back over a bound (e.g. min 1 with 0.6 -> 1, not 1 -> 0).
+            if self.min is not None and new < self.min:
+                new = float(math.ceil(self.min))
+            if self.max is not None and new > self.max:
+                new = float(math.floor(self.max))
+        if self.op in ("scale", "add") and math.isfinite(current) and (new - current) * self._direction() < 0:
+            # The bounds limit how far a rule moves a key; they never move it the other way: a
+            # run that starts above a raise's max (kl_coef 0.1 against max 0.02) stays where it is.
+            new = current
+        return int(new) if integer else new
+
+    def _direction(self) -> float:
+        """+1 when the op raises the value, -1 when it lowers it, 0 when it keeps it."""
+        step = self.value - 1.0 if self.op == "scale" else self.value
+        return float((step > 0) - (step < 0))
+
+    def describe(self) -> str:
+        """One line: ``set algorithm.kl_ctrl.kl_coef x1.2 (max 0.02)``."""
+        sym = {"scale": "x", "add": "+" if self.value >= 0 else "", "to": "= "}[self.op]
+        bounds = [f"min {_fmt(self.min)}"] if self.min is not None else []
+        bounds += [f"max {_fmt(self.max)}"] if self.max is not None else []
+        bounds += ["growing"] if self.grow else []
+        tail = f" ({', '.join(bounds)})" if bounds else ""
+        return f"set {self.key} {sym}{_fmt(self.value)}{tail}"
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"kind": "set", "key": self.key, "op": self.op, "value": self.value}
+        if self.min is not None:
+            d["min"] = self.min
+        if self.max is not None:
+            d["max"] = self.max
+        if self.grow:
+            d["grow"] = True
+        return d
+
+
+@dataclass(frozen=True)
+class RollbackAction:
+    """Restore the last known-good checkpoint; optionally skip the batches that led to the spike."""
+
+    skip_batches: int = 0
+    """Data batches to skip after the restored step (the ones that preceded the divergence)."""
+
+    kind = "rollback"
+
+    def __post_init__(self) -> None:
+        if self.skip_batches < 0:
+            raise ValueError(f"rollback: skip_batches must be >= 0, got {self.skip_batches}")
+
+    def describe(self) -> str:
+        return "rollback to last known-good" + (f", skip {self.skip_batches} batches" if self.skip_batches else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "rollback", "skip_batches": self.skip_batches}
+
+
+@dataclass(frozen=True)
+class CheckpointAction:
+    """Ask the trainer to save a checkpoint now."""
+
+    kind = "checkpoint"
+
+    def describe(self) -> str:
+        return "checkpoint"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "checkpoint"}
+
+
+@dataclass(frozen=True)
+class PauseAction:
+    """Pause the trainer until a human resumes it."""
+
+    reason: str = ""
+    """Why, for the alert and the audit log."""
+
+    kind = "pause"
+
+    def describe(self) -> str:
+        return "pause" + (f": {self.reason}" if self.reason else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "pause", "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class NotifyAction:
+    """Alert a human (webhook and log)."""
+
+    message: str = ""
+    """Alert text (the rule's description when empty)."""
+
+    kind = "notify"
+
+    def describe(self) -> str:
+        return "notify" + (f": {self.message}" if self.message else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "notify", "message": self.message}
+
+
+Action = SetAction | RollbackAction | CheckpointAction | PauseAction | NotifyAction
+
+ACTION_KINDS = ("set", "rollback", "checkpoint", "pause", "notify")
+
+
+def action_from_json(d: dict[str, Any]) -> Action:
+    """Inverse of ``to_json`` (for persisted decisions); ValueError on an unknown kind."""
+    kind = d.get("kind")
+    if kind == "set":
+        return SetAction(d["key"], d["op"], float(d["value"]), d.get("min"), d.get("max"), bool(d.get("grow", False)))
+    if kind == "rollback":
+        return RollbackAction(int(d.get("skip_batches", 0)))
+    if kind == "checkpoint":
+        return CheckpointAction()
+    if kind == "pause":
+        return PauseAction(str(d.get("reason", "")))
+    if kind == "notify":
+        return NotifyAction(str(d.get("message", "")))
+    raise ValueError(f"unknown action kind {kind!r} in {d!r}")
+
+
+def _fmt(v: float | None) -> str:
+    if v is None:
+        return ""
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e15 else f"{v:g}"

@@ -1,0 +1,396 @@
+"""The rules engine: a pure function (rules, window, state, step) -> (decisions, new state).
+
+Per rule, a small state machine in the manner of Prometheus alerting rules::
+
+    inactive --cond--> pending --held `for` steps, cooldown over--> firing --clear held
+        ^                 |                                           |  keep_firing_for--> resolved
+        +----not cond-----+                                           +-- cond, repeat, cooldown over: fire again
+
+All durations are training steps, measured on a monotonic *clock* kept in the state:
+it advances by the step difference when the run moves forward and by one when the run
+is rewound (a rollback or resume re-trains earlier step numbers). So cooldowns, budgets
+and ``for`` count steps actually trained, and fires recorded before a rollback still
+count against the budget afterwards, which is how repeated rollbacks escalate.
+
+A fire over budget (more than ``budget.max`` fires within ``budget.window`` steps)
+becomes an ``escalate`` decision whose actions are the budget's escalation (default:
+pause + notify) instead of the rule's own. A rule whose expression fails (a metric the
+run does not log, too little data) is marked unhealthy with the error, keeps its state,
+and the other rules carry on. Nothing here does I/O or reads a clock, so live runs,
+``watchdog replay`` and rule unit tests all give the same decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from watchdog.core.actions import Action, NotifyAction
+from watchdog.core.rulefile import Rule, RuleSet
+from watchdog.core.series import Window
+from watchdog.core.vocabulary import DecisionKind, RuleStatus
+from watchdog.protocol import catalog
+
+log = logging.getLogger(__name__)
+
+ENGINE_STATE_VERSION = 1
+INACTIVE, PENDING, FIRING, RESOLVED = RuleStatus.INACTIVE, RuleStatus.PENDING, RuleStatus.FIRING, RuleStatus.RESOLVED
+STATUSES = tuple(s.value for s in RuleStatus)
+DECISION_KINDS = tuple(k.value for k in DecisionKind)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the engine decided for one rule at one step."""
+
+    rule: str
+    """Rule name."""
+    step: int
+    """Training step evaluated."""
+    kind: str
+    """A :class:`DecisionKind`: fire | escalate | resolve."""
+    actions: list[Action]
+    """What to do (empty for resolve)."""
+    inputs: dict[str, float]
+    """Values of the metrics and function calls of the expression, for the audit log."""
+    severity: str
+    """The rule's severity."""
+    message: str
+    """One line for people."""
+    divergence: bool = False
+    """The rule marks checkpoints taken while it fires as not known-good."""
+    urgent: bool = False
+    """A relaunch this decision needs goes at once (divergence and OOM), not at the next checkpoint."""
+    repeat: int = 1
+    """Which fire this is within the rule's budget (1: the first); a growing ``set`` compounds by it."""
+    signals: dict[str, str] = field(default_factory=dict)
+    """The verl key each metric the rule read came from (``kl``: ``actor/kl_loss`` in a GRPO run)."""
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON-able dict (NaN inputs stay floats; the store stringifies them)."""
+        return {
+            "rule": self.rule, "step": self.step, "kind": self.kind,
+            "actions": [a.to_json() for a in self.actions], "inputs": dict(self.inputs),
+            "severity": self.severity, "message": self.message, "divergence": self.divergence,
+            "urgent": self.urgent, "repeat": self.repeat, "signals": dict(self.signals),
+        }
+
+
+@dataclass(frozen=True)
+class RuleState:
+    """The engine's memory of one rule."""
+
+    status: str = INACTIVE
+    """inactive | pending | firing | resolved."""
+    since: int | None = None
+    """Clock at which the condition started holding (pending or firing)."""
+    clear_since: int | None = None
+    """Clock at which the clear condition started holding while firing."""
+    last_fire: int | None = None
+    """Clock of the last fire or escalation (cooldown)."""
+    last_fire_step: int | None = None
+    """Training step of the last fire or escalation."""
+    fires: tuple[int, ...] = ()
+    """Clocks of recent fires (budget); older than any budget window are dropped."""
+    fire_count: int = 0
+    """Fires and escalations over the engine's life."""
+    escalated_at: int | None = None
+    """Clock of the last escalation: a rule escalates at most once per budget window."""
+    health: str = "ok"
+    """ok | unhealthy."""
+    last_error: str | None = None
+    """The last evaluation error (kept after recovery, for `rules explain`)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "status": self.status, "since": self.since, "clear_since": self.clear_since,
+            "last_fire": self.last_fire, "last_fire_step": self.last_fire_step, "fires": list(self.fires),
+            "fire_count": self.fire_count, "escalated_at": self.escalated_at,
+            "health": self.health, "last_error": self.last_error,
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> RuleState:
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"engine state: unknown rule-state key(s) {sorted(unknown)}")
+        if d.get("status", INACTIVE) not in STATUSES:
+            raise ValueError(f"engine state: bad rule status {d.get('status')!r}")
+        return cls(**{**d, "fires": tuple(int(x) for x in d.get("fires", ()))})
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """Everything the engine remembers between evaluations of one run (persisted by the daemon)."""
+
+    clock: int = 0
+    """Steps trained so far as the engine counts them (monotonic, also across rollbacks)."""
+    last_step: int | None = None
+    """Step of the last evaluation."""
+    event_seq: int = 0
+    """Sequence number of the newest window event already seen (``event()`` counts later ones)."""
+    rules: Mapping[str, RuleState] = field(default_factory=dict)
+    """Per-rule state by name."""
+    version: int = ENGINE_STATE_VERSION
+    """Format version of to_json."""
+
+    def rule(self, name: str) -> RuleState:
+        """State of one rule (inactive when never evaluated)."""
+        return self.rules.get(name, _INITIAL)
+
+    def firing(self) -> list[str]:
+        """Names of rules now firing."""
+        return [n for n, s in self.rules.items() if s.status == FIRING]
+
+    def acknowledge(self, names: Iterable[str] | None = None) -> EngineState:
+        """Forget fire budgets and escalations (all rules, or ``names``): a human resumed the run.
+
+        Without this, a rule that escalated stays over budget for its whole window, so a
+        problem that recurs right after the human's resume would get no remedy at all.
+        """
+        pick = set(self.rules) if names is None else set(names)
+        rules = {n: replace(s, fires=(), escalated_at=None) if n in pick else s for n, s in self.rules.items()}
+        return replace(self, rules=rules)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": self.version, "clock": self.clock, "last_step": self.last_step,
+            "event_seq": self.event_seq, "rules": {n: s.to_json() for n, s in sorted(self.rules.items())},
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> EngineState:
+        """Inverse of to_json; ValueError on another version or a malformed document."""
+        if not isinstance(d, Mapping):
+            raise ValueError(f"engine state must be an object, got {type(d).__name__}")
+        if d.get("version") != ENGINE_STATE_VERSION:
+            raise ValueError(f"engine state version {d.get('version')!r} is not {ENGINE_STATE_VERSION}")
+        unknown = set(d) - {"version", "clock", "last_step", "event_seq", "rules"}
+        if unknown:
+            raise ValueError(f"engine state: unknown key(s) {sorted(unknown)}")
+        rules = {str(n): RuleState.from_json(s) for n, s in dict(d.get("rules", {})).items()}
+        return cls(int(d.get("clock", 0)), d.get("last_step"), int(d.get("event_seq", 0)), rules)
+
+
+_INITIAL = RuleState()
+
+
+def _advance(state: EngineState, step: int) -> int:
+    if state.last_step is None:
+        return state.clock + 1
+    if step > state.last_step:
+        return state.clock + (step - state.last_step)
+    if step < state.last_step:
+        return state.clock + 1  # rewound: one more step trained, on an earlier step number
+    return state.clock
+
+
+def evaluate(
+    rules: RuleSet | Iterable[Rule], window: Window, state: EngineState, step: int
+) -> tuple[list[Decision], EngineState]:
+    """Evaluate every enabled rule at ``step``; returns the decisions and the new state."""
+    clock = _advance(state, step)
+    seq = state.event_seq
+    decisions: list[Decision] = []
+    new_rules: dict[str, RuleState] = {}
+    for rule in rules:
+        rs = state.rules.get(rule.name, _INITIAL)
+        if rule.enabled:
+            rs = _step_rule(rule, rs, window, step, clock, seq, decisions)
+        new_rules[rule.name] = rs
+    new = EngineState(clock, step, max(window.event_seq, seq), new_rules)
+    return decisions, new
+
+
+def _step_rule(
+    rule: Rule, rs: RuleState, w: Window, step: int, clock: int, seq: int, out: list[Decision]
+) -> RuleState:
+    try:
+        cond = bool(rule.expr.fn(w, step, seq))
+        clearing = None
+        if rs.status == FIRING:
+            clearing = bool(rule.clear.fn(w, step, seq)) if rule.clear is not None else not cond
+    except Exception as exc:  # noqa: BLE001 - a broken rule must not stop the others; recorded
+        msg = f"{type(exc).__name__}: {exc}"
+        if rs.health != "unhealthy" or rs.last_error != msg:
+            log.debug("rule %s unhealthy at step %s: %s", rule.name, step, msg)
+            return replace(rs, health="unhealthy", last_error=msg)
+        return rs
+    if rs.health != "ok":
+        rs = replace(rs, health="ok")
+
+    status = rs.status
+    if status == FIRING:
+        if clearing:
+            since = rs.clear_since if rs.clear_since is not None else clock
+            if clock - since >= rule.keep_firing_for:
+                out.append(_decision(rule, DecisionKind.RESOLVE, step, w, seq, (), resolve=True))
+                return replace(rs, status=RESOLVED, since=None, clear_since=None)
+            held_since = rs.since if cond else None
+            if rs.clear_since == since and rs.since == held_since:
+                return rs
+            return replace(rs, clear_since=since, since=held_since)
+        # ``since`` tracks the current unbroken run of true steps, so a repeat fire also
+        # needs the condition to have held ``for`` steps (not just one step after a dip).
+        run_since = (rs.since if rs.since is not None else clock) if cond else None
+        if rs.clear_since is not None or rs.since != run_since:
+            rs = replace(rs, clear_since=None, since=run_since)
+        if (
+            cond and rule.repeat and rs.last_fire is not None
+            and clock > rs.last_fire and clock - rs.last_fire >= rule.cooldown
+            and run_since is not None and clock - run_since + 1 >= max(rule.for_, 1)
+        ):
+            return _fire(rule, rs, w, step, clock, seq, out)
+        return rs
+
+    if not cond:
+        return rs if status == INACTIVE and rs.since is None else replace(rs, status=INACTIVE, since=None)
+    if status != PENDING:
+        rs = replace(rs, status=PENDING, since=clock)
+    held = clock - rs.since + 1  # type: ignore[operator]
+    cooled = rs.last_fire is None or clock - rs.last_fire >= rule.cooldown
+    if held >= max(rule.for_, 1) and cooled:
+        return _fire(rule, rs, w, step, clock, seq, out)
+    return rs
+
+
+def _fire(rule: Rule, rs: RuleState, w: Window, step: int, clock: int, seq: int, out: list[Decision]) -> RuleState:
+    b = rule.budget
+    fires = rs.fires
+    if b is not None:
+        fires = tuple(c for c in fires if c > clock - b.window)
+        if b.progress is not None and rs.last_fire is not None and clock - rs.last_fire >= b.progress:
+            fires = ()  # the run trained ``progress`` steps without this cause: it recovered
+        if len(fires) >= b.max:
+            if rs.escalated_at is not None and clock - rs.escalated_at < b.window:
+                # Already escalated in this window: a human has been called; do not repeat
+                # the alert every cooldown (EngineState.acknowledge re-arms it on resume).
+                # A pending rule stays pending (no fire, so no resolve will follow either).
+                return rs if rs.fires == fires else replace(rs, fires=fires)
+            recovery = f" without {b.progress} steps of recovery between them" if b.progress else ""
+            esc = tuple(
+                NotifyAction(f"budget exhausted: {b.max} fires within {b.window} steps{recovery}")
+                if isinstance(a, NotifyAction) and not a.message else a
+                for a in b.escalate
+            )
+            out.append(_decision(rule, DecisionKind.ESCALATE, step, w, seq, esc))
+            return replace(
+                rs, status=FIRING, clear_since=None, fires=fires, last_fire=clock, last_fire_step=step,
+                fire_count=rs.fire_count + 1, escalated_at=clock,
+            )
+        fires = fires + (clock,)
+    out.append(_decision(rule, DecisionKind.FIRE, step, w, seq, rule.actions, repeat=max(1, len(fires))))
+    return replace(
+        rs, status=FIRING, clear_since=None, fires=fires, last_fire=clock, last_fire_step=step,
+        fire_count=rs.fire_count + 1,
+    )
+
+
+def _decision(
+    rule: Rule, kind: str, step: int, w: Window, seq: int, actions: Sequence[Action], resolve: bool = False,
+    repeat: int = 1,
+) -> Decision:
+    expr = rule.clear if resolve and rule.clear is not None else rule.expr
+    inputs = expr.input_values(w, step, seq)
+    shown = ", ".join(f"{k}={v:.4g}" for k, v in list(inputs.items())[:4])
+    what = {
+        "fire": "fired" if repeat == 1 else f"fired (repeat {repeat})", "resolve": "resolved",
+        "escalate": f"escalated (budget {rule.budget.max if rule.budget else 0} fires"
+        f" per {rule.budget.window if rule.budget else 0} steps exhausted)",
+    }[kind]
+    signals = {m: w.sources[m] for m in sorted(rule.expr.metrics) if m in w.sources}
+    # Where a metric stands in for another (the KL loss for the KL penalty), say so.
+    read = ", ".join(f"{m} = {k}" for m, k in signals.items() if catalog.BY_SHORT[m].key != k)
+    msg = (f"{rule.name} {what} at step {step}: {expr.source}" + (f" [{shown}]" if shown else "")
+           + (f" ({read})" if read else ""))
+    return Decision(rule.name, step, kind, list(actions), inputs, rule.severity, msg, rule.divergence,
+                    rule.urgent or rule.divergence, repeat, signals)
+
+
+# -- blind rules ------------------------------------------------------------------------
+
+#: Records after which a metric no rule has seen yet counts as not logged by the run.
+BLIND_AFTER_STEPS = 3
+
+
+def blind_rules(rules: Iterable[Rule], seen: Iterable[str]) -> dict[str, list[str]]:
+    """Metrics some rule reads that the run never logged (short name -> the rules reading it)."""
+    have = set(seen)
+    out: dict[str, list[str]] = {}
+    for rule in rules:
+        if not rule.enabled:
+            continue
+        read = rule.expr.required | (rule.clear.required if rule.clear is not None else frozenset())
+        for m in sorted(read - have):
+            out.setdefault(m, []).append(rule.name)
+    return out
+
+
+def describe_blind(blind: Mapping[str, Sequence[str]]) -> list[str]:
+    """One line per missing signal: which rules are blind to it and the verl setting that logs it
+    (metrics one setting turns on together, KL and its coefficient, share a line)."""
+    groups: dict[str, tuple[list[str], list[str]]] = {}
+    for short, names in sorted(blind.items(), key=lambda kv: (kv[0] != "kl", kv[0])):
+        m = catalog.BY_SHORT.get(short)
+        metrics, rules = groups.setdefault(m.needs if m is not None and m.needs else short, ([], []))
+        metrics.append(short)
+        rules += [n for n in names if n not in rules]
+    lines = []
+    for needs, (metrics, rules) in groups.items():
+        first = catalog.BY_SHORT.get(metrics[0])
+        keys = [first.key, *first.aliases, *first.fallbacks] if first is not None else [metrics[0]]
+        what = "no KL to the reference" if metrics[0] == "kl" else f"no {metrics[0]}"
+        hint = f"; verl logs it with {needs}" if first is not None and first.needs else ""
+        lines.append(f"this run logs {what} ({' or '.join(keys)}): rule(s) {', '.join(rules)} "
+                     f"are blind to it{hint}")
+    return lines
+
+
+# -- drivers ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One evaluation of a replay: the step, its decisions and the state after it."""
+
+    step: int
+    decisions: list[Decision]
+    state: EngineState
+    sources: Mapping[str, str] = field(default_factory=dict)
+    """The verl key each short name was read from, as of this step."""
+
+
+def run_series(
+    rules: RuleSet | Sequence[Rule],
+    records: Iterable[Mapping[str, Any]],
+    events: Iterable[Mapping[str, Any]] = (),
+    size: int | None = None,
+    state: EngineState | None = None,
+) -> Iterator[StepResult]:
+    """Replay a recorded run: evaluate after every record (FileLogger ``{"step", "data"}``).
+
+    Records are taken in the order written (a resumed run's rewritten steps replace the
+    old ones). Each event is delivered before the first evaluation at or after its step,
+    in order; events left after the last record get one final evaluation at that step
+    (an OOM usually ends a run's log).
+    """
+    rules = tuple(rules)
+    w = Window(size if size is not None else max((r.max_window for r in rules), default=1) + 1)
+    st = state or EngineState()
+    pending = list(events)
+    i = 0
+    step = None
+    for rec in records:
+        step = int(rec["step"])
+        w.append_record(rec)
+        while i < len(pending) and (pending[i].get("step") is None or int(pending[i]["step"]) <= step):
+            w.add_event(pending[i])
+            i += 1
+        decisions, st = evaluate(rules, w, st, step)
+        yield StepResult(step, decisions, st, w.sources)
+    if i < len(pending) and step is not None:
+        w.add_events(pending[i:])
+        decisions, st = evaluate(rules, w, st, step)
+        yield StepResult(step, decisions, st, w.sources)

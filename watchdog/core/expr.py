@@ -1,0 +1,911 @@
+"""The rule expression language: tokenizer, Pratt parser, type check, compiler to closures.
+
+Rule text is data from a file, so it is parsed by hand and never handed to ``eval``.
+Grammar (lowest precedence first)::
+
+    expr     := expr "or" expr | expr "and" expr | "not" expr
+              | sum (("<"|"<="|">"|">="|"=="|"!=") sum)*     # chains like Python: 0 < kl < 1
+    sum      := sum ("+"|"-") term | term
+    term     := term ("*"|"/") unary | unary
+    unary    := "-" unary | atom
+    atom     := NUMBER | "inf" | "nan" | "step" | METRIC | m("verl/key") | $PARAM | CALL | "(" expr ")"
+
+METRIC is a short name from ``watchdog.protocol.catalog`` (``kl``, ``vf_loss``, ``reward``) or a
+Prometheus name; verl keys contain ``/`` and are written ``m("critic/vf_loss")``. ``step``
+is the evaluated training step. Window functions count training steps: ``avg(kl, 10)``
+reads the steps in (step-10, step]; an optional third argument shifts the window back:
+``median(kl, 5, 1)`` is the median of the 5 steps before this one, the run's own recent
+baseline. See :data:`FUNCTIONS` for the full list. ``$name`` is a parameter of the rule pack
+(``params:`` in a rule file, overridable by an overlay pack), bound to its number when the
+expression is compiled.
+
+Expressions are type checked (number vs condition) and compiled to nested closures
+``f(window, at, seq)``: ``at`` is the step evaluated (``count_over`` re-evaluates its
+condition at earlier steps), ``seq`` the last event sequence number already seen.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from watchdog.core.series import MissingDataError, Window
+from watchdog.protocol import catalog
+from watchdog.protocol.events import EVENT_KINDS
+
+MAX_DEPTH = 64
+MAX_LENGTH = 4000
+
+NUM, BOOL = "number", "condition"
+
+Fn = Callable[[Window, int, int], Any]
+
+
+class ExprError(ValueError):
+    """An expression does not parse or type check; ``col`` is 1-based within the expression."""
+
+    def __init__(self, col: int, message: str) -> None:
+        super().__init__(f"column {col}: {message}")
+        self.col = col
+        self.message = message
+
+
+# -- AST -----------------------------------------------------------------------------
+# ``col`` is left out of equality so that parse(unparse(ast)) == ast holds.
+
+
+@dataclass(frozen=True)
+class Num:
+    value: float
+    col: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Str:
+    value: str
+    col: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Step:
+    col: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    """Parameter name, without the ``$``."""
+    col: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    """Catalog short name."""
+    col: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Unary:
+    op: str
+    operand: Node
+    col: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Binary:
+    op: str
+    left: Node
+    right: Node
+    col: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Compare:
+    ops: tuple[str, ...]
+    operands: tuple[Node, ...]
+    col: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class BoolOp:
+    op: str
+    left: Node
+    right: Node
+    col: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Not:
+    operand: Node
+    col: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Call:
+    func: str
+    args: tuple[Node, ...]
+    col: int = field(default=0, compare=False)
+
+
+Node = Num | Str | Step | Param | Metric | Unary | Binary | Compare | BoolOp | Not | Call
+
+
+# -- tokenizer ------------------------------------------------------------------------
+
+_TOKEN = re.compile(
+    r"""
+    (?P<ws>\s+)
+  | (?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)
+  | (?P<ident>[A-Za-z_][A-Za-z0-9_]*)
+  | (?P<param>\$[A-Za-z_][A-Za-z0-9_]*)
+  | (?P<str>"[^"\\\n]*"|'[^'\\\n]*')
+  | (?P<op><=|>=|==|!=|[-+*/<>(),])
+    """,
+    re.VERBOSE,
+)
+
+
+@dataclass(frozen=True)
+class Token:
+    kind: str
+    """num, ident, param, str, op or eof."""
+    text: str
+    col: int
+
+
+def tokenize(text: str) -> list[Token]:
+    """Split an expression into tokens; ExprError at the first character that starts none."""
+    if len(text) > MAX_LENGTH:
+        raise ExprError(1, f"expression longer than {MAX_LENGTH} characters")
+    out: list[Token] = []
+    pos = 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            ch = text[pos]
+            hint = " (unterminated string?)" if ch in "\"'" else ""
+            hint = hint or (" (verl keys with '/' are written m(\"critic/vf_loss\"))" if ch == "/" else "")
+            raise ExprError(pos + 1, f"unexpected character {ch!r}{hint}")
+        kind = m.lastgroup or ""
+        if kind != "ws":
+            out.append(Token(kind, m.group(), pos + 1))
+        pos = m.end()
+    out.append(Token("eof", "", len(text) + 1))
+    return out
+
+
+# -- functions ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FuncSpec:
+    """Signature of a built-in function: argument kinds and result type."""
+
+    args: tuple[str, ...]
+    """Argument kinds: metric, window (positive integer), lag (integer >= 0), num, cond, event (string), literal."""
+    result: str
+    doc: str
+    optional: int = 0
+    """How many trailing arguments may be left out."""
+    variadic: bool = False
+    """Any number (0+) of metric arguments."""
+
+
+_LAGGED = ("metric", "window", "lag")
+_LAG_DOC = "; a third argument L ends the window L steps back"
+
+FUNCTIONS: dict[str, FuncSpec] = {
+    "avg": FuncSpec(_LAGGED, NUM, "mean over the last N steps" + _LAG_DOC, optional=1),
+    "min": FuncSpec(_LAGGED, NUM, "minimum over the last N steps" + _LAG_DOC, optional=1),
+    "max": FuncSpec(_LAGGED, NUM, "maximum over the last N steps" + _LAG_DOC, optional=1),
+    "std": FuncSpec(_LAGGED, NUM, "population standard deviation over the last N steps" + _LAG_DOC, optional=1),
+    "median": FuncSpec(_LAGGED, NUM, "median over the last N steps (robust to one-step spikes)" + _LAG_DOC,
+                       optional=1),
+    "count": FuncSpec(_LAGGED, NUM, "how many of the last N steps have a value (0 when none)" + _LAG_DOC,
+                      optional=1),
+    "slope": FuncSpec(("metric", "window"), NUM, "least-squares slope per step over the last N steps"),
+    "delta": FuncSpec(("metric", "window"), NUM, "newest minus oldest value within the last N steps"),
+    "zscore": FuncSpec(
+        ("metric", "window"), NUM, "(value - mean) / std of the N steps before this one (inf when std is 0)"
+    ),
+    "best": FuncSpec(("metric", "window"), NUM, "best (max) so far over the run, or over the last N steps", optional=1),
+    "since_best": FuncSpec(("metric",), NUM, "steps since the metric last reached a new best"),
+    "lowest": FuncSpec(("metric",), NUM, "lowest value the run has ever logged (rolled-back steps included)"),
+    "holds": FuncSpec(("cond",), BOOL, "the condition, or false when its data is missing: a signal the run does "
+                                       "not log (yet) cannot confirm another"),
+    "count_over": FuncSpec(("cond", "window"), NUM, "number of steps in the last N where the condition held"),
+    "isnan": FuncSpec(("num",), BOOL, "true when the value is NaN"),
+    "isfinite": FuncSpec(("num",), BOOL, "true when the value is a finite number"),
+    "nonfinite": FuncSpec(
+        ("metric",), BOOL, "true when any given metric (or, with none, any metric) is NaN/inf at this step",
+        variadic=True,
+    ),
+    "event": FuncSpec(("event",), NUM, 'events of a kind since the last evaluation: event("oom")'),
+    "event_count": FuncSpec(("event", "window"), NUM, "events of a kind in the last N steps"),
+    "abs": FuncSpec(("num",), NUM, "absolute value"),
+    "clamp_min": FuncSpec(("num", "num"), NUM, "the value, or the lower bound when below it (PromQL's clamp_min)"),
+    "clamp_max": FuncSpec(("num", "num"), NUM, "the value, or the upper bound when above it (PromQL's clamp_max)"),
+    "default": FuncSpec(("num", "literal"), NUM, "the value, or the literal when the data is missing"),
+}
+
+
+# -- parser ---------------------------------------------------------------------------
+
+_CMP = ("<", "<=", ">", ">=", "==", "!=")
+
+
+class _Parser:
+    def __init__(self, text: str) -> None:
+        self.toks = tokenize(text)
+        self.i = 0
+        self.depth = 0
+
+    def peek(self) -> Token:
+        return self.toks[self.i]
+
+    def next(self) -> Token:
+        t = self.toks[self.i]
+        self.i += 1
+        return t
+
+    def expect(self, text: str) -> Token:
+        t = self.next()
+        if t.text != text or t.kind not in ("op", "ident"):
+            raise ExprError(t.col, f"expected {text!r}, found {_describe(t)}")
+        return t
+
+    def parse(self) -> Node:
+        node = self.expr(0)
+        t = self.peek()
+        if t.kind != "eof":
+            raise ExprError(t.col, f"unexpected {_describe(t)} after a complete expression")
+        return node
+
+    # Pratt loop: binding powers or=1, and=2, comparisons=4, +-=5, */=6.
+    def expr(self, rbp: int) -> Node:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise ExprError(self.peek().col, f"expression nested deeper than {MAX_DEPTH} levels")
+        try:
+            left = self.prefix()
+            while True:
+                t = self.peek()
+                lbp = _infix_bp(t)
+                if lbp <= rbp:
+                    return left
+                self.next()
+                if t.text in ("or", "and"):
+                    left = BoolOp(t.text, left, self.expr(lbp), col=t.col)
+                elif t.text in _CMP:
+                    ops, operands = [t.text], [left, self.expr(lbp)]
+                    while self.peek().kind == "op" and self.peek().text in _CMP:
+                        ops.append(self.next().text)
+                        operands.append(self.expr(lbp))
+                    left = Compare(tuple(ops), tuple(operands), col=t.col)
+                else:
+                    left = Binary(t.text, left, self.expr(lbp), col=t.col)
+        finally:
+            self.depth -= 1
+
+    def prefix(self) -> Node:
+        t = self.next()
+        if t.kind == "num":
+            return Num(float(t.text), col=t.col)
+        if t.kind == "op" and t.text == "-":
+            return Unary("-", self.expr(6), col=t.col)
+        if t.kind == "op" and t.text == "(":
+            inner = self.expr(0)
+            self.expect(")")
+            return inner
+        if t.kind == "str":
+            return Str(t.text[1:-1], col=t.col)
+        if t.kind == "param":
+            return Param(t.text[1:], col=t.col)
+        if t.kind == "ident":
+            if t.text == "not":
+                return Not(self.expr(3), col=t.col)
+            if t.text == "step":
+                return Step(col=t.col)
+            if t.text in ("inf", "nan"):
+                return Num(float(t.text), col=t.col)
+            if t.text in ("and", "or"):
+                raise ExprError(t.col, f"{t.text!r} needs a condition on its left")
+            if self.peek().text == "(" and self.peek().kind == "op":
+                return self.call(t)
+            nxt = self.peek()
+            if nxt.kind == "op" and nxt.text == "/" and catalog.lookup(t.text) is None:
+                # ``critic/kl`` reads as a division; point at the quoted form.
+                key = t.text + "/" + self.toks[self.i + 1].text
+                raise ExprError(t.col, f"unknown metric {t.text!r}: verl keys with '/' are written m(\"{key}\")")
+            return _metric(t.text, t.col)
+        raise ExprError(t.col, f"expected a number, metric, function or '(', found {_describe(t)}")
+
+    def call(self, name: Token) -> Node:
+        self.expect("(")
+        args: list[Node] = []
+        if not (self.peek().kind == "op" and self.peek().text == ")"):
+            while True:
+                args.append(self.expr(0))
+                if self.peek().kind == "op" and self.peek().text == ",":
+                    self.next()
+                    continue
+                break
+        self.expect(")")
+        if name.text == "m":
+            if len(args) != 1 or not isinstance(args[0], Str):
+                raise ExprError(name.col, 'm() takes one quoted metric key, e.g. m("critic/vf_loss")')
+            return _metric(args[0].value, args[0].col)
+        if name.text not in FUNCTIONS:
+            raise ExprError(name.col, f"unknown function {name.text!r}{_suggest(name.text, FUNCTIONS)}")
+        return Call(name.text, tuple(args), col=name.col)
+
+
+def _infix_bp(t: Token) -> int:
+    if t.kind == "ident":
+        return {"or": 1, "and": 2}.get(t.text, 0)
+    if t.kind == "op":
+        if t.text in _CMP:
+            return 4
+        return {"+": 5, "-": 5, "*": 6, "/": 6}.get(t.text, 0)
+    return 0
+
+
+def _describe(t: Token) -> str:
+    return "end of expression" if t.kind == "eof" else repr(t.text)
+
+
+def _suggest(name: str, choices: Any) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _metric(name: str, col: int) -> Metric:
+    m = catalog.lookup(name)
+    if m is None:
+        raise ExprError(col, f"unknown metric {name!r}{_suggest(name, catalog.BY_SHORT)}")
+    return Metric(m.short, col=col)
+
+
+def parse(text: str) -> Node:
+    """Parse an expression into an AST; raises ExprError with the column."""
+    if not isinstance(text, str):
+        raise ExprError(1, f"expression must be a string, got {type(text).__name__}")
+    return _Parser(text).parse()
+
+
+def unparse(node: Node) -> str:
+    """Fully parenthesised source text for an AST (parse(unparse(a)) == a)."""
+    if isinstance(node, Num):
+        v = node.value
+        if not math.isfinite(v):
+            return str(v)
+        return str(int(v)) if v == int(v) and abs(v) < 1e15 else repr(v)
+    if isinstance(node, Str):
+        return f'"{node.value}"'
+    if isinstance(node, Step):
+        return "step"
+    if isinstance(node, Param):
+        return f"${node.name}"
+    if isinstance(node, Metric):
+        return node.name
+    if isinstance(node, Unary):
+        return f"(-{unparse(node.operand)})"
+    if isinstance(node, Binary):
+        return f"({unparse(node.left)} {node.op} {unparse(node.right)})"
+    if isinstance(node, Compare):
+        parts = [unparse(node.operands[0])]
+        for op, operand in zip(node.ops, node.operands[1:], strict=True):
+            parts += [op, unparse(operand)]
+        return "(" + " ".join(parts) + ")"
+    if isinstance(node, BoolOp):
+        return f"({unparse(node.left)} {node.op} {unparse(node.right)})"
+    if isinstance(node, Not):
+        return f"(not {unparse(node.operand)})"
+    return f"{node.func}(" + ", ".join(unparse(a) for a in node.args) + ")"
+
+
+# -- compiler -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """A compiled expression."""
+
+    source: str
+    """The expression text."""
+    ast: Node
+    """Its syntax tree."""
+    fn: Fn
+    """``fn(window, at, seq)`` -> bool (conditions) or float."""
+    inputs: tuple[tuple[str, Fn], ...]
+    """(label, fn) for each metric and function call, to audit a decision's inputs."""
+    metrics: frozenset[str]
+    """Short names the expression reads."""
+    required: frozenset[str]
+    """Of them, those read outside ``holds()``: without them the expression cannot be evaluated
+    (a metric read only as an optional confirmation does not blind the rule)."""
+    max_window: int
+    """Largest window (steps) any function in it reads; 1 when none."""
+
+    def __call__(self, window: Window, at: int | None = None, seq: int = 0) -> Any:
+        step = window.step if at is None else at
+        if step is None:
+            raise MissingDataError("the window holds no step yet")
+        return self.fn(window, step, seq)
+
+    def input_values(self, window: Window, at: int, seq: int = 0) -> dict[str, float]:
+        """Each input's value at ``at`` (NaN where it cannot be computed)."""
+        out: dict[str, float] = {}
+        for label, fn in self.inputs:
+            try:
+                out[label] = float(fn(window, at, seq))
+            except (MissingDataError, ValueError):
+                out[label] = math.nan
+        return out
+
+
+class _Compiler:
+    def __init__(self, params: Mapping[str, float]) -> None:
+        self.params = params
+        self.inputs: dict[str, Fn] = {}
+        self.metrics: set[str] = set()
+        self.optional_depth = 0
+        self.required: set[str] = set()
+        self.max_window = 1
+        self.in_count_over = False
+
+    def compile(self, node: Node) -> tuple[Fn, str]:
+        if isinstance(node, Num):
+            v = node.value
+            return (lambda w, at, seq: v), NUM
+        if isinstance(node, Str):
+            raise ExprError(node.col, "a string is only allowed as the argument of event() or m()")
+        if isinstance(node, Step):
+            return (lambda w, at, seq: float(at)), NUM
+        if isinstance(node, Param):
+            if node.name not in self.params:
+                raise ExprError(node.col, f"unknown parameter ${node.name}{_suggest(node.name, self.params)}"
+                                          " (declare it under params:)")
+            p = float(self.params[node.name])
+            self.inputs.setdefault(f"${node.name}", lambda w, at, seq: p)
+            return (lambda w, at, seq: p), NUM
+        if isinstance(node, Metric):
+            return self.metric(node), NUM
+        if isinstance(node, Unary):
+            f = self.num(node.operand, "'-'")
+            return (lambda w, at, seq: -f(w, at, seq)), NUM
+        if isinstance(node, Binary):
+            return self.binary(node), NUM
+        if isinstance(node, Compare):
+            return self.compare(node), BOOL
+        if isinstance(node, BoolOp):
+            a = self.cond(node.left, f"'{node.op}'")
+            b = self.cond(node.right, f"'{node.op}'")
+            if node.op == "and":
+                return (lambda w, at, seq: a(w, at, seq) and b(w, at, seq)), BOOL
+            return (lambda w, at, seq: a(w, at, seq) or b(w, at, seq)), BOOL
+        if isinstance(node, Not):
+            f = self.cond(node.operand, "'not'")
+            return (lambda w, at, seq: not f(w, at, seq)), BOOL
+        return self.call(node)
+
+    def read(self, name: str) -> None:
+        """Note a metric the expression reads (required unless inside ``holds()``)."""
+        self.metrics.add(name)
+        if not self.optional_depth:
+            self.required.add(name)
+
+    def num(self, node: Node, where: str) -> Fn:
+        f, t = self.compile(node)
+        if t != NUM:
+            raise ExprError(_col(node), f"{where} needs a number, got a condition")
+        return f
+
+    def cond(self, node: Node, where: str) -> Fn:
+        f, t = self.compile(node)
+        if t != BOOL:
+            raise ExprError(_col(node), f"{where} needs a condition (e.g. a comparison), got a number")
+        return f
+
+    def metric(self, node: Metric) -> Fn:
+        name = node.name
+        self.read(name)
+
+        def get(w: Window, at: int, seq: int) -> float:
+            return w.value(name, at)
+
+        self.inputs.setdefault(name, get)
+        return get
+
+    def binary(self, node: Binary) -> Fn:
+        a = self.num(node.left, f"'{node.op}'")
+        b = self.num(node.right, f"'{node.op}'")
+        if node.op == "+":
+            return lambda w, at, seq: a(w, at, seq) + b(w, at, seq)
+        if node.op == "-":
+            return lambda w, at, seq: a(w, at, seq) - b(w, at, seq)
+        if node.op == "*":
+            return lambda w, at, seq: a(w, at, seq) * b(w, at, seq)
+
+        def div(w: Window, at: int, seq: int) -> float:
+            x, y = a(w, at, seq), b(w, at, seq)
+            try:
+                return x / y
+            except ZeroDivisionError:
+                # IEEE semantics rather than an exception: 0/0 is NaN, x/0 is +-inf.
+                return math.nan if x == 0 or math.isnan(x) else math.copysign(math.inf, x)
+
+        return div
+
+    def compare(self, node: Compare) -> Fn:
+        fns = [self.num(o, f"'{node.ops[0]}'") for o in node.operands]
+        ops = [_CMP_FN[o] for o in node.ops]
+        if len(ops) == 1:
+            f0, f1 = fns
+            right = node.operands[1]
+            if isinstance(right, Num):
+                # The common shape (``kl > 0.1``): compare against the constant inline; the
+                # default pack is evaluated for thousands of runs per tick.
+                c = right.value
+                return {
+                    "<": lambda w, at, seq: f0(w, at, seq) < c,
+                    "<=": lambda w, at, seq: f0(w, at, seq) <= c,
+                    ">": lambda w, at, seq: f0(w, at, seq) > c,
+                    ">=": lambda w, at, seq: f0(w, at, seq) >= c,
+                    "==": lambda w, at, seq: f0(w, at, seq) == c,
+                    "!=": lambda w, at, seq: f0(w, at, seq) != c,
+                }[node.ops[0]]
+            op = ops[0]
+            return lambda w, at, seq: op(f0(w, at, seq), f1(w, at, seq))
+
+        def chain(w: Window, at: int, seq: int) -> bool:
+            left = fns[0](w, at, seq)
+            for op, f in zip(ops, fns[1:], strict=True):
+                right = f(w, at, seq)
+                if not op(left, right):
+                    return False
+                left = right
+            return True
+
+        return chain
+
+    def call(self, node: Call) -> tuple[Fn, str]:
+        spec = FUNCTIONS[node.func]
+        args = node.args
+        lo = len(spec.args) - spec.optional
+        if spec.variadic:
+            if not all(isinstance(a, Metric) for a in args):
+                raise ExprError(node.col, f"{node.func}() takes metric names only")
+        elif not lo <= len(args) <= len(spec.args):
+            want = f"{lo} to {len(spec.args)}" if spec.optional else str(len(spec.args))
+            raise ExprError(node.col, f"{node.func}() takes {want} argument(s), got {len(args)}")
+        kinds = spec.args if not spec.variadic else ("metric",) * len(args)
+        for a, kind in zip(args, kinds, strict=False):
+            self.check_arg(node.func, a, kind)
+        if spec.args == _LAGGED and len(args) == 3:
+            self.max_window = max(self.max_window, int(args[1].value) + int(args[2].value))  # type: ignore[union-attr]
+        label = unparse(node)
+        fn = _BUILD[node.func](self, node)
+        if node.func not in ("default", "holds"):
+            self.inputs.setdefault(label, fn)
+        return fn, spec.result
+
+    def check_arg(self, func: str, a: Node, kind: str) -> None:
+        if kind == "metric" and not isinstance(a, Metric):
+            raise ExprError(_col(a), f"{func}() takes a metric name here, e.g. {func}(kl, 10)")
+        if kind == "window":
+            if not isinstance(a, Num) or not 1 <= a.value <= 100_000 or a.value != int(a.value):
+                raise ExprError(_col(a), f"{func}() takes a whole number of steps (1..100000) here")
+            self.max_window = max(self.max_window, int(a.value))
+        if kind == "lag":
+            if not isinstance(a, Num) or not 0 <= a.value <= 100_000 or a.value != int(a.value):
+                raise ExprError(_col(a), f"{func}() takes a whole number of steps back (0..100000) here")
+        if kind == "event":
+            if not isinstance(a, Str):
+                raise ExprError(_col(a), f'{func}() takes a quoted event kind, e.g. {func}("oom")')
+            if a.value not in EVENT_KINDS:
+                raise ExprError(
+                    _col(a), f"unknown event kind {a.value!r}{_suggest(a.value, EVENT_KINDS)}"
+                )
+        if kind == "literal" and not (
+            isinstance(a, Num) or (isinstance(a, Unary) and isinstance(a.operand, Num))
+        ):
+            raise ExprError(_col(a), f"{func}() takes a number here")
+
+
+def _col(node: Node) -> int:
+    col = node.col
+    if isinstance(node, (Binary, Compare, BoolOp)):
+        first = node.operands[0] if isinstance(node, Compare) else node.left
+        col = _col(first)
+    return max(col, 1)
+
+
+_CMP_FN: dict[str, Callable[[float, float], bool]] = {
+    "<": lambda a, b: a < b,
+    "<=": lambda a, b: a <= b,
+    ">": lambda a, b: a > b,
+    ">=": lambda a, b: a >= b,
+    "==": lambda a, b: a == b,
+    "!=": lambda a, b: a != b,
+}
+
+
+def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
+    def build(c: _Compiler, node: Call) -> Fn:
+        name = node.args[0].name  # type: ignore[union-attr]
+        n = int(node.args[1].value)  # type: ignore[union-attr]
+        lag = int(node.args[2].value) if len(node.args) > 2 else 0  # type: ignore[union-attr]
+        c.read(name)
+        reduce = _REDUCERS[kind]
+        where = f"in the last {n} steps" if not lag else f"in the {n} steps ending {lag} back"
+
+        def f(w: Window, at: int, seq: int) -> float:
+            key = (kind, name, n, lag, at)
+            v = w.cache.get(key)
+            if v is None:
+                end = at - lag
+                vals = w.values(name, n, end)
+                if not vals and kind != "count":
+                    raise MissingDataError(f"{kind}({name}, {n}{f', {lag}' if lag else ''}): no values {where}")
+                v = reduce(vals, w, name, n, end)
+                w.cache[key] = v
+            return v
+
+        return f
+
+    return build
+
+
+def _has_nan(vals: list[float]) -> bool:
+    return any(map(math.isnan, vals))
+
+
+
+def _fsum(vals):  # type: ignore[no-untyped-def]
+    """math.fsum, but inf + -inf gives nan (as float addition does) instead of raising ValueError."""
+    try:
+        return math.fsum(vals)
+    except ValueError:
+        return float("nan")
+
+def _avg(vals: list[float], *_: Any) -> float:
+    return _fsum(vals) / len(vals)
+
+
+def _min(vals: list[float], *_: Any) -> float:
+    return math.nan if _has_nan(vals) else min(vals)
+
+
+def _max(vals: list[float], *_: Any) -> float:
+    return math.nan if _has_nan(vals) else max(vals)
+
+
+def _std(vals: list[float], *_: Any) -> float:
+    m = _fsum(vals) / len(vals)
+    return math.sqrt(_fsum((v - m) ** 2 for v in vals) / len(vals))
+
+
+def _median(vals: list[float], *_: Any) -> float:
+    if _has_nan(vals):
+        return math.nan
+    srt = sorted(vals)
+    mid = len(srt) // 2
+    return srt[mid] if len(srt) % 2 else (srt[mid - 1] + srt[mid]) / 2
+
+
+def _count(vals: list[float], *_: Any) -> float:
+    return float(len(vals))
+
+
+def _delta(vals: list[float], *_: Any) -> float:
+    return vals[-1] - vals[0]
+
+
+def _slope(vals: list[float], w: Window, name: str, n: int, at: int) -> float:
+    steps, ys = w.points(name, n, at)
+    if len(ys) < 2:
+        raise MissingDataError(f"slope({name}, {n}): needs 2 values, has {len(ys)}")
+    mx = sum(steps) / len(steps)
+    my = _fsum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in steps)
+    return _fsum((x - mx) * (y - my) for x, y in zip(steps, ys, strict=True)) / sxx
+
+
+def _zscore(vals: list[float], w: Window, name: str, n: int, at: int) -> float:
+    x = w.value(name, at)
+    prev = w.values(name, n, at - 1)
+    if len(prev) < 2:
+        raise MissingDataError(f"zscore({name}, {n}): needs 2 earlier values, has {len(prev)}")
+    m = _fsum(prev) / len(prev)
+    sd = _std(prev)
+    if sd == 0:
+        return 0.0 if x == m else math.copysign(math.inf, x - m)
+    return (x - m) / sd
+
+
+_REDUCERS: dict[str, Callable[..., float]] = {
+    "avg": _avg, "min": _min, "max": _max, "std": _std, "median": _median, "count": _count,
+    "delta": _delta, "slope": _slope, "zscore": _zscore,
+}
+
+
+def _build_best(c: _Compiler, node: Call) -> Fn:
+    name = node.args[0].name  # type: ignore[union-attr]
+    c.read(name)
+    if len(node.args) == 2:
+        n = int(node.args[1].value)  # type: ignore[union-attr]
+
+        def best_n(w: Window, at: int, seq: int) -> float:
+            vals = [v for v in w.values(name, n, at) if v == v]
+            if not vals:
+                raise MissingDataError(f"best({name}, {n}): no finite values in the last {n} steps")
+            return max(vals)
+
+        return best_n
+    return lambda w, at, seq: w.best(name, at)
+
+
+def _build_since_best(c: _Compiler, node: Call) -> Fn:
+    name = node.args[0].name  # type: ignore[union-attr]
+    c.read(name)
+    return lambda w, at, seq: float(w.since_best(name, at))
+
+
+def _build_lowest(c: _Compiler, node: Call) -> Fn:
+    name = node.args[0].name  # type: ignore[union-attr]
+    c.read(name)
+    return lambda w, at, seq: w.lowest(name)
+
+
+def _build_holds(c: _Compiler, node: Call) -> Fn:
+    c.optional_depth += 1
+    try:
+        cond = c.cond(node.args[0], "holds()")
+    finally:
+        c.optional_depth -= 1
+
+    def f(w: Window, at: int, seq: int) -> bool:
+        try:
+            return bool(cond(w, at, seq))
+        except MissingDataError:
+            return False
+
+    return f
+
+
+def _build_count_over(c: _Compiler, node: Call) -> Fn:
+    if c.in_count_over:
+        raise ExprError(node.col, "count_over() cannot be nested")
+    c.in_count_over = True
+    try:
+        cond = c.cond(node.args[0], "count_over()")
+    finally:
+        c.in_count_over = False
+    n = int(node.args[1].value)  # type: ignore[union-attr]
+
+    def f(w: Window, at: int, seq: int) -> float:
+        k = 0
+        for s in w.steps(n, at):
+            try:
+                if cond(w, s, seq):
+                    k += 1
+            except MissingDataError:
+                pass  # a step without the data simply does not count
+        return float(k)
+
+    return f
+
+
+def _build_isnan(c: _Compiler, node: Call) -> Fn:
+    f = c.num(node.args[0], "isnan()")
+    return lambda w, at, seq: math.isnan(f(w, at, seq))
+
+
+def _build_isfinite(c: _Compiler, node: Call) -> Fn:
+    f = c.num(node.args[0], "isfinite()")
+    return lambda w, at, seq: math.isfinite(f(w, at, seq))
+
+
+def _build_nonfinite(c: _Compiler, node: Call) -> Fn:
+    names = [a.name for a in node.args]  # type: ignore[union-attr]
+    for n in names:
+        c.read(n)
+    if not names:
+        return lambda w, at, seq: at in w.nonfinite_steps
+
+    def f(w: Window, at: int, seq: int) -> bool:
+        for name in names:
+            try:
+                if not math.isfinite(w.value(name, at)):
+                    return True
+            except MissingDataError:
+                continue  # a metric this run does not log cannot be non-finite
+        return False
+
+    return f
+
+
+def _build_event(c: _Compiler, node: Call) -> Fn:
+    if c.in_count_over:
+        raise ExprError(node.col, "event() counts events since the last evaluation; it cannot be used in count_over()")
+    kind = str(node.args[0].value)  # type: ignore[union-attr]
+    return lambda w, at, seq: float(w.count_events(kind, seq))
+
+
+def _build_event_count(c: _Compiler, node: Call) -> Fn:
+    kind = str(node.args[0].value)  # type: ignore[union-attr]
+    n = int(node.args[1].value)  # type: ignore[union-attr]
+    return lambda w, at, seq: float(w.count_events_in(kind, n, at))
+
+
+def _build_abs(c: _Compiler, node: Call) -> Fn:
+    f = c.num(node.args[0], "abs()")
+    return lambda w, at, seq: abs(f(w, at, seq))
+
+
+def _build_clamp(op: Callable[[float, float], float], name: str) -> Callable[[_Compiler, Call], Fn]:
+    def build(c: _Compiler, node: Call) -> Fn:
+        f = c.num(node.args[0], f"{name}()")
+        b = c.num(node.args[1], f"{name}()")
+
+        def g(w: Window, at: int, seq: int) -> float:
+            x, bound = f(w, at, seq), b(w, at, seq)
+            return math.nan if math.isnan(x) or math.isnan(bound) else op(x, bound)
+
+        return g
+
+    return build
+
+
+def _build_default(c: _Compiler, node: Call) -> Fn:
+    f = c.num(node.args[0], "default()")
+    lit = node.args[1]
+    fallback = lit.value if isinstance(lit, Num) else -float(lit.operand.value)  # type: ignore[union-attr]
+
+    def g(w: Window, at: int, seq: int) -> float:
+        try:
+            return f(w, at, seq)
+        except MissingDataError:
+            return fallback
+
+    return g
+
+
+_BUILD: dict[str, Callable[[_Compiler, Call], Fn]] = {
+    **{k: _window_fn(k) for k in _REDUCERS},
+    "best": _build_best,
+    "since_best": _build_since_best,
+    "lowest": _build_lowest,
+    "holds": _build_holds,
+    "count_over": _build_count_over,
+    "isnan": _build_isnan,
+    "isfinite": _build_isfinite,
+    "nonfinite": _build_nonfinite,
+    "event": _build_event,
+    "event_count": _build_event_count,
+    "abs": _build_abs,
+    "clamp_min": _build_clamp(max, "clamp_min"),
+    "clamp_max": _build_clamp(min, "clamp_max"),
+    "default": _build_default,
+}
+
+
+def compile_expr(text: str, want: str = BOOL, params: Mapping[str, float] | None = None) -> Compiled:
+    """Parse, type check and compile an expression; ``want`` is the required result type.
+
+    ``params``: the rule pack's parameters (``$name`` in the text), bound as constants here.
+    """
+    node = parse(text)
+    c = _Compiler(params or {})
+    fn, typ = c.compile(node)
+    if typ != want:
+        hint = ' (compare it, e.g. event("oom") > 0)' if want == BOOL else ""
+        raise ExprError(_col(node), f"expression must be a {want}, got a {typ}{hint}")
+    return Compiled(text, node, fn, tuple(c.inputs.items()), frozenset(c.metrics), frozenset(c.required),
+                    c.max_window)

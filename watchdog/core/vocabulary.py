@@ -1,0 +1,74 @@
+"""The words the watchdog stores and compares: rule states, decisions, journal entries.
+
+Each is a string enum (stored in SQLite and JSON as its value, equal to that value), so a
+status is never a bare string in the code, and a new one cannot be mistyped.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Word(str, Enum):
+    """A string enum: stored, compared and printed as its value."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class RuleStatus(Word):
+    """A rule's state, as Prometheus alerting rules have it."""
+
+    INACTIVE = "inactive"
+    PENDING = "pending"
+    FIRING = "firing"
+    RESOLVED = "resolved"
+
+
+class DecisionKind(Word):
+    """What the engine decided for a rule at a step."""
+
+    FIRE = "fire"
+    ESCALATE = "escalate"
+    RESOLVE = "resolve"
+
+
+class DecisionStatus(Word):
+    """A decision's status. ``skipped``: nothing to do (a resolve, an action already covered, a dropped set)."""
+
+    PENDING = "pending"
+    APPLIED = "applied"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+
+
+class ActionStatus(Word):
+    """A journal entry's status."""
+
+    INTENT = "intent"
+    """Written before acting."""
+    SENT = "sent"
+    """Carried out, awaiting confirmation."""
+    WAITING = "waiting"
+    """Deferred until the next checkpoint (a tuning set that needs a relaunch)."""
+    DONE = "done"
+    FAILED = "failed"
+    DROPPED = "dropped"
+    """A waiting set whose condition cleared before its relaunch."""
+
+
+class JournalKind(Word):
+    """What a journal entry does."""
+
+    LIVE_SET = "live_set"
+    COMMAND = "command"
+    RESTART = "restart"
+    ROLLBACK = "rollback"
+    NOTIFY = "notify"
+    RESUME = "resume"
+    STOP = "stop"
+
+
+DECISION_STATUSES = tuple(s.value for s in DecisionStatus)
+ACTION_STATUSES = tuple(s.value for s in ActionStatus)
+OPEN_ACTION_STATUSES = (ActionStatus.INTENT.value, ActionStatus.SENT.value, ActionStatus.WAITING.value)

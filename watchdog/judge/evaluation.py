@@ -1,0 +1,495 @@
+"""``watchdog eval``: a rule pack judged on labelled runs, the way the live controller would act.
+
+A labels file (``labels.yaml``, the schema of ``../shared/testdata/verl-logs/``) says what
+happens in each recorded run::
+
+    version: 1
+    logs:
+      - file: run_a.txt            # verl console log, FileLogger JSONL, metrics.jsonl or a run dir
+        verdict: healthy           # healthy | failure | fragment
+      - file: run_b.txt
+        verdict: failure
+        onset: 3                   # the failure starts here (the log's own step numbers)
+        deadline: 7                # a good pack has acted by here
+        expect: rollback           # rollback (or a pause that stops the damage) | alert (any notify)
+        save_freq: 10              # optional: checkpoint every N steps (pricing; default --save-freq)
+        startup_s: 240             # optional: a relaunch's start-up (default --startup-s)
+
+Every log is replayed through the same engine (:func:`watchdog.core.engine.run_series`) and the
+same planner (:func:`watchdog.core.planner.plan_decision`) and pricing
+(:mod:`watchdog.core.pricing`) as the live controller. Verdicts:
+
+- healthy: passes when nothing rolls it back or pauses it, and a zero-patch run (every
+  ``set`` a relaunch, deferred to the next checkpoint and merged) would pay at most one
+  relaunch per 100 steps (at least one allowed per run);
+- failure: passes when the first action of the expected kind falls in ``[onset - 2,
+  deadline]`` and nothing rolled back or paused it before ``onset - 2`` (a false action);
+- fragment: too short to judge (replayed, not scored).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from watchdog.core import engine
+from watchdog.core.planner import PlanContext, Planned, plan_decision
+from watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
+from watchdog.core.rulefile import RuleError, RuleSet, YamlReader
+from watchdog.protocol import catalog
+from watchdog.sources import ingest
+
+LABELS_VERSION = 1
+VERDICTS = ("healthy", "failure", "fragment")
+EXPECTS = ("rollback", "alert")
+MODES = ("embedded", "verl")
+#: Steps before the labelled onset at which an action still counts as on time (labels.yaml's header).
+EARLY_STEPS = 2
+_LABEL_KEYS = ("file", "verdict", "onset", "deadline", "expect", "failure", "algorithm", "model", "task",
+               "kl_key", "notes", "save_freq", "startup_s")
+
+
+class LabelsError(ValueError):
+    """A labels file is invalid; ``errors`` lists every problem with its file and line."""
+
+    def __init__(self, errors: Sequence[RuleError]) -> None:
+        self.errors = list(errors)
+        super().__init__("\n".join(str(e) for e in self.errors))
+
+
+@dataclass(frozen=True)
+class Label:
+    """What one recorded run is, as its labels entry says."""
+
+    file: Path
+    """The recorded run (resolved against the labels file's folder)."""
+    verdict: str
+    """healthy | failure | fragment."""
+    onset: int | None = None
+    """First step of the failure."""
+    deadline: int | None = None
+    """Last step by which a good pack has acted."""
+    expect: str = "rollback"
+    """rollback | alert."""
+    save_freq: int | None = None
+    """Checkpoint every N steps (pricing); None: the evaluation's default."""
+    startup_s: float | None = None
+    """Start-up of a relaunch (pricing); None: the evaluation's default."""
+    notes: str = ""
+    """Free text."""
+    source: str = ""
+    """labels file:line."""
+
+
+def load_labels(path: Path | str) -> list[Label]:
+    """Read and validate a labels file; :class:`LabelsError` lists every problem at once."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LabelsError([RuleError(str(path), 1, 1, f"cannot read labels file: {exc}")]) from exc
+    r = YamlReader(str(path))
+    root = r.compose(text)
+    if root is None:
+        if not r.errors:
+            r.error(None, "empty labels file: expected 'version: 1' and 'logs:'")
+        raise LabelsError(r.errors)
+    top = r.mapping(root, "labels file", ("version", "logs"), required=("version", "logs"))
+    out: list[Label] = []
+    if top is not None and "version" in top and r.scalar(top["version"][1]) != LABELS_VERSION:
+        r.error(top["version"][1], f"unsupported labels version {r.scalar(top['version'][1])!r} "
+                                   f"(this watchdog reads {LABELS_VERSION})")
+    for i, node in enumerate((r.sequence(top["logs"][1], "logs") or []) if top and "logs" in top else []):
+        label = _label(r, node, i, path.parent)
+        if label is not None:
+            out.append(label)
+    if r.errors:
+        raise LabelsError(r.errors)
+    return out
+
+
+def _label(r: YamlReader, node: Any, i: int, base: Path) -> Label | None:
+    where = f"logs[{i}]"
+    m = r.mapping(node, where, _LABEL_KEYS, required=("file", "verdict"))
+    if m is None or "file" not in m or "verdict" not in m:
+        return None
+    file = r.string(m["file"][1], f"{where}.file")
+    verdict = r.scalar(m["verdict"][1])
+    if verdict not in VERDICTS:
+        r.error(m["verdict"][1], f"{where}.verdict must be one of {', '.join(VERDICTS)}, got {verdict!r}")
+        return None
+    ints = {k: r.integer(m[k][1], f"{where}.{k}") if k in m else None for k in ("onset", "deadline", "save_freq")}
+    expect = r.scalar(m["expect"][1]) if "expect" in m else "rollback"
+    if expect not in EXPECTS:
+        r.error(m["expect"][1], f"{where}.expect must be one of {', '.join(EXPECTS)}, got {expect!r}")
+        return None
+    startup = r.number(m["startup_s"][1], f"{where}.startup_s") if "startup_s" in m else None
+    if verdict == "failure":
+        for k in ("onset", "deadline"):
+            if k not in m:
+                r.error(node, f"{where}: a failure needs {k!r}")
+        if ints["onset"] is not None and ints["deadline"] is not None and ints["deadline"] < ints["onset"]:
+            r.error(m["deadline"][1], f"{where}.deadline {ints['deadline']} is before the onset {ints['onset']}")
+            return None
+    if file is None or any(k in m and ints[k] is None for k in ints) or ("startup_s" in m and startup is None):
+        return None
+    if verdict == "failure" and (ints["onset"] is None or ints["deadline"] is None):
+        return None
+    target = (base / file).resolve()
+    if not target.exists():
+        r.error(m["file"][1], f"{where}.file: {target} does not exist")
+        return None
+    notes = r.scalar(m["notes"][1]) if "notes" in m else ""
+    return Label(target, verdict, ints["onset"], ints["deadline"], expect, ints["save_freq"], startup,
+                 " ".join(str(notes).split()), f"{r.file}:{node.start_mark.line + 1}")
+
+
+# -- one log -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Act:
+    """One action the pack took on a log (after planning)."""
+
+    step: int
+    rule: str
+    kind: str
+    """rollback | pause | stop | notify | set | relaunch."""
+    detail: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"step": self.step, "rule": self.rule, "kind": self.kind, "detail": self.detail}
+
+
+@dataclass
+class Pricing:
+    """What the run paid for its actions in one mode (relaunches deferred and merged as live)."""
+
+    mode: str
+    relaunches: int = 0
+    """Trainer stops and starts (rollbacks by restart, urgent restarts, tuning relaunches)."""
+    tuning_relaunches: int = 0
+    """Of them, relaunches made only for tuning sets (at a checkpoint, merged)."""
+    seconds: float = 0.0
+    """Wall time they cost: start-up plus steps trained again."""
+    steps_lost: int = 0
+    """Steps trained again."""
+    live_sets: int = 0
+    """Sets applied live (free)."""
+    deferred: int = 0
+    """Tuning sets that waited for a checkpoint."""
+    merged: int = 0
+    """Waiting sets that shared a relaunch with another."""
+    dropped: int = 0
+    """Waiting sets dropped because their rule stopped firing."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (round(v, 1) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class LogScore:
+    """How the pack did on one labelled log."""
+
+    label: Label
+    steps: int = 0
+    first_step: int | None = None
+    last_step: int | None = None
+    passed: bool = True
+    reason: str = ""
+    """Why it failed, or what it did right, in one line."""
+    first_false: Act | None = None
+    """The first rollback or pause of a healthy run (or before a failure's onset - 2)."""
+    detected: Act | None = None
+    """The first action of the expected kind (failures)."""
+    rollbacks: int = 0
+    pauses: int = 0
+    """Pauses and stops (the run waits for, or is ended for, a human)."""
+    alerts: int = 0
+    set_decisions: int = 0
+    zero_patch: Pricing = field(default_factory=lambda: Pricing("verl"))
+    """What an unmodified verl run would pay (the healthy verdict's relaunch budget)."""
+    priced: Pricing = field(default_factory=lambda: Pricing("embedded"))
+    """What a run in the evaluated mode pays."""
+    kl_source: str | None = None
+    """The KL to the reference the run logs (its verl key), None when it logs none."""
+    blind: dict[str, list[str]] = field(default_factory=dict)
+    """Metrics rules read that the log lacks."""
+    acts: list[Act] = field(default_factory=list)
+
+    @property
+    def sets_per_100(self) -> float:
+        return 100.0 * self.set_decisions / max(1, self.steps)
+
+    @property
+    def delay(self) -> int | None:
+        if self.detected is None or self.label.onset is None:
+            return None
+        return self.detected.step - self.label.onset
+
+    @property
+    def relaunch_allowance(self) -> int:
+        """Zero-patch relaunches a healthy run may pay: one per 100 steps, at least one."""
+        return max(1, self.steps // 100)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "file": self.label.file.name, "verdict": self.label.verdict, "passed": self.passed, "reason": self.reason,
+            "onset": self.label.onset, "deadline": self.label.deadline, "expect": self.label.expect,
+            "steps": self.steps, "first_step": self.first_step, "last_step": self.last_step,
+            "first_false": self.first_false.to_json() if self.first_false else None,
+            "detected": self.detected.to_json() if self.detected else None, "delay": self.delay,
+            "rollbacks": self.rollbacks, "pauses": self.pauses, "alerts": self.alerts,
+            "set_decisions": self.set_decisions, "sets_per_100_steps": round(self.sets_per_100, 2),
+            "zero_patch": self.zero_patch.to_json(), "priced": self.priced.to_json(),
+            "relaunch_allowance": self.relaunch_allowance, "kl_source": self.kl_source, "blind": self.blind,
+            "actions": [a.to_json() for a in self.acts],
+        }
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """How logs are priced when their labels do not say."""
+
+    mode: str = "verl"
+    """Mode priced in the ``priced`` column: embedded (live sets free) or verl (zero-patch: every set a relaunch)."""
+    save_freq: int = 10
+    """Checkpoint every N steps."""
+    startup_s: float = DEFAULT_STARTUP_S
+    """A relaunch's start-up, seconds."""
+    relaunch_every: int = 100
+    """Steps between two tuning relaunches, at least (as the live controller's ``tuning_relaunch_every``)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.save_freq < 1:
+            raise ValueError(f"save_freq must be >= 1, got {self.save_freq}")
+
+
+class _Ledger:
+    """One mode's bookkeeping over a replay: live sets, deferred tuning relaunches, urgent relaunches."""
+
+    def __init__(self, mode: str, live_keys: Sequence[str], cost: CostModel, save_freq: int,
+                 policy: RelaunchPolicy) -> None:
+        self.p = Pricing(mode)
+        self.live_keys = live_keys
+        self.cost = cost
+        self.save_freq = save_freq
+        self.policy = policy
+        self.overrides: dict[str, Any] = {}
+        self.waiting: list[Waiting] = []
+        self.last_ckpt: int | None = None
+        self.last_tuning: int | None = None
+        self.in_process_rollback = mode == "embedded"
+
+    def plan(self, d: engine.Decision, ctx: PlanContext) -> list[Planned]:
+        """The decision planned in this mode, from the values this mode's run would have by now."""
+        return plan_decision(d, PlanContext({**self.overrides, **self._waiting_sets()}, ctx.latest,
+                                            ctx.config, self.live_keys, ctx.signals, ctx.on_escalate))
+
+    def _waiting_sets(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for w in self.waiting:
+            out.update(w.sets)
+        return out
+
+    def book(self, planned: Sequence[Planned], step: int, clock: int, firing: Iterable[str]) -> None:
+        for p in planned:
+            sets = p.payload.get("set", {})
+            if p.kind == "live_set":
+                self.p.live_sets += 1
+                self.overrides.update(sets)
+            elif p.kind == "restart" and p.payload.get("urgent") is False:
+                self.waiting.append(Waiting(self.p.deferred, p.payload["rule"], step, sets))
+                self.p.deferred += 1
+            elif p.relaunch:
+                rel = release(self.waiting, firing=firing, checkpoint_step=self.last_ckpt, clock=clock,
+                              last_tuning_relaunch=self.last_tuning, policy=self.policy, relaunching=True)
+                self.p.dropped += len(rel.dropped)
+                self.overrides.update({**rel.merged(), **sets})
+                self.waiting = []
+                lost = self._since_ckpt(step)
+                if p.kind == "rollback" and self.in_process_rollback:
+                    self.p.seconds += lost * self.cost.step_time_s  # restored in process: no start-up
+                else:
+                    self._relaunch(lost)
+                self.p.steps_lost += lost
+
+    def after_step(self, step: int, clock: int, firing: Iterable[str]) -> None:
+        if step > 0 and step % self.save_freq == 0:
+            self.last_ckpt = step
+        if not self.waiting:
+            return
+        rel = release(self.waiting, firing=firing, checkpoint_step=self.last_ckpt, clock=clock,
+                      last_tuning_relaunch=self.last_tuning, policy=self.policy)
+        self.p.dropped += len(rel.dropped)
+        self.waiting = list(rel.keep)
+        if rel.carry:
+            self.overrides.update(rel.merged())
+            self.p.merged += len(rel.carry) - 1
+            self.p.tuning_relaunches += 1
+            self.last_tuning = clock
+            self._relaunch(self._since_ckpt(step))
+
+    def _since_ckpt(self, step: int) -> int:
+        return max(0, step - (self.last_ckpt if self.last_ckpt is not None else 0))
+
+    def _relaunch(self, lost: int) -> None:
+        c = self.cost.relaunch(lost)
+        self.p.relaunches += 1
+        self.p.seconds += c.seconds
+
+
+def evaluate_log(label: Label, rules: RuleSet, cfg: EvalConfig) -> LogScore:
+    """Replay one labelled log through the pack and score it by its label."""
+    res = ingest.read_run(label.file)
+    score = LogScore(label)
+    records = res.records
+    times = [t for r in records if isinstance(t := r["data"].get("perf/time_per_step", r["data"].get("timing_s/step")),
+                                               (int, float)) and math.isfinite(t) and t > 0]
+    cost = CostModel(label.startup_s if label.startup_s is not None else cfg.startup_s,
+                     statistics.median(times) if times else 0.0)
+    save_freq = label.save_freq or cfg.save_freq
+    policy = RelaunchPolicy(cfg.relaunch_every)
+    verl = _Ledger("verl", (), cost, save_freq, policy)
+    own = _Ledger(cfg.mode, () if cfg.mode == "verl" else catalog.LIVE_KEYS, cost, save_freq, policy)
+
+    latest: dict[str, float] = {}
+    logged = {int(r["step"]): r for r in records}
+    seen_steps: set[int] = set()
+    seen_metrics: set[str] = set()
+    for sr in engine.run_series(rules, records, sorted(res.events, key=_event_step)):
+        row = catalog.to_short(logged[sr.step]["data"]) if sr.step in logged else {}
+        latest.update(row)
+        seen_metrics |= set(row)
+        if sr.step not in seen_steps:
+            seen_steps.add(sr.step)
+            score.steps += 1
+            score.first_step = sr.step if score.first_step is None else score.first_step
+            score.last_step = sr.step
+        firing = sr.state.firing()
+        for d in sr.decisions:
+            ctx = PlanContext({}, latest, {}, (), {**sr.sources, **d.signals})
+            if d.kind != "resolve" and any(a.kind == "set" for a in d.actions):
+                score.set_decisions += 1
+            planned = verl.plan(d, ctx)
+            _score_actions(score, d, planned)
+            verl.book(planned, sr.step, sr.state.clock, firing)
+            own.book(own.plan(d, ctx), sr.step, sr.state.clock, firing)
+        verl.after_step(sr.step, sr.state.clock, firing)
+        own.after_step(sr.step, sr.state.clock, firing)
+        score.kl_source = sr.sources.get("kl", score.kl_source)
+    score.zero_patch, score.priced = verl.p, own.p
+    score.blind = engine.blind_rules(rules, seen_metrics)
+    _verdict(score)
+    return score
+
+
+def _event_step(e: Mapping[str, Any]) -> int:
+    return e["step"] if isinstance(e.get("step"), int) else -1
+
+
+def _score_actions(score: LogScore, d: engine.Decision, planned: Sequence[Planned]) -> None:
+    for p in planned:
+        kind = {"rollback": "rollback", "stop": "stop", "notify": "notify"}.get(p.kind)
+        if p.kind == "command" and p.payload.get("command", {}).get("kind") == "pause":
+            kind = "pause"
+        if kind is None:
+            continue
+        act = Act(d.step, d.rule, kind, p.payload.get("summary", "") or p.payload.get("verdict", ""))
+        score.acts.append(act)
+        if kind == "rollback":
+            score.rollbacks += 1
+        elif kind in ("pause", "stop"):
+            score.pauses += 1
+        else:
+            score.alerts += 1
+
+
+def _verdict(score: LogScore) -> None:
+    lab = score.label
+    drastic = [a for a in score.acts if a.kind in ("rollback", "pause", "stop")]
+    if lab.verdict == "fragment":
+        score.reason = "fragment: replayed, not scored"
+        return
+    if lab.verdict == "healthy":
+        score.first_false = drastic[0] if drastic else None
+        over = score.zero_patch.relaunches > score.relaunch_allowance
+        score.passed = score.first_false is None and not over
+        if score.first_false is not None:
+            f = score.first_false
+            score.reason = f"healthy run: {f.kind} by {f.rule} at step {f.step}"
+        elif over:
+            score.reason = (f"healthy run: {score.zero_patch.relaunches} zero-patch relaunches in {score.steps} "
+                            f"steps (allowed {score.relaunch_allowance})")
+        else:
+            score.reason = "no rollback or pause; relaunches within budget"
+        return
+    assert lab.onset is not None and lab.deadline is not None
+    early = lab.onset - EARLY_STEPS
+    false = [a for a in drastic if a.step < early]
+    score.first_false = false[0] if false else None
+    wanted = drastic if lab.expect == "rollback" else [*drastic, *(a for a in score.acts if a.kind == "notify")]
+    on_time = sorted((a for a in wanted if a.step >= early), key=lambda a: a.step)
+    score.detected = on_time[0] if on_time else None
+    ok = score.detected is not None and score.detected.step <= lab.deadline
+    score.passed = ok and score.first_false is None
+    if score.first_false is not None:
+        f = score.first_false
+        score.reason = f"false {f.kind} by {f.rule} at step {f.step}, before the onset {lab.onset}"
+    elif score.detected is None:
+        score.reason = f"no {lab.expect} at all (onset {lab.onset}, deadline {lab.deadline})"
+    elif not ok:
+        score.reason = f"{lab.expect} only at step {score.detected.step}, after the deadline {lab.deadline}"
+    else:
+        score.reason = f"{score.detected.kind} by {score.detected.rule} at step {score.detected.step}"
+
+
+# -- a corpus ------------------------------------------------------------------------
+
+
+@dataclass
+class CorpusScore:
+    """Every log's score and the summary."""
+
+    scores: list[LogScore]
+    rules: tuple[str, ...] = ()
+    """Rule files of the pack."""
+    config: EvalConfig = field(default_factory=EvalConfig)
+
+    @property
+    def judged(self) -> list[LogScore]:
+        return [s for s in self.scores if s.label.verdict != "fragment"]
+
+    @property
+    def passed(self) -> bool:
+        return all(s.passed for s in self.judged)
+
+    def summary(self) -> str:
+        j = self.judged
+        healthy = [s for s in j if s.label.verdict == "healthy"]
+        fail = [s for s in j if s.label.verdict == "failure"]
+        frag = len(self.scores) - len(j)
+        return (f"{sum(s.passed for s in j)}/{len(j)} logs passed: healthy {sum(s.passed for s in healthy)}/"
+                f"{len(healthy)}, failures {sum(s.passed for s in fail)}/{len(fail)}"
+                + (f"; {frag} fragment(s) replayed, not scored" if frag else ""))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"passed": self.passed, "summary": self.summary(), "rules": list(self.rules),
+                "config": self.config.__dict__, "logs": [s.to_json() for s in self.scores]}
+
+
+def evaluate_corpus(labels: Sequence[Label], rules: RuleSet, cfg: EvalConfig,
+                    progress: Callable[[Label], None] | None = None) -> CorpusScore:
+    """Score every labelled log; ``progress`` is called before each."""
+    scores = []
+    for label in labels:
+        if progress is not None:
+            progress(label)
+        scores.append(evaluate_log(label, rules, cfg))
+    return CorpusScore(scores, rules.sources, cfg)

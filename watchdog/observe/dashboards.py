@@ -1,0 +1,421 @@
+"""Grafana dashboards as code: "PPO run" and "Watchdog", built with grafana-foundation-sdk.
+
+Every metric name comes from ``watchdog.protocol.catalog`` (the trainer's gauges) or
+``watchdog.observe.telemetry`` (the watchdog's own metrics), so renaming a metric breaks this
+module's tests, not a dashboard in production. The generated JSON is committed under
+``dashboards/`` with fixed uids (provisioning and links rely on them); ``watchdog
+dashboards export`` regenerates it and a test checks that regenerating changes nothing.
+
+The module also holds the pure helpers the tests and the integration check use:
+:func:`queries` lists every PromQL expression of a dashboard (targets, variables,
+annotations) and :func:`render` substitutes Grafana's template variables so the result
+parses as plain PromQL.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from grafana_foundation_sdk.builders import common as cb
+from grafana_foundation_sdk.builders import dashboard as db
+from grafana_foundation_sdk.builders import prometheus as pb
+from grafana_foundation_sdk.builders import stat, statetimeline, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as cm
+from grafana_foundation_sdk.models import dashboard as dm
+
+from watchdog.observe import telemetry
+from watchdog.protocol import catalog, exporter
+
+#: Fixed dashboard uids: provisioning, annotations (dashboardUID) and links depend on them.
+PPO_RUN_UID = "ppo-watchdog-run"
+WATCHDOG_UID = "ppo-watchdog-daemon"
+#: Tag on every dashboard, and on every annotation the watchdog posts.
+TAG = "ppo-watchdog"
+#: Tag of the watchdog's action annotations (posted by ``watchdog.observe.grafana``).
+ACTION_TAG = "watchdog-action"
+
+#: Name of the datasource template variable; panels use ``${datasource}``.
+DS_VAR = "datasource"
+_DS = dm.DataSourceRef(type_val="prometheus", uid="${" + DS_VAR + "}")
+# Grafana's built-in annotation store (where POST /api/annotations lands).
+_GRAFANA_DS = dm.DataSourceRef(type_val="grafana", uid="-- Grafana --")
+
+#: KL thresholds of the seed's table (target < 0.05, act above 0.1) and the value-loss target.
+KL_WARN, KL_ACT, VF_LOSS_TARGET = 0.05, 0.1, 0.5
+#: The run-selector every per-run query carries.
+RUN_SEL = f'{catalog.RUN_LABEL}=~"$run"'
+
+
+#: The trainer exporter's series beyond the per-step catalog gauges.
+TRAINER_EXTRA = frozenset({exporter.EVENTS_METRIC, exporter.LAST_UPDATE_METRIC})
+
+
+def prom(key: str) -> str:
+    """The Prometheus name of a catalog metric given its verl key (KeyError if not in the catalog)."""
+    return catalog.BY_KEY[key].prom
+
+
+# ---- small builders -------------------------------------------------------------------------
+
+
+class _Ids:
+    """Sequential panel ids, so the JSON is stable between regenerations."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self) -> int:
+        self.n += 1
+        return self.n
+
+
+def _q(expr: str, legend: str, ref: str = "A") -> pb.Dataquery:
+    return pb.Dataquery().expr(expr).legend_format(legend).ref_id(ref).range().datasource(_DS)
+
+
+def _thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:
+    return db.ThresholdsConfig().mode(dm.ThresholdsMode.ABSOLUTE).steps(
+        [dm.Threshold(value=v, color=c) for v, c in steps]
+    )
+
+
+def _series(
+    ids: _Ids, title: str, desc: str, targets: list[tuple[str, str]], unit: str = "short",
+    thresholds: list[tuple[float | None, str]] | None = None, w: int = 8, h: int = 8,
+    bars: bool = False,
+) -> timeseries.Panel:
+    panel = (
+        timeseries.Panel().id(ids()).title(title).description(desc).datasource(_DS)
+        .unit(unit).span(w).height(h).line_width(1).fill_opacity(10)
+        .span_nulls(True)
+        .legend(cb.VizLegendOptions().display_mode(cm.LegendDisplayMode.LIST).placement(cm.LegendPlacement.BOTTOM).show_legend(True))
+        .tooltip(cb.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI).sort(cm.SortOrder.NONE))
+    )
+    if bars:
+        panel = panel.draw_style(cm.GraphDrawStyle.BARS).fill_opacity(80)
+    for i, (expr, legend) in enumerate(targets):
+        panel = panel.with_target(_q(expr, legend, chr(ord("A") + i)))
+    if thresholds:
+        panel = panel.thresholds(_thresholds(*thresholds)).thresholds_style(
+            cb.GraphThresholdsStyleConfig().mode(cm.GraphThresholdsStyleMode.DASHED)
+        )
+    return panel
+
+
+def _stat(ids: _Ids, title: str, desc: str, expr: str, legend: str, unit: str = "short", w: int = 6) -> stat.Panel:
+    return (
+        stat.Panel().id(ids()).title(title).description(desc).datasource(_DS).unit(unit)
+        .span(w).height(4).with_target(_q(expr, legend))
+        .reduce_options(cb.ReduceDataOptions().calcs(["lastNotNull"]).values(False))
+        .color_mode(cm.BigValueColorMode.VALUE).graph_mode(cm.BigValueGraphMode.AREA)
+    )
+
+
+def _per_run(key: str) -> tuple[str, str]:
+    """A catalog gauge for the selected runs, legend ``run``."""
+    return f"{prom(key)}{{{RUN_SEL}}}", "{{run}} " + catalog.BY_KEY[key].short
+
+
+def _ds_variable() -> db.DatasourceVariable:
+    return db.DatasourceVariable(DS_VAR).label("Data source").type("prometheus")
+
+
+def _run_variable(metric: str) -> db.QueryVariable:
+    # label_values() is Grafana's templating function, not PromQL: :func:`queries` reports the
+    # metric inside it so the tests still check the name against the catalog.
+    return (
+        db.QueryVariable("run").label("Run").datasource(_DS)
+        .query({"query": f"label_values({metric}, {catalog.RUN_LABEL})", "refId": "run"})
+        .refresh(dm.VariableRefresh.ON_TIME_RANGE_CHANGED).sort(dm.VariableSort.ALPHABETICAL_ASC)
+        .multi(True).include_all(True).all_value(".*")
+    )
+
+
+def _links() -> db.DashboardLink:
+    # Both dashboards carry TAG: a tag link lists the other, keeping the time range and $run.
+    return (
+        db.DashboardLink("PPO watchdog").type(dm.DashboardLinkType.DASHBOARDS).tags([TAG])
+        .as_dropdown(False).include_vars(True).keep_time(True).target_blank(False)
+    )
+
+
+def _events(kind: str) -> str:
+    return f'{exporter.EVENTS_METRIC}{{{RUN_SEL}, kind="{kind}"}}'
+
+
+# ---- the dashboards -------------------------------------------------------------------------
+
+
+def ppo_run() -> dict[str, Any]:
+    """The "PPO run" dashboard: training health of the selected runs, with the watchdog's actions."""
+    ids = _Ids()
+    kl, kl_std = _per_run("actor/reward_kl_penalty"), _per_run("actor/reward_kl_penalty_std")
+    actions = f"{telemetry.ACTIONS.name}{{{RUN_SEL}}}"
+    b = (
+        db.Dashboard("PPO run").uid(PPO_RUN_UID).tags([TAG]).editable().refresh("30s")
+        .time("now-6h", "now").timezone("browser").tooltip(dm.DashboardCursorSync.CROSSHAIR)
+        .description("Training health of PPO/RLHF runs (verl metric catalog) and the watchdog's actions.")
+        .with_variable(_ds_variable())
+        .with_variable(_run_variable(prom("training/global_step")))
+        .link(_links())
+        .annotation(
+            db.AnnotationQuery().name("Watchdog actions").datasource(_GRAFANA_DS).enable(True)
+            .icon_color("red").target(db.AnnotationTarget().type("tags").tags([ACTION_TAG]).match_any(False).limit(500))
+        )
+        .annotation(
+            # Works without a Grafana token: derived from the watchdog's own counter in Prometheus.
+            db.AnnotationQuery().name("Watchdog actions (Prometheus)").datasource(_DS).enable(False)
+            .icon_color("orange").expr(f"sum by (run, rule, kind, outcome) (increase({actions}[2m])) > 0")
+        )
+        .with_row(db.Row("Health").id(ids()))
+        .with_panel(_series(ids, "Reward", "Task score, reward after the KL penalty, and validation score.", [
+            _per_run("critic/score/mean"), _per_run("critic/rewards/mean"), _per_run("val-core/reward/mean@1"),
+        ]))
+        .with_panel(_series(
+            ids, "KL to the reference (mean, std)",
+            f"Per-token KL of the policy to the reference policy. Target below {KL_WARN}; "
+            f"the watchdog raises kl_coef above {KL_ACT}.",
+            [kl, kl_std], thresholds=[(None, "green"), (KL_WARN, "orange"), (KL_ACT, "red")],
+        ))
+        .with_panel(_series(
+            ids, "Value loss", f"Clipped value-function loss; target below {VF_LOSS_TARGET}.",
+            [_per_run("critic/vf_loss")], thresholds=[(None, "green"), (VF_LOSS_TARGET, "red")],
+        ))
+        .with_panel(_series(ids, "Policy loss", "Clipped PPO policy-gradient loss and the clipped fraction.", [
+            _per_run("actor/pg_loss"), _per_run("actor/pg_clipfrac"),
+        ]))
+        .with_panel(_series(ids, "Entropy", "Mean per-token policy entropy; a collapse means a collapsed policy.", [
+            _per_run("actor/entropy"),
+        ]))
+        .with_panel(_series(ids, "Grad norm", "Actor and critic gradient norms before clipping.", [
+            _per_run("actor/grad_norm"), _per_run("critic/grad_norm"),
+        ]))
+        .with_row(db.Row("Knobs the watchdog turns").id(ids()))
+        .with_panel(_series(ids, "Learning rate", "Actor and critic learning rates.", [
+            _per_run("actor/lr"), _per_run("critic/lr"),
+        ], w=12))
+        .with_panel(_series(ids, "KL coefficient", "kl_ctrl coefficient of the KL penalty in the reward.", [
+            _per_run("actor/reward_kl_penalty_coeff"),
+        ], w=12))
+        .with_row(db.Row("Progress").id(ids()))
+        .with_panel(_series(ids, "Throughput", "Tokens per second per device.", [
+            _per_run("perf/throughput"),
+        ], unit="short", w=6))
+        .with_panel(_series(ids, "Step time", "Wall time of a training step.", [
+            _per_run("perf/time_per_step"),
+        ], unit="s", w=6))
+        .with_panel(_series(ids, "Global step", "Training step; drops mark a rollback.", [
+            _per_run("training/global_step"),
+        ], w=6))
+        .with_panel(_series(
+            ids, "Since last step", "Seconds since the trainer exported its last step; a hung run climbs here.",
+            [(f"time() - {exporter.LAST_UPDATE_METRIC}{{{RUN_SEL}}}", "{{run}}")], unit="s", w=6,
+        ))
+        .with_panel(_series(
+            ids, "Checkpoints", "Checkpoints written (trainer's checkpoint events).",
+            [(f'sum by (run) (increase({_events("checkpoint")}[$__rate_interval]))', "{{run}} checkpoints")],
+            w=6, bars=True,
+        ))
+        .with_panel(_series(
+            ids, "Trainer events", "Events the trainer recorded, by kind (oom, nan, rollback, applied, ...).",
+            [(f"sum by (run, kind) (increase({exporter.EVENTS_METRIC}{{{RUN_SEL}}}[$__rate_interval]))",
+              "{{run}} {{kind}}")],
+            w=18, bars=True,
+        ))
+    )
+    return _to_dict(b)
+
+
+def watchdog() -> dict[str, Any]:
+    """The "Watchdog" dashboard: rule states, actions, evaluation time, data age, runs watched."""
+    ids = _Ids()
+    t = telemetry
+
+    def state() -> statetimeline.Panel:
+        return (
+        statetimeline.Panel().id(ids()).title("Rule states").datasource(_DS).span(24).height(10)
+        .description("Per run and rule: inactive, pending (condition holds, waiting for `for`), firing.")
+        .with_target(_q(f"{t.RULE_STATE.name}{{{RUN_SEL}}}", "{{run}} {{rule}}"))
+        .mappings([dm.ValueMap(options={
+            str(v): dm.ValueMappingResult(text=name, color=color, index=v)
+            for (name, v), color in zip(t.RULE_STATES.items(), ("green", "orange", "red"), strict=True)
+        })])
+        .thresholds(_thresholds((None, "green"), (1, "orange"), (2, "red")))
+        .show_value(cm.VisibilityMode.NEVER).merge_values(True).row_height(0.9)
+        )
+    quantile = (
+        "histogram_quantile({q}, sum by (le) (rate({m}[$__rate_interval])))"
+    )
+    b = (
+        db.Dashboard("Watchdog").uid(WATCHDOG_UID).tags([TAG]).editable().refresh("30s")
+        .time("now-6h", "now").timezone("browser").tooltip(dm.DashboardCursorSync.CROSSHAIR)
+        .description("The PPO watchdog itself: what it watches, how its rules stand, what it did.")
+        .with_variable(_ds_variable())
+        .with_variable(_run_variable(t.DATA_AGE.name))
+        .link(_links())
+        .with_panel(_stat(ids, "Runs watched", "Runs the watchdog watches now.", t.RUNS_WATCHED.name, "runs"))
+        .with_panel(_stat(
+            ids, "Firing rules", "Rules firing now over the selected runs.",
+            f"count({t.RULE_STATE.name}{{{RUN_SEL}}} == 2) or vector(0)", "firing",
+        ))
+        .with_panel(_stat(
+            ids, "Since last tick", "Seconds since the watchdog's last completed evaluation.",
+            f"time() - max({t.LAST_TICK.name})", "age", unit="s",
+        ))
+        .with_panel(_stat(
+            ids, "Escalations (24h)", "Escalations to a human over the last day.",
+            f"sum(increase({t.ESCALATIONS.name}{{{RUN_SEL}}}[24h])) or vector(0)", "escalations",
+        ))
+        .with_panel(state())
+        .with_panel(_series(
+            ids, "Actions by rule and outcome", "Remediations taken, by rule, action kind and outcome.",
+            [(f"sum by (rule, kind, outcome) (increase({t.ACTIONS.name}{{{RUN_SEL}}}[$__rate_interval]))",
+              "{{rule}} {{kind}} {{outcome}}")],
+            w=12, bars=True,
+        ))
+        .with_panel(_series(
+            ids, "Escalations and errors", "Escalations to a human, and errors the watchdog carried on from.",
+            [(f"sum by (rule) (increase({t.ESCALATIONS.name}{{{RUN_SEL}}}[$__rate_interval]))", "escalated {{rule}}"),
+             (f"sum by (where) (increase({t.ERRORS.name}{{{RUN_SEL}}}[$__rate_interval]))", "error in {{where}}")],
+            w=12, bars=True,
+        ))
+        .with_panel(_series(
+            ids, "Evaluation time", "Wall time of one evaluation tick over all runs (quantiles and mean).",
+            [(quantile.format(q="0.5", m=t.EVALUATION.series()[0]), "p50"),
+             (quantile.format(q="0.99", m=t.EVALUATION.series()[0]), "p99"),
+             (f"rate({t.EVALUATION.series()[1]}[$__rate_interval]) / rate({t.EVALUATION.series()[2]}[$__rate_interval])",
+              "mean")],
+            unit="s", w=12,
+        ))
+        .with_panel(_series(
+            ids, "Data age", "Seconds since each run's newest metric record; a stuck trainer climbs here.",
+            [(f"{t.DATA_AGE.name}{{{RUN_SEL}}}", "{{run}}")], unit="s", w=12,
+        ))
+        .with_panel(_series(
+            ids, "Scrape targets up", "Prometheus's view of the trainer and watchdog endpoints.",
+            [(f'up{{job=~"{t.TRAINER_JOB}|{t.WATCHDOG_JOB}"}}', "{{job}} {{instance}}")], w=24,
+        ))
+    )
+    return _to_dict(b)
+
+
+#: File name under dashboards/ -> builder.
+DASHBOARDS: dict[str, Callable[[], dict[str, Any]]] = {
+    "ppo-run.json": ppo_run,
+    "watchdog.json": watchdog,
+}
+
+
+def _to_dict(builder: db.Dashboard) -> dict[str, Any]:
+    # Round-trip through the SDK's encoder so the dict is plain JSON data.
+    out: dict[str, Any] = json.loads(json.dumps(builder.build(), cls=JSONEncoder))
+    out["schemaVersion"] = out.get("schemaVersion", 39)
+    return out
+
+
+def dump(dashboard: dict[str, Any]) -> str:
+    """Canonical JSON text of a dashboard (sorted keys, stable between runs)."""
+    return json.dumps(dashboard, indent=2, sort_keys=True) + "\n"
+
+
+def export(directory: Path | str) -> list[Path]:
+    """Write every dashboard as JSON into ``directory``; returns the paths written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, build in DASHBOARDS.items():
+        path = directory / name
+        path.write_text(dump(build()))
+        written.append(path)
+    return written
+
+
+# ---- pure helpers for checking queries ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Query:
+    """One PromQL expression found in a dashboard."""
+
+    where: str
+    """Where it sits: ``panel 3 "KL to the reference" target B``, ``variable run``, ``annotation ...``."""
+    expr: str
+    """The expression as written in the dashboard (with Grafana variables)."""
+    templating: bool = False
+    """True for a variable query (Grafana's ``label_values(metric, label)``, not PromQL)."""
+
+
+def _panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    for p in dashboard.get("panels") or []:
+        yield p
+        yield from p.get("panels") or []  # collapsed rows keep their panels inside
+
+
+def queries(dashboard: dict[str, Any]) -> list[Query]:
+    """Every query of a dashboard: panel targets, Prometheus annotations and variable queries."""
+    out: list[Query] = []
+    for p in _panels(dashboard):
+        for t in p.get("targets") or []:
+            if "expr" in t:
+                out.append(Query(f'panel {p.get("id")} "{p.get("title")}" target {t.get("refId")}', t["expr"]))
+    for a in (dashboard.get("annotations") or {}).get("list") or []:
+        if a.get("expr"):
+            out.append(Query(f'annotation "{a.get("name")}"', a["expr"]))
+    for v in (dashboard.get("templating") or {}).get("list") or []:
+        if v.get("type") == "query":
+            q = v.get("query")
+            text = q.get("query") if isinstance(q, dict) else q
+            if text:
+                out.append(Query(f'variable {v.get("name")}', str(text), templating=True))
+    return out
+
+
+_LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?P<selector>[^,]+?)\s*,\s*(?P<label>[a-zA-Z_]\w*)\s*\)\s*$")
+
+
+def render(expr: str, run: str = ".*", interval: str = "1m") -> str:
+    """Substitute Grafana's variables so ``expr`` is plain PromQL (``$run`` is a regex, like ``All``)."""
+    return (
+        expr.replace("$__rate_interval", interval).replace("$__interval", interval)
+        .replace("${run}", run).replace("$run", run)
+    )
+
+
+def to_promql(query: Query, run: str = ".*", interval: str = "1m") -> str:
+    """The PromQL a query stands for: a variable's ``label_values(sel, label)`` becomes ``sel``."""
+    text = render(query.expr, run, interval)
+    if query.templating:
+        m = _LABEL_VALUES.match(text)
+        if not m:
+            raise ValueError(f"{query.where}: unsupported variable query {query.expr!r}")
+        return m.group("selector")
+    return text
+
+
+def metric_names(promql: str) -> set[str]:
+    """Every metric name a PromQL expression selects (raises ValueError when it does not parse)."""
+    import promql_parser  # test extra; only the checks need it
+
+    names: set[str] = set()
+
+    def visit(node: Any) -> None:
+        if isinstance(node, promql_parser.VectorSelector):
+            if node.name:
+                names.add(node.name)
+            for m in node.matchers.matchers:
+                if m.name == "__name__":
+                    names.add(m.value)
+
+    promql_parser.walk(promql_parser.parse(promql), visit)
+    return names
+
+
+def known_metric_names() -> frozenset[str]:
+    """Names a dashboard or alert may reference: the catalog, the watchdog's own, the trainer's events, ``up``."""
+    return frozenset(catalog.names("prom")) | telemetry.series_names() | TRAINER_EXTRA | {"up"}

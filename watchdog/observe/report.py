@@ -1,0 +1,175 @@
+"""A run's report: KL, reward, value loss, lr and kl_coef over steps, with the watchdog's actions.
+
+Markers show where a decision fired (colour by outcome); rollbacks are shaded from the
+step rolled back to until the step it left. The PNG is matplotlib (Agg backend, no
+display); the HTML is self-contained (the PNG inline as base64 plus the decision table),
+so it can be mailed or attached to a ticket as one file.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from watchdog.core.pricing import cost_text
+from watchdog.protocol import rundir
+
+#: (verl key, panel title) in panel order.
+PANELS: tuple[tuple[str, str], ...] = (
+    ("actor/reward_kl_penalty", "KL to reference (mean)"),
+    ("critic/score/mean", "reward (score mean)"),
+    ("critic/vf_loss", "value loss"),
+    ("actor/lr", "actor lr"),
+    ("actor/reward_kl_penalty_coeff", "kl_coef"),
+)
+_OUTCOME_COLOUR = {"applied": "tab:green", "failed": "tab:red", "pending": "tab:orange", "skipped": "tab:gray"}
+
+
+class ReportError(ValueError):
+    """Nothing to report (no metrics), or an unsupported output type; names the path."""
+
+
+@dataclass
+class Segment:
+    """A stretch of the run in file order; a new one starts where steps go back (restart, rollback)."""
+
+    steps: list[int]
+    """Steps in this stretch."""
+    data: list[dict[str, Any]]
+    """The records' data."""
+
+
+def segments(records: Sequence[dict[str, Any]]) -> list[Segment]:
+    """Split metric records (file order) into stretches at every step that goes back."""
+    out: list[Segment] = []
+    for rec in records:
+        step, data = int(rec.get("step", 0)), dict(rec.get("data", {}))
+        seg = out[-1] if out else None
+        if seg is not None and step > seg.steps[-1]:
+            seg.steps.append(step)
+            seg.data.append(data)
+        elif seg is not None and step == seg.steps[-1] and not (set(seg.data[-1]) & set(data)):
+            seg.data[-1] = {**seg.data[-1], **data}  # verl logs validation on its own line
+        else:
+            out.append(Segment([step], [data]))
+    return out
+
+
+def rollback_spans(events: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(to_step, from_step) of every rollback event."""
+    out = []
+    for e in events:
+        if e.get("kind") == "rollback" and e.get("to_step") is not None:
+            out.append((int(e["to_step"]), int(e.get("from_step") or e["to_step"])))
+    return out
+
+
+def render_png(run_dir: Path | str, decisions: Sequence[dict[str, Any]], out: Path | str,
+               restarts: Sequence[tuple[int, int]] = ()) -> Path:
+    """Write the report figure; ``restarts`` adds (to_step, from_step) spans for rollbacks done by restart."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir, out = Path(run_dir), Path(out)
+    records = rundir.read_jsonl(run_dir / rundir.METRICS).records
+    if not records:
+        raise ReportError(f"{run_dir / rundir.METRICS}: no metrics to report")
+    events = rundir.read_jsonl(run_dir / rundir.EVENTS).records
+    segs = segments(records)
+    spans = rollback_spans(events) + list(restarts)
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(10, 2.1 * len(PANELS)), sharex=True)
+    for ax, (key, title) in zip(axes, PANELS, strict=False):
+        for i, seg in enumerate(segs):
+            pts = [(s, d[key]) for s, d in zip(seg.steps, seg.data, strict=False) if isinstance(d.get(key), (int, float))]
+            if pts:
+                xs, ys = zip(*pts, strict=False)
+                ax.plot(xs, ys, lw=1.2, color="tab:blue", alpha=0.35 if i < len(segs) - 1 else 1.0)
+        for lo, hi in spans:
+            ax.axvspan(lo, hi, color="tab:red", alpha=0.12, lw=0)
+        ax.set_ylabel(title, fontsize=8)
+        ax.grid(alpha=0.3)
+        if key == "actor/reward_kl_penalty":
+            ax.axhline(0.1, color="tab:red", ls="--", lw=0.8)
+    for d in decisions:
+        if d.get("kind") == "resolve" or d.get("status") == "skipped":
+            continue
+        colour = _OUTCOME_COLOUR.get(d.get("status", ""), "black")
+        for ax in axes:
+            ax.axvline(d["step"], color=colour, lw=0.8, alpha=0.7)
+        axes[0].annotate(d["rule"], (d["step"], 1.0), xycoords=("data", "axes fraction"), rotation=90,
+                         fontsize=6, va="top", ha="right", color=colour)
+    axes[-1].set_xlabel("step")
+    fig.suptitle(f"run {run_dir.name}: red bands = rolled back, lines = watchdog actions", fontsize=10)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def render_html(run_dir: Path | str, decisions: Sequence[dict[str, Any]], out: Path | str,
+                restarts: Sequence[tuple[int, int]] = ()) -> Path:
+    """Write a self-contained HTML report (figure inline + decision table)."""
+    out = Path(out)
+    buf = out.with_suffix(".tmp.png")
+    render_png(run_dir, decisions, buf, restarts)
+    png = base64.b64encode(buf.read_bytes()).decode()
+    buf.unlink()
+    rows = []
+    for d in decisions:
+        inputs = json.dumps(d.get("inputs", {}), sort_keys=True)
+        actions = "; ".join(_describe(a) for a in d.get("actions", [])) or "-"
+        rows.append(
+            "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
+                d["step"], d["rule"], d["kind"], actions, inputs, d["status"], cost_text(d.get("journal", [])),
+                d.get("outcome", ""))) + "</tr>"
+        )
+    doc = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>watchdog report: {html.escape(Path(run_dir).name)}</title>
+<style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse;font-size:12px}}
+td,th{{border:1px solid #ccc;padding:3px 6px;text-align:left}}</style></head><body>
+<h1>Run {html.escape(Path(run_dir).name)}</h1>
+<p>{len(decisions)} decisions. Red bands: steps rolled back; vertical lines: actions
+(green applied, red failed, orange pending).</p>
+<img alt="metrics" src="data:image/png;base64,{png}">
+<h2>Decisions</h2>
+<table><tr><th>step</th><th>rule</th><th>kind</th><th>actions</th><th>inputs</th><th>status</th><th>cost</th><th>outcome</th></tr>
+{''.join(rows)}
+</table></body></html>
+"""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rundir.atomic_write_bytes(out, doc.encode())
+    return out
+
+
+def _describe(action: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in action.items())
+
+
+def write_report(run_dir: Path | str, decisions: Sequence[dict[str, Any]], out: Path | str,
+                 restarts: Sequence[tuple[int, int]] = ()) -> Path:
+    """PNG or HTML by the output's suffix."""
+    out = Path(out)
+    if out.suffix.lower() == ".png":
+        return render_png(run_dir, decisions, out, restarts)
+    if out.suffix.lower() in (".html", ".htm"):
+        return render_html(run_dir, decisions, out, restarts)
+    raise ReportError(f"{out}: the report is .png or .html")
+
+
+def restart_spans(decisions: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(resume_step, decision step) for restarts that went back to an earlier checkpoint."""
+    out = []
+    for d in decisions:
+        for j in d.get("journal", []):
+            rs = (j.get("result") or {}).get("resume_step")
+            if j.get("kind") == "restart" and rs is not None and rs < d["step"]:
+                out.append((int(rs), int(d["step"])))
+    return out

@@ -1,0 +1,229 @@
+"""The one catalog of metric names.
+
+Every per-step metric the product speaks of appears here once, with three names:
+
+- ``key``: verl's own metric key, as verl's trackers log it (``actor/reward_kl_penalty``).
+- ``prom``: the Prometheus metric name the trainer (or the verl glue) exposes.
+- ``short``: the short name rules use in their expressions (``kl``).
+
+The trainer, the exporter, the rules engine, the dashboards and the alert rules all
+import these names, so renaming a metric breaks the build rather than a dashboard in
+production. ``aliases`` lists older verl keys that mean the same thing (verl renamed
+``critic/kl`` to ``actor/reward_kl_penalty``); readers map them onto the current key.
+
+This module imports nothing heavy: the watchdog imports it without torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+#: Label every exported per-run series carries.
+RUN_LABEL = "run"
+
+#: Config keys (verl's Hydra names) the embedded trainer can change at a step boundary.
+LIVE_KEYS = (
+    "algorithm.kl_ctrl.kl_coef",
+    "actor_rollout_ref.actor.optim.lr",
+    "critic.optim.lr",
+    "actor_rollout_ref.actor.ppo_epochs",
+    "critic.ppo_epochs",
+    "actor_rollout_ref.actor.entropy_coeff",
+    "actor_rollout_ref.actor.clip_ratio",
+    "actor_rollout_ref.actor.kl_loss_coef",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
+    "critic.ppo_micro_batch_size_per_gpu",
+)
+
+#: verl's resume keys (the embedded trainer's too): a relaunch from a checkpoint sets both.
+RESUME_MODE_KEY = "trainer.resume_mode"
+RESUME_PATH_KEY = "trainer.resume_from_path"
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One per-step training metric under its three names."""
+
+    key: str
+    """verl's metric key, as written to ``metrics.jsonl`` and verl's console log."""
+    prom: str
+    """Prometheus metric name (a gauge labelled with ``run``)."""
+    short: str
+    """Short name for rule expressions."""
+    help: str
+    """One sentence for Prometheus HELP text and ``watchdog rules explain``."""
+    unit: str = ""
+    """Unit, for dashboards (Grafana unit id, e.g. ``s`` or ``short``)."""
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+    """Older verl keys with the same meaning."""
+    fallbacks: tuple[str, ...] = field(default_factory=tuple)
+    """Keys of other catalog metrics that stand in when neither the key nor an alias is logged:
+    verl logs the KL to the reference as ``actor/kl_loss`` when the KL is a loss term
+    (``use_kl_loss``) instead of a reward penalty (``use_kl_in_reward``)."""
+    needs: str = ""
+    """The verl setting that makes verl log this metric, for the warning about rules that cannot fire."""
+
+
+_KL_NEEDS = ("algorithm.use_kl_in_reward=True (KL in the reward: actor/reward_kl_penalty) or "
+             "actor_rollout_ref.actor.use_kl_loss=True (KL loss: actor/kl_loss)")
+_CRITIC_NEEDS = "a critic (algorithm.adv_estimator=gae); GRPO-style runs have none"
+
+METRICS: tuple[Metric, ...] = (
+    Metric(
+        "actor/reward_kl_penalty", "ppo_kl_mean", "kl",
+        "Mean per-token KL of the policy to the reference policy: the reward penalty (use_kl_in_reward), "
+        "else the KL loss term (use_kl_loss).",
+        aliases=("critic/kl",), fallbacks=("actor/kl_loss",), needs=_KL_NEEDS,
+    ),
+    Metric(
+        "actor/reward_kl_penalty_std", "ppo_kl_std", "kl_std",
+        "Standard deviation of the step KL mean over the last 10 steps (step-to-step movement; the "
+        "rules compute the same as std(kl, 10), so verl runs, which log no KL std, are judged alike).",
+    ),
+    Metric(
+        "actor/reward_kl_penalty_coeff", "ppo_kl_coef", "kl_coef",
+        "Current KL coefficient: of the reward penalty (algorithm.kl_ctrl), else of the KL loss term.",
+        aliases=("critic/kl_coeff",), fallbacks=("actor/kl_coef",), needs=_KL_NEEDS,
+    ),
+    Metric("actor/kl_loss", "ppo_kl_loss", "kl_loss", "KL loss term (use_kl_loss).",
+           needs="actor_rollout_ref.actor.use_kl_loss=True"),
+    Metric("actor/kl_coef", "ppo_kl_loss_coef", "kl_loss_coef", "Coefficient of the KL loss term.",
+           needs="actor_rollout_ref.actor.use_kl_loss=True"),
+    Metric("actor/ppo_kl", "ppo_policy_kl", "ppo_kl", "Approximate KL between the old and the updated policy."),
+    Metric("actor/pg_loss", "ppo_policy_loss", "pg_loss", "Clipped PPO policy-gradient loss."),
+    Metric("actor/pg_clipfrac", "ppo_policy_clipfrac", "pg_clipfrac", "Fraction of tokens whose ratio was clipped."),
+    Metric(
+        "actor/entropy", "ppo_entropy", "entropy",
+        "Mean per-token entropy of the policy.", aliases=("actor/entropy_loss",),
+    ),
+    Metric("actor/grad_norm", "ppo_actor_grad_norm", "grad_norm", "Actor gradient norm before clipping."),
+    Metric("actor/lr", "ppo_actor_lr", "lr", "Actor learning rate."),
+    Metric("critic/vf_loss", "ppo_value_loss", "vf_loss", "Clipped value-function loss.", needs=_CRITIC_NEEDS),
+    Metric("critic/vf_clipfrac", "ppo_value_clipfrac", "vf_clipfrac", "Fraction of values that were clipped.", needs=_CRITIC_NEEDS),
+    Metric("critic/grad_norm", "ppo_critic_grad_norm", "critic_grad_norm", "Critic gradient norm before clipping.", needs=_CRITIC_NEEDS),
+    Metric("critic/lr", "ppo_critic_lr", "critic_lr", "Critic learning rate.", needs=_CRITIC_NEEDS),
+    Metric("critic/score/mean", "ppo_score_mean", "reward", "Mean task score (reward-function output) per sequence."),
+    Metric("critic/rewards/mean", "ppo_reward_mean", "rewards", "Mean sequence reward after the KL penalty."),
+    Metric("critic/score/max", "ppo_score_max", "reward_max", "Highest task score in the batch."),
+    Metric("critic/score/min", "ppo_score_min", "reward_min", "Lowest task score in the batch."),
+    Metric("critic/advantages/mean", "ppo_advantage_mean", "advantages", "Mean advantage (GAE)."),
+    Metric("critic/returns/mean", "ppo_return_mean", "returns", "Mean return (GAE target of the critic)."),
+    Metric("critic/values/mean", "ppo_value_mean", "values", "Mean value estimate of the critic.", needs=_CRITIC_NEEDS),
+    Metric(
+        "response_length/mean", "ppo_response_length_tokens", "response_length",
+        "Mean response length in tokens.", unit="short",
+    ),
+    Metric(
+        "response_length/max", "ppo_response_length_max_tokens", "response_length_max",
+        "Longest response in the batch, in tokens.", unit="short",
+    ),
+    Metric(
+        "response_length/clip_ratio", "ppo_response_clip_ratio", "response_clip_ratio",
+        "Fraction of responses cut at max_response_length.",
+    ),
+    Metric(
+        "perf/throughput", "ppo_throughput_tokens_per_second", "throughput",
+        "Tokens processed per second per device.", unit="short",
+    ),
+    Metric("perf/time_per_step", "ppo_step_duration_seconds", "step_time", "Wall time of the last step.", unit="s",
+           aliases=("timing_s/step",)),
+    Metric(
+        "training/rollout_probs_diff_mean", "ppo_rollout_probs_diff_mean", "rollout_probs_diff",
+        "Mean absolute difference of token probabilities between the rollout engine and the trainer "
+        "(training-inference mismatch; verl's FAQ calls above 0.01 bad).",
+        needs="a verl that logs rollout/training probability differences (calculate_log_probs)",
+    ),
+    Metric("training/global_step", "ppo_global_step", "step", "Global training step."),
+    Metric("training/epoch", "ppo_epoch", "epoch", "Training epoch."),
+    Metric(
+        "val-core/reward/mean@1", "ppo_val_score", "val_score",
+        "Validation score (accuracy for rule-scored tasks), measured every trainer.test_freq steps.",
+        needs="trainer.test_freq > 0 and data.val_files",
+    ),
+)
+
+BY_KEY: dict[str, Metric] = {m.key: m for m in METRICS}
+BY_SHORT: dict[str, Metric] = {m.short: m for m in METRICS}
+BY_PROM: dict[str, Metric] = {m.prom: m for m in METRICS}
+_ALIASES: dict[str, str] = {a: m.key for m in METRICS for a in m.aliases}
+#: Where a short name may also be read from another metric's key (rank 2: after its key and aliases).
+_FALLBACK_OF: dict[str, tuple[str, ...]] = {}
+for _m in METRICS:
+    for _f in _m.fallbacks:
+        _FALLBACK_OF[_f] = (*_FALLBACK_OF.get(_f, ()), _m.short)
+EXACT, ALIAS, FALLBACK = 0, 1, 2
+
+# verl writes validation metrics per data source: ``val-core/<data_source>/reward/mean@1``
+# (newer) or ``val/test_score/<data_source>`` (older). Both land on ``val_score``.
+_VAL_PATTERNS = (
+    re.compile(r"^val-core/.+/(reward|acc)/mean@\d+$"),
+    re.compile(r"^val/test_score/.+$"),
+)
+
+
+@functools.lru_cache(maxsize=4096)
+def canonical_key(key: str) -> str | None:
+    """The catalog key for a verl key (current, aliased or per-data-source), else None."""
+    if key in BY_KEY:
+        return key
+    if key in _ALIASES:
+        return _ALIASES[key]
+    if any(p.match(key) for p in _VAL_PATTERNS):
+        return "val-core/reward/mean@1"
+    return None
+
+
+def lookup(name: str) -> Metric | None:
+    """Find a metric by short name, verl key (or alias) or Prometheus name."""
+    if name in BY_SHORT:
+        return BY_SHORT[name]
+    if name in BY_PROM:
+        return BY_PROM[name]
+    key = canonical_key(name)
+    return BY_KEY[key] if key else None
+
+
+@functools.lru_cache(maxsize=4096)
+def sources_of(raw: str) -> tuple[tuple[str, int], ...]:
+    """The short names a verl key feeds, each with its rank: EXACT (the metric's own key, or a
+    per-data-source validation key), ALIAS (an older name) or FALLBACK (another metric standing in)."""
+    key = canonical_key(raw)
+    out = [(BY_KEY[key].short, EXACT if raw == key or raw not in _ALIASES else ALIAS)] if key else []
+    out += [(short, FALLBACK) for short in _FALLBACK_OF.get(key or "", ())]
+    return tuple(out)
+
+
+def to_short(data: Mapping[str, object], sources: dict[str, str] | None = None) -> dict[str, float]:
+    """Map one step's verl-keyed record onto short names, dropping unknown and non-numeric keys.
+
+    Where a record carries several keys for one short name, the best-ranked wins: the current
+    key over an older alias over a fallback (``actor/reward_kl_penalty`` over ``critic/kl`` over
+    ``actor/kl_loss``). ``sources``, when given, receives the verl key each short name came from.
+    """
+    out: dict[str, float] = {}
+    rank: dict[str, int] = {}
+    for raw, value in data.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        for short, r in sources_of(raw):
+            if rank.get(short, 3) <= r:
+                continue
+            out[short] = float(value)
+            rank[short] = r
+            if sources is not None:
+                sources[short] = raw
+    return out
+
+
+def names(kind: str = "short") -> Iterable[str]:
+    """All names of one kind: ``short``, ``key`` or ``prom``."""
+    return (getattr(m, kind) for m in METRICS)
+
+
+def is_finite(value: float) -> bool:
+    """True for a real, finite number."""
+    return not (math.isnan(value) or math.isinf(value))

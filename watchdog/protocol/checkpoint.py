@@ -1,0 +1,549 @@
+"""Checkpoints in verl's layout that count only when complete and intact.
+
+::
+
+    root/
+      global_step_40/
+        actor/state.pt          one file per component (torch.save of a state dict)
+        critic/state.pt
+        extra.pt                anything else (data-loader position, RNG, KL controller, ...)
+        manifest.json           {step, epoch, ts, complete: true, files: {relpath: sha256}}  -- written LAST
+      latest_checkpointed_iteration.txt   verl's marker: the newest step, as text
+
+A checkpoint is built in a hidden temporary directory beside its final place and
+renamed into place only after every file and the manifest are written and fsynced,
+so a crash mid-save leaves a ``.tmp-*`` directory that no reader lists, never a
+half-written ``global_step_N``. Readers still trust nothing: :func:`verify_checkpoint`
+re-hashes every file against the manifest, and :func:`load_checkpoint` hashes the very
+bytes it deserialises, so a file changed between verify and load is caught too.
+
+Generic over state dicts: this module knows nothing about models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from watchdog.protocol import rundir
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+STATE_FILE = "state.pt"
+EXTRA_FILE = "extra.pt"
+MANIFEST_FORMAT = 1
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_TMP_PREFIX = ".tmp-global_step_"
+_TRASH_PREFIX = ".trash-global_step_"
+_COMPONENT_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+
+
+class CheckpointError(rundir.PathError):
+    """A checkpoint that must not be loaded; names the path and what is wrong with it."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What the directory listing and the manifest say about one checkpoint."""
+
+    path: Path
+    """The ``global_step_N`` directory."""
+    step: int
+    """Global step the checkpoint was taken after."""
+    epoch: int
+    """Epoch at that step (-1 when the manifest is unreadable)."""
+    complete: bool
+    """True only when the manifest says complete and every checksum matches."""
+    ts: float
+    """Save time (manifest ``ts``; the directory's mtime when the manifest is unreadable)."""
+    reason: str = ""
+    """Why the checkpoint is not complete (empty when it is)."""
+
+
+def step_dir(root: Path | str, step: int) -> Path:
+    """Where the checkpoint of ``step`` lives (verl's ``global_step_N``)."""
+    return Path(root) / f"global_step_{int(step)}"
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    # The rename is durable only once the directory entry is on disk.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _torch(where: Path | str) -> Any:
+    """torch, imported only to save or load tensors: listing and verifying need none (a core install has none)."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise CheckpointError(where, f"reading or writing tensors needs torch ({exc}); install torch, "
+                              "or ppo-watchdog[trainer]") from exc
+    return torch
+
+
+def _serialise(obj: Any) -> bytes:
+    torch = _torch("checkpoint")
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _deserialise(data: bytes, where: Path) -> Any:
+    torch = _torch(where)
+    try:
+        # weights_only: a checkpoint is data, never code (no arbitrary pickles).
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError, EOFError, ...
+        raise CheckpointError(where, f"cannot deserialise ({type(exc).__name__}: {exc})") from exc
+
+
+def save_checkpoint(
+    root: Path | str,
+    step: int,
+    epoch: int,
+    components: dict[str, dict[str, Any]],
+    extra: dict[str, Any] | None = None,
+    keep: int | None = None,
+    protect: Iterable[int] = (),
+) -> Path:
+    """Write ``root/global_step_{step}`` atomically and return its path.
+
+    Each component goes to ``{name}/state.pt``, ``extra`` to ``extra.pt``; the manifest
+    with the sha256 of every file is written last, then the directory is renamed into
+    place, then verl's marker is updated, then older checkpoints are pruned to the
+    newest ``keep`` complete ones (steps in ``protect`` are never pruned, e.g. the last
+    known-good one). Saving a step that already exists replaces it.
+    """
+    if keep is not None and keep < 1:
+        raise ValueError(f"keep must be >= 1 or None, got {keep!r}")
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step!r}")
+    for name in components:
+        if not _COMPONENT_NAME.match(name) or name in (MANIFEST, EXTRA_FILE):
+            raise ValueError(f"bad component name {name!r}")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temporaries(root)
+    final = step_dir(root, step)
+    tmp = root / f"{_TMP_PREFIX}{step}-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir()
+    try:
+        files: dict[str, str] = {}
+        for name, state in components.items():
+            rel = f"{name}/{STATE_FILE}"
+            data = _serialise(state)
+            _write_file(tmp / rel, data)
+            files[rel] = _sha256(data)
+        if extra is not None:
+            data = _serialise(extra)
+            _write_file(tmp / EXTRA_FILE, data)
+            files[EXTRA_FILE] = _sha256(data)
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "step": int(step),
+            "epoch": int(epoch),
+            "ts": time.time(),
+            "files": files,
+            "complete": True,
+        }
+        _write_file(tmp / MANIFEST, (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+        for sub in {p.parent for p in tmp.rglob("*") if p.is_file()}:
+            _fsync_dir(sub)
+        if final.exists():
+            # Replace an older save of the same step (a resumed run re-saving it): move it
+            # aside first so that at every instant the name holds one whole checkpoint or none.
+            trash = root / f"{_TRASH_PREFIX}{step}-{time.monotonic_ns()}"
+            os.replace(final, trash)
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    rundir.atomic_write_bytes(root / rundir.LATEST_MARKER, f"{int(step)}".encode())
+    if keep is not None:
+        prune(root, keep, protect=protect)
+    log.info("saved checkpoint %s (epoch %d, %d files)", final, epoch, len(files))
+    return final
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    # A crash mid-save leaves a temp dir; it was never visible as a checkpoint, so drop it.
+    for p in root.iterdir():
+        if p.is_dir() and (p.name.startswith(_TMP_PREFIX) or p.name.startswith(_TRASH_PREFIX)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _read_manifest(path: Path) -> dict[str, Any]:
+    mpath = path / MANIFEST
+    try:
+        text = mpath.read_text()
+    except FileNotFoundError:
+        raise CheckpointError(path, f"no {MANIFEST} (incomplete or torn save)") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CheckpointError(mpath, f"unreadable manifest ({exc})") from exc
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(mpath, f"manifest is not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
+    if not isinstance(doc, dict):
+        raise CheckpointError(mpath, "manifest must be a JSON object")
+    for key in ("step", "epoch"):
+        if not isinstance(doc.get(key), int) or isinstance(doc.get(key), bool):
+            raise CheckpointError(mpath, f"manifest key {key!r} must be an integer, got {doc.get(key)!r}")
+    if doc.get("complete") is not True:
+        raise CheckpointError(mpath, f"manifest says complete={doc.get('complete')!r}")
+    files = doc.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise CheckpointError(mpath, "manifest key 'files' must map relative paths to sha256 strings")
+    m = _STEP_DIR.match(path.name)
+    if m and int(m.group(1)) != doc["step"]:
+        raise CheckpointError(mpath, f"manifest step {doc['step']} does not match directory {path.name}")
+    return doc
+
+
+def _read_verified(path: Path, rel: str, expected: str) -> bytes:
+    # Refuse paths that leave the checkpoint directory (a crafted manifest).
+    target = (path / rel).resolve()
+    if path.resolve() not in target.parents:
+        raise CheckpointError(path, f"manifest file {rel!r} lies outside the checkpoint")
+    try:
+        data = target.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(path / rel, "listed in the manifest but missing") from None
+    except OSError as exc:
+        raise CheckpointError(path / rel, f"unreadable ({exc})") from exc
+    actual = _sha256(data)
+    if actual != expected:
+        raise CheckpointError(
+            path / rel, f"checksum mismatch (manifest sha256 {expected[:12]}..., file {actual[:12]}..., {len(data)} bytes)"
+        )
+    return data
+
+
+def verify_checkpoint(path: Path | str) -> CheckpointInfo:
+    """Check a checkpoint directory; raise :class:`CheckpointError` if it is torn, incomplete or corrupt."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(path, "not a directory")
+    doc = _read_manifest(path)
+    for rel, digest in doc["files"].items():
+        _read_verified(path, rel, digest)
+    return CheckpointInfo(path, doc["step"], doc["epoch"], True, float(doc.get("ts", path.stat().st_mtime)))
+
+
+def load_checkpoint(path: Path | str) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Verify and load a checkpoint: (components by name, extra). Never loads a file that fails its checksum."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(path, "not a directory")
+    doc = _read_manifest(path)
+    # Verify every file before deserialising any, so a bad checkpoint loads nothing at all.
+    blobs = {rel: _read_verified(path, rel, digest) for rel, digest in doc["files"].items()}
+    components: dict[str, dict[str, Any]] = {}
+    extra: dict[str, Any] = {}
+    for rel, data in blobs.items():
+        obj = _deserialise(data, path / rel)
+        if rel == EXTRA_FILE:
+            extra = obj
+        elif rel.endswith("/" + STATE_FILE):
+            components[rel[: -len(STATE_FILE) - 1]] = obj
+    return components, extra
+
+
+def list_checkpoints(root: Path | str, verify: bool = True) -> list[CheckpointInfo]:
+    """All ``global_step_N`` directories under ``root``, sorted by step; incomplete ones have complete=False.
+
+    With ``verify=False`` only the manifest is read (no hashing), for quick listings.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out: list[CheckpointInfo] = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if not m or not p.is_dir():
+            continue
+        step = int(m.group(1))
+        try:
+            info = verify_checkpoint(p) if verify else _manifest_info(p)
+        except CheckpointError as exc:
+            epoch = -1
+            try:
+                raw = json.loads((p / MANIFEST).read_text())
+                epoch = int(raw.get("epoch", -1))
+            except (OSError, ValueError, TypeError, AttributeError):
+                pass
+            info = CheckpointInfo(p, step, epoch, False, p.stat().st_mtime, exc.reason)
+        out.append(info)
+    return sorted(out, key=lambda c: c.step)
+
+
+def _manifest_info(path: Path) -> CheckpointInfo:
+    doc = _read_manifest(path)
+    return CheckpointInfo(path, doc["step"], doc["epoch"], True, float(doc.get("ts", path.stat().st_mtime)))
+
+
+def latest_complete(root: Path | str) -> CheckpointInfo | None:
+    """The newest checkpoint that verifies, or None."""
+    return last_known_good(root, set())
+
+
+def last_known_good(root: Path | str, bad_steps: Callable[[int], bool] | set[int] | frozenset[int]) -> CheckpointInfo | None:
+    """The newest verified checkpoint whose step was not taken while a divergence rule fired.
+
+    ``bad_steps`` is a set of steps or a predicate: the watchdog knows which steps fell
+    inside a firing divergence rule. Newer checkpoints are hashed first and the search
+    stops at the first good one, so a long history is not re-hashed on every call.
+    """
+    is_bad: Callable[[int], bool] = bad_steps.__contains__ if isinstance(bad_steps, (set, frozenset)) else bad_steps
+    for info in reversed(list_checkpoints(root, verify=False)):
+        if not info.complete or is_bad(info.step):
+            continue
+        try:
+            return verify_checkpoint(info.path)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint %s", exc)
+    return None
+
+
+def read_marker(root: Path | str) -> int | None:
+    """The step in verl's ``latest_checkpointed_iteration.txt``, or None when absent or garbled."""
+    try:
+        return int((Path(root) / rundir.LATEST_MARKER).read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def prune(root: Path | str, keep: int, protect: Iterable[int] = ()) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints (and incomplete ones older than those).
+
+    Incomplete checkpoints newer than the oldest kept one are left alone: one may be a
+    save still in progress by another writer. Returns the deleted paths.
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep!r}")
+    protected = set(protect)
+    infos = list_checkpoints(root, verify=False)
+    complete = [c for c in infos if c.complete]
+    kept = complete[-keep:]
+    if not kept:
+        return []
+    oldest_kept = kept[0].step
+    removed: list[Path] = []
+    for c in infos:
+        if c in kept or c.step in protected or c.step >= oldest_kept:
+            continue
+        shutil.rmtree(c.path, ignore_errors=True)
+        removed.append(c.path)
+    if removed:
+        log.info("pruned %d checkpoint(s): %s", len(removed), ", ".join(p.name for p in removed))
+    return removed
+
+
+def discard_newer(root: Path | str, step: int) -> list[Path]:
+    """Delete checkpoints newer than ``step`` and point verl's marker at ``step``.
+
+    For a rollback: checkpoints of the abandoned timeline must not be picked up as the
+    "latest" by a later resume.
+    """
+    removed = []
+    for c in list_checkpoints(root, verify=False):
+        if c.step > step:
+            shutil.rmtree(c.path, ignore_errors=True)
+            removed.append(c.path)
+    if step_dir(root, step).is_dir():
+        rundir.atomic_write_bytes(Path(root) / rundir.LATEST_MARKER, f"{int(step)}".encode())
+    return removed
+
+
+def set_aside(root: Path | str, label: str) -> Path | None:
+    """Move every ``global_step_N`` and verl's marker into ``root/abandoned-<label>/``.
+
+    For a run that starts over from its initial weights: what it saved on the abandoned
+    timeline (a diverged run's checkpoints, and the one its SIGTERM handler wrote while being
+    stopped) must not be resumed by any later restart, but is kept for a human to inspect.
+    Returns the folder (None when there was nothing to move).
+    """
+    root = Path(root)
+    moved = [p for p in root.iterdir() if _STEP_DIR.match(p.name) or p.name == rundir.LATEST_MARKER] \
+        if root.is_dir() else []
+    if not moved:
+        return None
+    dest = root / f"abandoned-{label}"
+    dest.mkdir(parents=True, exist_ok=True)
+    for p in moved:
+        p.rename(dest / p.name)
+    _fsync_dir(root)
+    return dest
+
+
+# -- verl's own layout (no manifest) ----------------------------------------------------
+#
+# A checkpoint written by verl itself (``RayPPOTrainer._save_checkpoint`` and its FSDP
+# checkpoint manager) has no manifest::
+#
+#     default_local_dir/
+#       global_step_40/
+#         actor/model_world_size_8_rank_0.pt  optim_world_size_8_rank_0.pt
+#               extra_state_world_size_8_rank_0.pt ({'lr_scheduler': ..., 'rng': ...})  ... every rank
+#         critic/...                           (the same, when the run has a critic)
+#         data.pt                              (the dataloader's state)
+#       latest_checkpointed_iteration.txt      written after all of the above
+#
+# verl writes the marker last, so a ``global_step_N`` counts when N is at or below the
+# marker and it holds every rank's three files for one world size (a restart must use the
+# world size it was saved with) plus ``data.pt``.
+
+VERL_KINDS = ("model", "optim", "extra_state")
+VERL_DATA_FILE = "data.pt"
+_VERL_FILE = re.compile(r"^(model|optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+
+
+def verl_file(component_dir: Path | str, kind: str, world_size: int, rank: int) -> Path:
+    """verl's per-rank file name, e.g. ``actor/optim_world_size_8_rank_3.pt``."""
+    if kind not in VERL_KINDS:
+        raise ValueError(f"kind must be one of {', '.join(VERL_KINDS)}, got {kind!r}")
+    return Path(component_dir) / f"{kind}_world_size_{int(world_size)}_rank_{int(rank)}.pt"
+
+
+def verl_components(path: Path | str) -> dict[str, int]:
+    """Component directories of a verl checkpoint holding per-rank files, with their world size.
+
+    Raises :class:`CheckpointError` when one directory mixes world sizes (two saves overlaid).
+    """
+    out: dict[str, int] = {}
+    for sub in sorted(p for p in Path(path).iterdir() if p.is_dir()):
+        sizes = {int(m.group(2)) for f in sub.iterdir() if (m := _VERL_FILE.match(f.name))}
+        if len(sizes) > 1:
+            raise CheckpointError(sub, f"files of several world sizes ({', '.join(map(str, sorted(sizes)))})")
+        if sizes:
+            out[sub.name] = sizes.pop()
+    return out
+
+
+def verl_checkpoint_info(path: Path | str, marker: int | None, world_size: int | None = None) -> CheckpointInfo:
+    """What a manifest-less verl ``global_step_N`` is worth: complete, or not with the reason.
+
+    ``marker`` is the step in ``latest_checkpointed_iteration.txt`` (None: none written yet,
+    so nothing counts); ``world_size`` the run's (None: whatever the files say, as long as
+    every rank of it is there).
+    """
+    path = Path(path)
+    m = _STEP_DIR.match(path.name)
+    if not m:
+        raise ValueError(f"{path}: not a global_step_N directory")
+    step = int(m.group(1))
+    files = [f for f in path.rglob("*") if f.is_file()]
+    ts = max((f.stat().st_mtime for f in files), default=path.stat().st_mtime)
+
+    def incomplete(reason: str) -> CheckpointInfo:
+        return CheckpointInfo(path, step, -1, False, ts, reason)
+
+    if marker is None:
+        return incomplete(f"no {rundir.LATEST_MARKER} beside it (verl writes it after a complete save)")
+    if step > marker:
+        return incomplete(f"newer than {rundir.LATEST_MARKER} ({marker}): a save in progress or abandoned")
+    try:
+        components = verl_components(path)
+    except CheckpointError as exc:
+        return incomplete(str(exc))
+    if "actor" not in components:
+        return incomplete("no actor/ directory with per-rank model files")
+    for name, size in components.items():
+        if world_size is not None and size != world_size:
+            return incomplete(f"{name}/ was saved with world size {size}, the run uses {world_size}")
+        for rank in range(size):
+            for kind in VERL_KINDS:
+                if not verl_file(path / name, kind, size, rank).is_file():
+                    return incomplete(f"missing {name}/{verl_file('', kind, size, rank).name}")
+    if not (path / VERL_DATA_FILE).is_file():
+        return incomplete(f"missing {VERL_DATA_FILE} (the dataloader state verl saves last)")
+    return CheckpointInfo(path, step, -1, True, ts)
+
+
+def list_verl_checkpoints(root: Path | str, world_size: int | None = None) -> list[CheckpointInfo]:
+    """Every ``global_step_N`` under verl's ``default_local_dir``, sorted by step, judged by
+    :func:`verl_checkpoint_info` (no hashing: verl writes no checksums to compare with)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    marker = read_marker(root)
+    out = [verl_checkpoint_info(p, marker, world_size) for p in root.iterdir()
+           if p.is_dir() and _STEP_DIR.match(p.name)]
+    return sorted(out, key=lambda c: c.step)
+
+
+def verl_safe_globals() -> list[Any]:
+    """The numpy types verl's ``extra_state`` holds (``np.random.get_state()`` in its RNG state).
+
+    Allowing exactly these lets ``torch.load(weights_only=True)`` read verl's files: they
+    rebuild arrays and dtypes, never call arbitrary code.
+    """
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core  # numpy 2 renamed np.core to np._core
+    out: list[Any] = [core.multiarray._reconstruct, np.ndarray, np.dtype]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        out += [dtypes.UInt32DType, dtypes.Float64DType, dtypes.Int64DType]
+    return out
+
+
+def load_verl_file(path: Path | str) -> Any:
+    """``torch.load(weights_only=True)`` of one verl checkpoint file (numpy RNG state allowed).
+
+    Raises :class:`CheckpointError` naming the file when it cannot be loaded that way
+    (a pickle of arbitrary objects, or a type outside the allowlist such as a sharded
+    tensor class): such a file is refused, never loaded with ``weights_only=False``.
+    """
+    path = Path(path)
+    torch = _torch(path)
+    try:
+        with torch.serialization.safe_globals(verl_safe_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise CheckpointError(path, "missing") from None
+    except Exception as exc:  # UnpicklingError, RuntimeError, EOFError, ...
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        # torch's UnpicklingError is a page of advice; the line naming the refused type is the news.
+        why = next((ln for ln in lines if "Unsupported global" in ln or "WeightsUnpickler" in ln), lines[0] if lines else "")
+        raise CheckpointError(path, f"cannot be loaded with weights_only=True ({type(exc).__name__}: {why})") from exc
+
+
+def save_verl_file(path: Path | str, obj: Any) -> None:
+    """Write one verl checkpoint file (temp file + rename, so a reader never sees half of it)."""
+    rundir.atomic_write_bytes(path, _serialise(obj))

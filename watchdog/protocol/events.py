@@ -1,0 +1,75 @@
+"""events.jsonl lines as validated :class:`Event` objects.
+
+A trainer (or the watchdog's zero-patch glue, speaking for verl) appends one line per event:
+``{"ts": 1733050000.1, "step": 12, "kind": "checkpoint", ...fields}``. An :class:`Event` is that
+line as a dict, checked once where it is read: ``kind`` a string, ``step`` a non-negative
+integer or null, ``ts`` a finite number. What a line may carry beyond those three is the
+event's own (``path`` of a checkpoint, ``micro_batch_size`` of an OOM). A line that fails the
+check is an :class:`EventError` naming the file, line and field; readers skip it and say so.
+
+Pure: no I/O here (:mod:`~watchdog.protocol.rundir` reads and appends the file), so the rules
+core imports the event vocabulary without touching a file.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+#: Event kinds a trainer records in events.jsonl (a newer trainer's other kinds are read, not written).
+EVENT_KINDS = frozenset(
+    {
+        "started", "finished", "checkpoint", "oom", "nan", "applied", "error",
+        "paused", "resumed", "rollback", "stopped", "fault", "validation",
+    }
+)
+
+
+class EventError(ValueError):
+    """An events.jsonl line that is not a valid event; the message is ``where: field: reason``."""
+
+    def __init__(self, where: str, field: str | None, reason: str) -> None:
+        super().__init__(f"{where}: {field!r}: {reason}" if field else f"{where}: {reason}")
+        self.where = where
+        self.field = field
+
+
+class Event(dict[str, Any]):
+    """One event, as written (a JSON object), with its three common fields checked and typed."""
+
+    @property
+    def kind(self) -> str:
+        return str(self["kind"])
+
+    @property
+    def step(self) -> int | None:
+        step = self.get("step")
+        return step if isinstance(step, int) else None
+
+    @property
+    def ts(self) -> float | None:
+        ts = self.get("ts")
+        return float(ts) if isinstance(ts, (int, float)) else None
+
+    @classmethod
+    def parse(cls, obj: Any, where: str = "events.jsonl") -> Event:
+        """Validate one decoded line; raise :class:`EventError` naming the field at fault."""
+        if not isinstance(obj, dict):
+            raise EventError(where, None, f"not a JSON object ({type(obj).__name__})")
+        kind = obj.get("kind")
+        if not isinstance(kind, str) or not kind:
+            raise EventError(where, "kind", f"must be a non-empty string, got {kind!r:.60}")
+        step = obj.get("step")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise EventError(where, "step", f"must be a non-negative integer or null, got {step!r:.60}")
+        ts = obj.get("ts")
+        if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts)):
+            raise EventError(where, "ts", f"must be a finite number (unix time), got {ts!r:.60}")
+        return cls(obj)
+
+    @classmethod
+    def new(cls, kind: str, step: int | None, ts: float, **fields: Any) -> Event:
+        """An event about to be written (the kind must be one of :data:`EVENT_KINDS`)."""
+        if kind not in EVENT_KINDS:
+            raise ValueError(f"unknown event kind {kind!r}")
+        return cls.parse({"ts": ts, "step": step, "kind": kind, **fields}, f"event {kind!r}")

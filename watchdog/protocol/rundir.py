@@ -1,0 +1,171 @@
+"""The run-directory protocol: the only coupling between a trainer and the watchdog.
+
+::
+
+    run_dir/
+      run.json          id, command, config snapshot, pid, live-settable keys, and the one-shot
+                        commands done in process ("commands"; all of COMMAND_KINDS when absent)
+      metrics.jsonl     {"step": N, "data": {...}}  (verl FileLogger format), one line a step
+      events.jsonl      {"ts": ..., "step": N, "kind": "...", ...}
+      control.json      {"version": 7, "overrides": {...}, "commands": [{"id": ..., "kind": ...}]}
+      checkpoints/      global_step_N/ + manifest.json, latest_checkpointed_iteration.txt
+
+Writers append whole lines (JSONL) or replace whole files atomically (JSON), so a
+reader never sees half a record except possibly an unterminated last line, which
+:func:`read_jsonl` leaves for the next read. This module does file I/O only; it
+imports nothing heavy so both the trainer and the watchdog use it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from watchdog.protocol.events import Event, EventError
+
+log = logging.getLogger(__name__)
+
+RUN_JSON = "run.json"
+METRICS = "metrics.jsonl"
+EVENTS = "events.jsonl"
+CONTROL = "control.json"
+CHECKPOINTS = "checkpoints"
+LATEST_MARKER = "latest_checkpointed_iteration.txt"  # verl's own marker file
+
+#: Exit code of a trainer that stopped after a CUDA/CPU out-of-memory error (state saved).
+EXIT_OOM = 75
+#: Exit code of a trainer stopped by a ``stop`` command or SIGTERM after saving.
+EXIT_STOPPED = 0
+#: Exit code of a trainer that rejected its configuration before training (unknown key, bad
+#: value): relaunching the same command cannot help, so a supervisor gives up instead of retrying.
+EXIT_USAGE = 2
+
+
+class PathError(ValueError):
+    """A file or directory that cannot be used; the message is ``path: reason``."""
+
+    def __init__(self, path: Path | str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = str(path)
+        """The file or directory at fault."""
+        self.reason = reason
+        """What is wrong, in words."""
+
+
+def atomic_write_json(path: Path | str, obj: Any) -> None:
+    """Write JSON to ``path`` so a reader sees the old file or the new one, never a torn one."""
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def atomic_write_bytes(path: Path | str, data: bytes) -> None:
+    """Write bytes to ``path`` via a fsynced temp file in the same directory and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def append_jsonl(path: Path | str, record: dict[str, Any]) -> None:
+    """Append one record as one line; a single write so concurrent readers see whole lines."""
+    line = json.dumps(record, sort_keys=True, allow_nan=True) + "\n"
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line)
+        f.flush()
+
+
+def append_metrics(run_dir: Path | str, step: int, data: dict[str, float]) -> None:
+    """Append one step in verl's FileLogger format: ``{"step": N, "data": {...}}``."""
+    append_jsonl(Path(run_dir) / METRICS, {"step": int(step), "data": data})
+
+
+def append_event(run_dir: Path | str, kind: str, step: int | None, **fields: Any) -> Event:
+    """Append one event to events.jsonl and return it."""
+    event = Event.new(kind, step, time.time(), **fields)
+    append_jsonl(Path(run_dir) / EVENTS, event)
+    return event
+
+
+@dataclass
+class JsonlChunk:
+    """Records read from a JSONL file starting at an offset."""
+
+    records: list[dict[str, Any]]
+    offset: int
+    """Byte offset to resume from (after the last complete line)."""
+    errors: list[str]
+    """One message per complete line that was not a JSON object (``file:line: reason``)."""
+    lines: list[int] = field(default_factory=list)
+    """The line number of each record (for messages about its content)."""
+    path: str = ""
+    """The file read."""
+
+
+def read_jsonl(path: Path | str, offset: int = 0, first_line: int = 1, until: int | None = None) -> JsonlChunk:
+    """Read complete JSONL lines from ``offset``; an unterminated last line is left for later.
+
+    Garbled lines are reported in ``errors`` (with file and line number) and skipped, so
+    one bad line never hides the rest of a run. ``first_line`` is the line number at
+    ``offset``, for messages. ``until``: read only the lines before this byte offset (what a
+    reader had consumed at a saved offset: a restarted watchdog rebuilds its window from it).
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read() if until is None else f.read(max(0, until - offset))
+    except FileNotFoundError:
+        return JsonlChunk([], offset, [], [], str(path))
+    end = data.rfind(b"\n") + 1
+    records: list[dict[str, Any]] = []
+    errors: list[str] = []
+    lines: list[int] = []
+    for n, raw in enumerate(data[:end].splitlines(), start=first_line):
+        if not raw.strip():
+            continue
+        try:
+            obj = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            errors.append(f"{path}:{n}: not JSON ({exc})")
+            continue
+        if not isinstance(obj, dict):
+            errors.append(f"{path}:{n}: not a JSON object")
+            continue
+        records.append(obj)
+        lines.append(n)
+    return JsonlChunk(records, offset + end, errors, lines, str(path))
+
+
+def events_of(chunk: JsonlChunk) -> list[Event]:
+    """The valid events of a chunk of events.jsonl; each invalid line joins ``chunk.errors``."""
+    out: list[Event] = []
+    for obj, line in zip(chunk.records, chunk.lines, strict=True):
+        try:
+            out.append(Event.parse(obj, f"{chunk.path}:{line}"))
+        except EventError as exc:
+            chunk.errors.append(str(exc))
+    return out
+
+
+def iter_events(run_dir: Path | str, kinds: Iterable[str] | None = None) -> list[Event]:
+    """All valid events of a run (optionally only some kinds), in file order; invalid lines are logged."""
+    wanted = set(kinds) if kinds is not None else None
+    chunk = read_jsonl(Path(run_dir) / EVENTS)
+    events = events_of(chunk)
+    for err in chunk.errors:
+        log.warning("skipped %s", err)
+    return [e for e in events if wanted is None or e.kind in wanted]

@@ -1,0 +1,465 @@
+"""Read a run's per-step metrics and events: whole files for replay, or tailed for live runs.
+
+Three sources are understood, detected from the content, not the file name:
+
+- verl's FileLogger JSONL (``VERL_FILE_LOGGER_PATH``) and the trainer's ``metrics.jsonl``:
+  one ``{"step": N, "data": {...}}`` object a line. verl writes it with orjson, which
+  turns NaN and inf into ``null``; a ``null`` metric is read back as NaN because a NaN
+  is the only thing verl ever logs that orjson cannot spell.
+- verl's console logger: ``step:N - key:value - key:value ...`` lines among any other
+  output, possibly behind ANSI colour codes and Ray's ``(TaskRunner pid=...)`` prefix,
+  with values like ``nan``, ``-inf``, ``1e-06`` or ``np.float64(0.1)``.
+- a run directory: its ``metrics.jsonl`` (and ``events.jsonl`` via :func:`read_events`).
+
+Steps are deduplicated the way a training engineer reads a log: a later line for a
+step replaces the earlier one (a resumed run rewrites steps), a step that goes back
+drops the abandoned steps after it (a rollback or a restart from a checkpoint), and a
+second line with *different* keys for the same step is merged into it (verl logs the
+validation metrics of a step on their own line). :func:`apply_records` is that rule;
+reading a file whole and tailing it poll by poll give the same timeline.
+
+Older verl logs a scaled learning rate as ``actor/lr(1e-4):0.010``; it is also
+recorded under ``actor/lr`` in real units so rules and replay see one name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from watchdog.protocol import rundir
+from watchdog.protocol.events import Event
+
+log = logging.getLogger(__name__)
+
+FORMAT_JSONL = "jsonl"
+FORMAT_CONSOLE = "console"
+
+# CSI sequences (colours, cursor moves) and the two-byte escapes terminals also accept.
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+# ``step:N`` must start a token (not ``global_step:3`` nor ``training/step:3``) and be
+# followed by `` - key:value`` items: "saved at step:3" alone is prose, not metrics.
+_STEP = re.compile(r"(?<![\w/.@-])step:(\d+)(?=\s+-\s)")
+# numpy / torch scalar reprs as pprint.pformat prints them: np.float64(0.1), tensor(0.5).
+_WRAPPED = re.compile(r"^(?:np|numpy)\.\w+\((.*)\)$|^tensor\((.*?)(?:,.*)?\)$")
+# verl's old scaled keys: ``actor/lr(1e-4)`` holds lr / 1e-4.
+_SCALED_KEY = re.compile(r"^(?P<base>.+)\((?P<scale>\d+(?:\.\d+)?e[-+]?\d+)\)$")
+
+
+# Out-of-memory signatures in verl / Ray / torch console output, most specific first.
+# CUDA: torch's OutOfMemoryError (also wrapped as RayTaskError(OutOfMemoryError)) and the
+# allocator's "CUDA error: out of memory". Host: Ray's memory monitor killing a worker.
+_OOM_PATTERNS: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"Task was killed due to the node running low on memory"
+                r"|killed due to memory pressure \(OOM\)"
+                r"|ActorDiedError.*(?:memory|OOM)", re.I), "host"),
+    (re.compile(r"CUDA out of memory|CUDA error: out of memory|torch\.(?:cuda\.)?OutOfMemoryError"
+                r"|RayTaskError\(OutOfMemoryError\)", re.I), "cuda"),
+)
+
+
+class IngestError(rundir.PathError):
+    """A metrics source cannot be read at all (missing, a directory without metrics, ...)."""
+
+
+@dataclass(frozen=True)
+class ParseIssue:
+    """One line (or one item of a line) that was skipped, with where it is."""
+
+    file: str
+    """Path of the file the line is in."""
+    line: int
+    """1-based line number."""
+    message: str
+    """What is wrong, naming the offending key or text."""
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: {self.message}"
+
+
+@dataclass
+class ReadResult:
+    """Everything :func:`read_run` found in one metrics source."""
+
+    records: list[dict[str, Any]]
+    """Deduplicated ``{"step": N, "data": {verl key: float}}`` records, ascending by step."""
+    format: str
+    """``jsonl`` or ``console``."""
+    path: Path
+    """The file that was read (``metrics.jsonl`` for a run directory)."""
+    issues: list[ParseIssue] = field(default_factory=list)
+    """Lines or items that were skipped."""
+    lines: int = 0
+    """Raw step lines seen, before deduplication."""
+    events: list[Event] = field(default_factory=list)
+    """Events found in a console log (``oom`` with ``device`` cuda|host), at the last step logged before them."""
+
+
+# ---------------------------------------------------------------------------
+# values and keys
+
+
+def parse_value(text: str) -> float | None:
+    """A console value as a float (``nan``, ``-inf``, ``1e-06``, ``np.float64(0.1)``), else None."""
+    text = text.strip()
+    m = _WRAPPED.match(text)
+    if m:
+        text = (m.group(1) if m.group(1) is not None else m.group(2)).strip()
+    if text in ("True", "False"):
+        return None  # verl logs a few flags; a flag is not a series value
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def normalize_data(data: Mapping[str, Any]) -> dict[str, float]:
+    """Numeric metrics only, as floats: ``null`` -> NaN (orjson's NaN), scaled keys unscaled."""
+    out: dict[str, float] = {}
+    for key, value in data.items():
+        if value is None:
+            out[key] = math.nan
+        elif isinstance(value, bool):
+            continue
+        elif isinstance(value, (int, float)):
+            out[key] = float(value)
+        elif isinstance(value, str):
+            parsed = parse_value(value)
+            if parsed is not None:
+                out[key] = parsed
+    for key in list(out):
+        m = _SCALED_KEY.match(key)
+        if m and m.group("base") not in out:
+            out[m.group("base")] = out[key] * float(m.group("scale"))
+    return out
+
+
+def parse_console_line(line: str) -> tuple[int, dict[str, float], list[str]] | None:
+    """Parse one console line: (step, data, problems), or None when it is not a step line."""
+    clean = _ANSI.sub("", line).rstrip("\r\n")
+    m = _STEP.search(clean)
+    if not m:
+        return None
+    step = int(m.group(1))
+    data: dict[str, Any] = {}
+    problems: list[str] = []
+    rest = clean[m.end():]
+    for piece in rest.split(" - "):
+        piece = piece.strip()
+        if not piece or piece == "-":
+            continue
+        token = piece.split()[0]
+        key, sep, raw = token.rpartition(":")
+        if not sep or not key:
+            problems.append(f"item {piece[:60]!r} is not key:value")
+            continue
+        value = parse_value(raw)
+        if value is None:
+            problems.append(f"key {key!r}: value {raw[:40]!r} is not a number")
+            continue
+        data[key] = value
+    return step, normalize_data(data), problems
+
+
+# ---------------------------------------------------------------------------
+# deduplication
+
+
+def apply_records(history: list[dict[str, Any]], new: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Fold new records into a step-ordered history; returns the new history (inputs untouched).
+
+    - a step beyond the last one is appended;
+    - the last step again with disjoint keys is merged (a separate validation line);
+    - otherwise a step at or before the last one starts a new timeline there: the old
+      record for that step and every later one are dropped (restart, rollback, rewrite).
+    """
+    out = [dict(r) for r in history]
+    for rec in new:
+        step = int(rec["step"])
+        data = dict(rec.get("data") or {})
+        if not out or step > out[-1]["step"]:
+            out.append({"step": step, "data": data})
+            continue
+        last = out[-1]
+        if step == last["step"] and not (set(last["data"]) & set(data)):
+            last["data"] = {**last["data"], **data}
+            continue
+        while out and out[-1]["step"] >= step:
+            out.pop()
+        out.append({"step": step, "data": data})
+    return out
+
+
+def dedup_records(records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Deduplicate raw records in file order with :func:`apply_records`'s rule."""
+    return apply_records([], records)
+
+
+# ---------------------------------------------------------------------------
+# whole files
+
+
+def _resolve(path: Path | str) -> Path:
+    p = Path(path)
+    if p.is_dir():
+        metrics = p / rundir.METRICS
+        if not metrics.exists():
+            raise IngestError(p, f"a directory without {rundir.METRICS}: not a run directory")
+        return metrics
+    if not p.exists():
+        raise IngestError(p, "no such file")
+    return p
+
+
+def detect_format(lines: Sequence[str]) -> str:
+    """``jsonl`` when the first non-blank line is a JSON object, else ``console``."""
+    for line in lines:
+        s = line.strip()
+        if not s:
+            continue
+        if s.startswith("{"):
+            try:
+                return FORMAT_JSONL if isinstance(json.loads(s), dict) else FORMAT_CONSOLE
+            except json.JSONDecodeError:
+                # a torn first line of a JSONL file still looks like one
+                return FORMAT_JSONL if s.startswith('{"') else FORMAT_CONSOLE
+        return FORMAT_CONSOLE
+    return FORMAT_JSONL
+
+
+def record_from_json(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """Validate one FileLogger object: (record, None) or (None, reason)."""
+    if not isinstance(obj, dict):
+        return None, "not a JSON object"
+    step = obj.get("step")
+    if isinstance(step, float) and step.is_integer():
+        step = int(step)
+    if isinstance(step, bool) or not isinstance(step, int):
+        return None, f"'step' must be an integer, got {step!r}"
+    data = obj.get("data")
+    if not isinstance(data, dict):
+        return None, f"'data' must be an object, got {type(data).__name__}"
+    return {"step": step, "data": normalize_data(data)}, None
+
+
+def _parse_jsonl(path: Path, lines: Sequence[str]) -> tuple[list[dict[str, Any]], list[ParseIssue]]:
+    raw: list[dict[str, Any]] = []
+    issues: list[ParseIssue] = []
+    for n, line in enumerate(lines, start=1):
+        s = line.strip()
+        if not s:
+            continue
+        try:
+            obj = json.loads(s)
+        except json.JSONDecodeError as exc:
+            issues.append(ParseIssue(str(path), n, f"not JSON ({exc.msg} at column {exc.colno})"))
+            continue
+        rec, reason = record_from_json(obj)
+        if rec is None:
+            issues.append(ParseIssue(str(path), n, reason or "bad record"))
+            continue
+        raw.append(rec)
+    return raw, issues
+
+
+def scan_oom(line: str) -> str | None:
+    """``cuda`` or ``host`` when a console line reports an out-of-memory error, else None."""
+    clean = _ANSI.sub("", line)
+    if "memory" not in clean.lower() and "OOM" not in clean:
+        return None  # cheap pre-check: most lines of a log are neither
+    for pattern, device in _OOM_PATTERNS:
+        if pattern.search(clean):
+            return device
+    return None
+
+
+def _parse_console(
+    path: Path, lines: Sequence[str]
+) -> tuple[list[dict[str, Any]], list[ParseIssue], list[Event]]:
+    raw: list[dict[str, Any]] = []
+    issues: list[ParseIssue] = []
+    events: list[Event] = []
+    last_step: int | None = None
+    for n, line in enumerate(lines, start=1):
+        parsed = parse_console_line(line)
+        if parsed is None:
+            device = scan_oom(line)
+            # One event per step and device: a traceback repeats the error on many lines.
+            if device and not any(e["step"] == last_step and e["device"] == device for e in events):
+                events.append(Event.parse({"kind": "oom", "step": last_step, "device": device,
+                                           "source": f"{path}:{n}", "ts": None}))
+            continue
+        step, data, problems = parsed
+        last_step = step
+        issues.extend(ParseIssue(str(path), n, p) for p in problems)
+        if data:
+            raw.append({"step": step, "data": data})
+        else:
+            issues.append(ParseIssue(str(path), n, f"step:{step} line without any numeric metric"))
+    return raw, issues, events
+
+
+def read_run(path: Path | str) -> ReadResult:
+    """Read a metrics file or run directory whole; raises :class:`IngestError` when unreadable."""
+    p = _resolve(path)
+    try:
+        text = p.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise IngestError(p, f"cannot read ({exc.strerror or exc})") from exc
+    lines = text.splitlines()
+    fmt = detect_format(lines)
+    events: list[Event] = []
+    if fmt == FORMAT_JSONL:
+        raw, issues = _parse_jsonl(p, lines)
+        if not raw and issues:
+            # A console log that happens to open with a JSON line: read it as one.
+            c_raw, c_issues, c_events = _parse_console(p, lines)
+            if c_raw:
+                fmt, raw, issues, events = FORMAT_CONSOLE, c_raw, c_issues, c_events
+    else:
+        raw, issues, events = _parse_console(p, lines)
+    for issue in issues:
+        log.debug("skipped %s", issue)  # returned to the caller, who reports them
+    return ReadResult(dedup_records(raw), fmt, p, issues, len(raw), events)
+
+
+def read_records(path: Path | str) -> list[dict[str, Any]]:
+    """Deduplicated ``{"step", "data"}`` records of a FileLogger JSONL, metrics.jsonl, console log or run dir."""
+    return read_run(path).records
+
+
+def read_events(run_dir: Path | str) -> list[Event]:
+    """All events of a run directory in file order (garbled or invalid lines logged and skipped)."""
+    d = Path(run_dir)
+    if not d.is_dir():
+        raise IngestError(d, "not a run directory")
+    return rundir.iter_events(d)
+
+
+# ---------------------------------------------------------------------------
+# tailing a live run
+
+
+@dataclass
+class _FileCursor:
+    """Where the tailer stands in one JSONL file."""
+
+    offset: int = 0
+    """Byte offset after the last complete line read."""
+    line: int = 1
+    """Line number at ``offset`` (for messages)."""
+    inode: int | None = None
+    """Inode the offset belongs to: a replaced file (verl's FileLogger truncates on start) restarts at 0."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offset": self.offset, "line": self.line, "inode": self.inode}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> _FileCursor:
+        return cls(int(d.get("offset", 0)), int(d.get("line", 1)), d.get("inode"))
+
+
+class RunTailer:
+    """Incremental reader of a run directory's ``metrics.jsonl`` and ``events.jsonl``.
+
+    ``poll()`` returns what was appended since the last poll; an unterminated last line
+    waits for the next poll. ``offsets`` / ``offsets=`` let a restarted watchdog carry on
+    where it stopped (persist the dict). Each returned record is the *whole* record of its
+    step as it now stands: a validation line for the previous poll's last step comes back
+    merged with that step's metrics. So a consumer may simply replace a step it holds and
+    drop anything after it (which is what ``Window.append_record`` and
+    :func:`apply_records` do), and tailing in any chunks gives the same timeline as
+    :func:`read_records` on the whole file.
+    """
+
+    OFFSETS_VERSION = 1
+
+    def __init__(
+        self,
+        run_dir: Path | str,
+        offsets: Mapping[str, Any] | None = None,
+        metrics_path: Path | str | None = None,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.metrics_path = Path(metrics_path) if metrics_path else self.run_dir / rundir.METRICS
+        self.events_path = self.run_dir / rundir.EVENTS
+        self._metrics = _FileCursor()
+        self._events = _FileCursor()
+        self._last: dict[str, Any] | None = None  # the newest step's record, for merging
+        self.issues: list[str] = []
+        """Garbled lines seen so far (``file:line: reason``), oldest first; capped at 1000."""
+        if offsets is not None:
+            self.offsets = offsets  # type: ignore[assignment]
+
+    @property
+    def offsets(self) -> dict[str, Any]:
+        """A JSON-able snapshot of the read positions."""
+        return {
+            "version": self.OFFSETS_VERSION,
+            "metrics": self._metrics.to_json(),
+            "events": self._events.to_json(),
+            "last": self._last,
+        }
+
+    @offsets.setter
+    def offsets(self, value: Mapping[str, Any]) -> None:
+        if value.get("version", self.OFFSETS_VERSION) != self.OFFSETS_VERSION:
+            raise ValueError(f"tailer offsets: unsupported version {value.get('version')!r}")
+        self._metrics = _FileCursor.from_json(value.get("metrics", {}))
+        self._events = _FileCursor.from_json(value.get("events", {}))
+        last = value.get("last")
+        self._last = {"step": int(last["step"]), "data": dict(last["data"])} if last else None
+
+    def _read(self, path: Path, cur: _FileCursor) -> rundir.JsonlChunk:
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return rundir.JsonlChunk([], cur.offset, [], [], str(path))
+        if (cur.inode is not None and st.st_ino != cur.inode) or st.st_size < cur.offset:
+            log.info("%s was replaced or truncated; reading it from the start", path)
+            cur.offset, cur.line = 0, 1
+        cur.inode = st.st_ino
+        chunk = rundir.read_jsonl(path, cur.offset, cur.line)
+        if chunk.offset != cur.offset:
+            with open(path, "rb") as f:
+                f.seek(cur.offset)
+                cur.line += f.read(chunk.offset - cur.offset).count(b"\n")
+        cur.offset = chunk.offset
+        return chunk
+
+    def _note_errors(self, errors: list[str]) -> None:
+        for err in errors:
+            log.warning("skipped %s", err)
+        self.issues = (self.issues + errors)[-1000:]
+
+    def poll(self) -> tuple[list[dict[str, Any]], list[Event]]:
+        """(new metric records, new events) since the last poll."""
+        raw: list[dict[str, Any]] = []
+        metrics = self._read(self.metrics_path, self._metrics)
+        self._note_errors(metrics.errors)
+        for obj in metrics.records:
+            rec, reason = record_from_json(obj)
+            if rec is None:
+                msg = f"{self.metrics_path}: skipped a record: {reason}"
+                log.warning(msg)
+                self.issues.append(msg)
+                continue
+            raw.append(rec)
+        chunk = self._read(self.events_path, self._events)
+        events = rundir.events_of(chunk)
+        self._note_errors(chunk.errors)
+        if not raw:
+            return [], events
+        base = [self._last] if self._last is not None else []
+        out = apply_records(base, raw)
+        self._last = out[-1]
+        if base and out[0] == base[0]:
+            out = out[1:]  # the previous step, untouched: not news
+        return out, events
