@@ -329,6 +329,7 @@ class Trainer:
     # -- live settings --------------------------------------------------------------------------
     def apply_live(self, key: str, value: Any) -> Any:
         """Apply one live override at a step boundary; returns the value in force."""
+        before = self.cfg.get(key) if key == catalog.CLIP_RATIO_KEY else None
         stored = self.cfg.set(key, value)
         if key == KL_COEF:
             self.kl_ctrl.value = float(stored)
@@ -336,10 +337,14 @@ class Trainer:
             set_lr(self.actor_opt, self.actor_sched, float(stored))
         elif key == CRITIC_LR:
             set_lr(self.critic_opt, self.critic_sched, float(stored))
-        elif key == "actor_rollout_ref.actor.clip_ratio":
-            # verl's clip_ratio_low/high win over clip_ratio: move all three together.
-            self.cfg.set("actor_rollout_ref.actor.clip_ratio_low", stored)
-            self.cfg.set("actor_rollout_ref.actor.clip_ratio_high", stored)
+        elif key == catalog.CLIP_RATIO_KEY:
+            # verl's clip_ratio_low/high win over clip_ratio: bounds that are set move by the same
+            # factor (an asymmetric clip-higher keeps its shape); unset ones follow clip_ratio anyway.
+            low, high = catalog.moved_clip_bounds(before, float(stored), self.cfg.get(catalog.CLIP_LOW_KEY),
+                                                  self.cfg.get(catalog.CLIP_HIGH_KEY))
+            for bound_key, bound in ((catalog.CLIP_LOW_KEY, low), (catalog.CLIP_HIGH_KEY, high)):
+                if bound is not None:
+                    self.cfg.set(bound_key, bound)
         return stored
 
     def apply_overrides(self, overrides: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:

@@ -30,6 +30,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from watchdog.protocol.catalog import moved_clip_bounds
+
 KL_COEF = "algorithm.kl_ctrl.kl_coef"
 ACTOR_LR = "actor_rollout_ref.actor.optim.lr"
 CRITIC_LR = "critic.optim.lr"
@@ -49,6 +51,8 @@ VERL_LIVE_KEYS = (
 #: Actor loss keys and the ActorConfig field(s) each one sets. ``clip_ratio`` moves the low and
 #: high bounds too: ActorConfig defaults them to 0.2 (not None), and verl's policy loss reads
 #: ``clip_ratio_low``/``clip_ratio_high`` first, so ``clip_ratio`` alone would change nothing.
+#: The bounds move by the factor clip_ratio moves (``catalog.moved_clip_bounds``): an asymmetric
+#: clip-higher setting keeps its shape.
 LOSS_FIELDS: dict[str, tuple[str, ...]] = {
     KL_LOSS_COEF: ("kl_loss_coef",),
     ENTROPY_COEFF: ("entropy_coeff",),
@@ -231,8 +235,10 @@ def apply_loss_coefs(loss_fn: Any, changes: Mapping[str, Any]) -> functools.part
         if key == KL_LOSS_COEF and not getattr(cfg, "use_kl_loss", False):
             raise LiveSettingError(key, value, "actor_rollout_ref.actor.use_kl_loss is false: the KL loss is off "
                                                "(the KL in the reward is algorithm.kl_ctrl.kl_coef)")
-        for name in LOSS_FIELDS[key]:
-            updates[name] = float(x)
+        updates[LOSS_FIELDS[key][0]] = float(x)
+        if key == CLIP_RATIO:
+            low, high = moved_clip_bounds(float(cfg.clip_ratio), float(x), cfg.clip_ratio_low, cfg.clip_ratio_high)
+            updates.update({n: v for n, v in (("clip_ratio_low", low), ("clip_ratio_high", high)) if v is not None})
     fresh = dataclasses.replace(cfg, **updates, global_batch_info={})
     return functools.partial(loss_fn.func, *loss_fn.args, **{**loss_fn.keywords, "config": fresh})
 

@@ -25,7 +25,9 @@ crash      anything else (also a SYSTEM_ERROR worker death, whose Ray message on
 =========  =====================================================================
 
 Host markers are checked first because ``RayTaskError(OutOfMemoryError)`` also wraps
-Ray's own ``OutOfMemoryError``; the cause line decides. A NaN in a *metric* line of
+Ray's own ``OutOfMemoryError``; the cause line decides. An OOM's ``site`` (which of verl's
+passes ran out: the actor or critic update, a log-prob pass, the rollout) comes from the same
+traceback (:mod:`watchdog.protocol.oom`), so the remedy lowers that pass's own knob. A NaN in a *metric* line of
 verl's console logger (``critic/vf_loss:nan``) is not an exit reason: those lines are
 skipped. Pure: text and exit code in, a classification out.
 """
@@ -36,22 +38,8 @@ import re
 from dataclasses import dataclass
 
 from watchdog.backends.local import TAIL_BYTES
+from watchdog.protocol import oom
 
-_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
-_METRIC_LINE = re.compile(r"(?<![\w/.@-])step:\d+\s+-\s")
-
-_HOST = re.compile(
-    r"Worker exit type: NODE_OUT_OF_MEMORY"
-    r"|worker\(s\) were killed due to the node running low on memory"
-    r"|Memory on the node \(IP: [^)]*\) was "
-    r"|ray\.exceptions\.OutOfMemoryError"
-)
-_CUDA = re.compile(
-    r"CUDA out of memory\. Tried to allocate"
-    r"|CUDA error: out of memory"
-    r"|torch\.(?:cuda\.)?OutOfMemoryError"
-    r"|RayTaskError\(OutOfMemoryError\)"
-)
 _NAN = re.compile(
     r"probability tensor contains either `inf`, `nan` or element < 0"
     r"|returned nan values in its \d+\w* output"
@@ -73,6 +61,8 @@ class ExitClass:
     """For an OOM: ``cuda`` or ``host``."""
     evidence: str = ""
     """The log line the classification rests on (empty when there is none)."""
+    site: str | None = None
+    """For an OOM: the pass that ran out (:data:`watchdog.protocol.oom.SITES`), when the traceback says."""
 
     @property
     def action(self) -> str:
@@ -80,20 +70,9 @@ class ExitClass:
         return "crash" if self.kind == "nan" else self.kind
 
 
-def _clean_lines(text: str) -> list[str]:
-    out = []
-    for raw in _ANSI.sub("", text).splitlines():
-        line = raw.rstrip()
-        if line and not _METRIC_LINE.search(line):
-            out.append(line)
-    return out
-
-
 def _find(pattern: re.Pattern[str], lines: list[str]) -> str | None:
-    for line in reversed(lines):
-        if pattern.search(line):
-            return line.strip()
-    return None
+    at = oom.find_last(pattern, lines)
+    return lines[at].strip() if at is not None else None
 
 
 def last_exception(lines: list[str]) -> str | None:
@@ -108,13 +87,11 @@ def classify(text: str, exit_code: int | None) -> ExitClass:
     """Classify one attempt's end from its log text (the tail is enough) and exit code."""
     if exit_code == 0:
         return ExitClass("finished", exit_code)
-    lines = _clean_lines(text[-TAIL_BYTES:])
-    host = _find(_HOST, lines)
-    if host is not None:
-        return ExitClass("oom", exit_code, "host", host)
-    cuda = _find(_CUDA, lines)
-    if cuda is not None:
-        return ExitClass("oom", exit_code, "cuda", cuda)
+    lines = oom.clean_lines(text[-TAIL_BYTES:])
+    found = oom.memory_of(lines)
+    if found is not None:
+        memory, at = found
+        return ExitClass("oom", exit_code, memory, lines[at].strip(), oom.site_of(lines, at))
     nan = _find(_NAN, lines)
     if nan is None:
         exc = last_exception(lines)

@@ -113,9 +113,9 @@ def checkpoint_lrs(path: Path | str) -> dict[str, float]:
     return out
 
 
-def _load(path: Path) -> Any:
+def _load(path: Path, mmap: bool = False) -> Any:
     try:
-        return ckpt.load_verl_file(path)
+        return ckpt.load_verl_file(path, mmap=mmap)
     except ckpt.CheckpointError as exc:
         raise LrPatchRefused(path, exc.reason) from exc
 
@@ -134,9 +134,15 @@ def patch_lr_copy(src: Path | str, dst_root: Path | str, lrs: Mapping[str, float
     """Write ``dst_root/global_step_N``: ``src`` with every rank's optimizer and LambdaLR state
     carrying the lrs in ``lrs`` (verl keys); return its path.
 
+    One rank at a time: a rank's optimizer and extra_state are loaded (the tensors memory-mapped
+    from the file, not read in), rescaled, written to the copy and dropped before the next
+    rank's are loaded, so the watchdog holds at most one rank's optimizer state at once, never
+    the whole checkpoint's (:func:`patch_memory_bound`; for a 7B actor and critic on 8 GPUs
+    that is one shard of about 7 GB, file-backed, instead of ~120 GB).
+
     Idempotent: a finished copy with the same source and lrs is reused. Built in a hidden
     temporary directory and renamed into place, so a crash leaves no half copy that verl
-    could resume from. Raises :class:`LrPatchRefused` (nothing written) when a file cannot
+    could resume from. Raises :class:`LrPatchRefused` (nothing left behind) when a file cannot
     be loaded with ``weights_only=True`` or is not what verl writes.
     """
     src, dst_root = Path(src), Path(dst_root)
@@ -144,26 +150,22 @@ def patch_lr_copy(src: Path | str, dst_root: Path | str, lrs: Mapping[str, float
     if unknown:
         raise ValueError(f"not an lr key verl checkpoints: {', '.join(unknown)}")
     sizes = ckpt.verl_components(src)
+    for key in lrs:
+        if LR_COMPONENTS[key] not in sizes:
+            raise LrPatchRefused(src, f"{key} is set but the checkpoint has no {LR_COMPONENTS[key]}/ directory")
     record = {"source": str(src.resolve()), "lrs": {k: float(v) for k, v in sorted(lrs.items())}}
     dst = dst_root / src.name
     if _same_record(dst, record):
         return dst
-    # Load and rewrite everything in memory first: a refusal must leave nothing behind.
-    rewritten: dict[str, Any] = {}
-    for key, lr in lrs.items():
-        comp = LR_COMPONENTS[key]
-        if comp not in sizes:
-            raise LrPatchRefused(src, f"{key} is set but the checkpoint has no {comp}/ directory")
-        w = sizes[comp]
-        for rank in range(w):
-            o_path = ckpt.verl_file(src / comp, "optim", w, rank)
-            e_path = ckpt.verl_file(src / comp, "extra_state", w, rank)
-            optim, extra = rescale(_load(o_path), _load(e_path), float(lr), o_path)
-            rewritten[str(o_path.relative_to(src))] = optim
-            rewritten[str(e_path.relative_to(src))] = extra
+    rewritten = {str(ckpt.verl_file(Path(LR_COMPONENTS[key]), kind, sizes[LR_COMPONENTS[key]], rank))
+                 for key in lrs for rank in range(sizes[LR_COMPONENTS[key]]) for kind in ("optim", "extra_state")}
     dst_root.mkdir(parents=True, exist_ok=True)
     tmp = dst_root / f".tmp-{src.name}-{os.getpid()}-{time.monotonic_ns()}"
     try:
+        for key, lr in lrs.items():
+            comp = LR_COMPONENTS[key]
+            for rank in range(sizes[comp]):
+                _patch_rank(src, tmp, comp, sizes[comp], rank, float(lr))
         for f in src.rglob("*"):
             rel = f.relative_to(src)
             if f.is_dir() or str(rel) in rewritten:
@@ -174,9 +176,6 @@ def patch_lr_copy(src: Path | str, dst_root: Path | str, lrs: Mapping[str, float
                 os.link(f, target)  # the model shards are the bulk: share them, never rewrite them
             except OSError:
                 shutil.copy2(f, target)
-        for name, obj in rewritten.items():
-            (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-            ckpt.save_verl_file(tmp / name, obj)
         rundir.atomic_write_json(tmp / PATCH_RECORD, {**record, "files": sorted(rewritten), "ts": time.time()})
         if dst.exists():
             shutil.rmtree(dst)
@@ -186,6 +185,31 @@ def patch_lr_copy(src: Path | str, dst_root: Path | str, lrs: Mapping[str, float
         raise
     log.info("wrote %s: %s with lr %s", dst, src, record["lrs"])
     return dst
+
+
+def _patch_rank(src: Path, tmp: Path, comp: str, world_size: int, rank: int, lr: float) -> None:
+    """Rescale one rank's optimizer and extra_state into ``tmp`` (everything it loaded is dropped on return)."""
+    o_path = ckpt.verl_file(src / comp, "optim", world_size, rank)
+    e_path = ckpt.verl_file(src / comp, "extra_state", world_size, rank)
+    optim, extra = rescale(_load(o_path, mmap=True), _load(e_path), lr, o_path)
+    ckpt.save_verl_file(tmp / o_path.relative_to(src), optim)
+    ckpt.save_verl_file(tmp / e_path.relative_to(src), extra)
+
+
+def patch_memory_bound(src: Path | str, lrs: Mapping[str, float]) -> int:
+    """Bytes of optimizer state the patch holds at once, at most: the largest single rank's
+    ``optim`` + ``extra_state`` files among those it rewrites (a file's tensors are what it loads)."""
+    src = Path(src)
+    sizes = ckpt.verl_components(src)
+    largest = 0
+    for key in lrs:
+        comp = LR_COMPONENTS.get(key)
+        if comp not in sizes:
+            continue
+        for rank in range(sizes[comp]):
+            files = (ckpt.verl_file(src / comp, kind, sizes[comp], rank) for kind in ("optim", "extra_state"))
+            largest = max(largest, sum(f.stat().st_size for f in files if f.is_file()))
+    return largest
 
 
 def _same_record(dst: Path, record: Mapping[str, Any]) -> bool:

@@ -40,7 +40,14 @@ from typing import Any
 from watchdog.backends.dialect import Dialect, ProtocolDialect
 from watchdog.backends.local import read_tail
 from watchdog.backends.verl_exits import ExitClass, classify
-from watchdog.backends.verl_lr_patch import LR_COMPONENTS, LrPatchRefused, patch_lr_copy, wanted_changes
+from watchdog.backends.verl_lr_patch import (
+    LR_COMPONENTS,
+    LrPatchRefused,
+    patch_lr_copy,
+    patch_memory_bound,
+    wanted_changes,
+)
+from watchdog.core.planner import run_has_critic
 from watchdog.protocol import catalog, hydra, rundir, runinfo
 from watchdog.protocol import checkpoint as ckpt
 from watchdog.protocol.catalog import RESUME_MODE_KEY, RESUME_PATH_KEY
@@ -275,6 +282,8 @@ class VerlGlue:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ckpt_dir = Path(info.checkpoint_dir or self.run_dir / rundir.CHECKPOINTS)
         self.world_size = info.world_size
+        # verl loads critic/ on resume whenever the run has a critic: without it a checkpoint is no use.
+        self.components: tuple[str, ...] = ("actor", "critic") if run_has_critic(info.config) else ("actor",)
         self.state = GlueState.load(self.dir / STATE_FILE)
         self.exporter: Any = None
         port = info.run_metrics_port
@@ -361,8 +370,13 @@ class VerlGlue:
                 p["lr_patch"] = "none needed (the checkpoint has the lr)"
                 return p
             tag = "-".join(f"{LR_COMPONENTS[k]}{new:g}" for k, (_, new) in sorted(changes.items()))
-            dst = patch_lr_copy(src, self.dir / RESUME_DIR / f"{Path(src).name}-{tag}",
-                                {k: new for k, (_, new) in changes.items()})
+            new_lrs = {k: new for k, (_, new) in changes.items()}
+            rss_before = _peak_rss_kb()
+            dst = patch_lr_copy(src, self.dir / RESUME_DIR / f"{Path(src).name}-{tag}", new_lrs)
+            # What the patch cost the watchdog's memory: its bound (one rank's optimizer files) and the
+            # process's peak resident set before and after (a growth only shows above an earlier peak).
+            p["lr_patch_memory"] = {"bound_bytes": patch_memory_bound(src, new_lrs),
+                                    "peak_rss_kb_before": rss_before, "peak_rss_kb_after": _peak_rss_kb()}
         except (LrPatchRefused, ckpt.CheckpointError) as exc:
             p["set"] = {k: v for k, v in p.get("set", {}).items() if k not in LR_COMPONENTS}
             p["refused_keys"] = sorted(wanted)
@@ -389,7 +403,7 @@ class VerlGlue:
     # -- watching ---------------------------------------------------------------------------
     def checkpoints(self) -> list[ckpt.CheckpointInfo]:
         """verl's checkpoints of this run (complete or not, with the reason)."""
-        return ckpt.list_verl_checkpoints(self.ckpt_dir, self.world_size)
+        return ckpt.list_verl_checkpoints(self.ckpt_dir, self.world_size, self.components)
 
     def poll(self, proc: Any, watch_exit: bool = True) -> None:
         """One tick: relay new metric lines, record new checkpoints, classify an ended attempt."""
@@ -455,7 +469,8 @@ class VerlGlue:
         """How the current attempt ended (classified once, recorded as an event)."""
         s = self.state
         if s.exit and s.exit.get("attempt") == s.attempt:
-            return ExitClass(s.exit["kind"], s.exit.get("exit_code"), s.exit.get("memory"), s.exit.get("evidence", ""))
+            return ExitClass(s.exit["kind"], s.exit.get("exit_code"), s.exit.get("memory"), s.exit.get("evidence", ""),
+                             s.exit.get("site"))
         self._relay()  # its last lines first, so the exit event follows its last step
         text = read_tail(str(self.run_dir / LOG_NAME), s.log_offset)
         ec = classify(text, exit_code)
@@ -464,7 +479,7 @@ class VerlGlue:
             self._event("finished", step, exit_code=exit_code)
         elif ec.kind == "oom":
             micro = config_snapshot(RunInfo.read(self.run_dir).command).get(MICRO_KEY)
-            self._event("oom", step, memory=ec.memory, exit_code=exit_code, message=ec.evidence,
+            self._event("oom", step, memory=ec.memory, site=ec.site, exit_code=exit_code, message=ec.evidence,
                         micro_batch_size=micro if isinstance(micro, int) else None)
         elif ec.kind == "nan":
             self._event("nan", step, what="exit", exit_code=exit_code, message=ec.evidence)
@@ -479,6 +494,16 @@ class VerlGlue:
         """Stop serving /metrics."""
         if self.exporter is not None:
             self.exporter.close()
+
+
+def _peak_rss_kb() -> int | None:
+    """This process's peak resident set so far, in KiB (None where the platform does not say)."""
+    try:
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    except (ImportError, OSError):
+        return None
 
 
 def _step_of(path: str | None) -> int | None:

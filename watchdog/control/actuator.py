@@ -36,10 +36,17 @@ from typing import Any
 from watchdog.backends.dialect import Dialect, ProtocolDialect
 from watchdog.backends.local import Backend, BackendUnavailable, TrainerProcess
 from watchdog.control.store import ActionRecord, BadSpan, Phase, RunRecord, Store
-from watchdog.core.planner import MICRO_BATCH_KEYS, MINI_BATCH_OF, config_value, snap_micro_batch
+from watchdog.core.planner import clip_bound_sets, config_value, snap_sets
 from watchdog.core.vocabulary import ActionStatus, JournalKind
 from watchdog.protocol import hydra
-from watchdog.protocol.catalog import RESUME_MODE_KEY, RESUME_PATH_KEY
+from watchdog.protocol.catalog import (
+    CLIP_HIGH_KEY,
+    CLIP_LOW_KEY,
+    CLIP_RATIO_KEY,
+    RESUME_MODE_KEY,
+    RESUME_PATH_KEY,
+    VERL_CLIP_DEFAULT,
+)
 from watchdog.protocol.control import Command, Control, ControlError, read_control, write_control
 from watchdog.protocol.runinfo import RunInfo
 
@@ -262,7 +269,8 @@ class Actuator:
         """
         if not h.run.command:
             raise ActuatorError(f"run {h.run.run_id}: no command to launch (a watched run without a restart command)")
-        cmd = restart_command(h.run.command, h.run.overrides, resume_path, fresh=fresh) + list(once)
+        overrides = {**h.run.overrides, **launch_clip_bounds(h.run.run_dir, h.run.overrides)}
+        cmd = restart_command(h.run.command, overrides, resume_path, fresh=fresh) + list(once)
         # verl: its file logger, checkpoint dir and KL coefficient carried over; the protocol: as it is.
         cmd, env = h.dialect.prepare_launch(cmd, h.run.overrides, resume_path)
         backend = h.backend or self.backend
@@ -530,14 +538,9 @@ class Actuator:
         return max(infos, key=lambda c: c.step) if infos else None
 
     def _snap(self, h: RunHandle, sets: dict[str, Any]) -> dict[str, Any]:
-        """Micro-batch sizes must divide the mini batch; round down to one that does."""
-        out = dict(sets)
-        cfg = run_config(h.run.run_dir)
-        for key in MICRO_BATCH_KEYS:
-            if key in out:
-                mini = config_value(cfg, MINI_BATCH_OF[key])
-                out[key] = snap_micro_batch(int(out[key]), int(mini) if mini is not None else None)
-        return out
+        """Micro-batch sizes must divide their share of the batch (each data-parallel rank's, for verl);
+        round down to one that does."""
+        return snap_sets(sets, run_config(h.run.run_dir), run_world_size(h.run.run_dir))
 
 
 def _steps_lost(trained_to: int | None, resume_step: int | None) -> int:
@@ -566,6 +569,31 @@ def _rolls_back_in_process(h: RunHandle) -> bool:
 def run_config(run_dir: str | Path) -> dict[str, Any]:
     """The trainer's config snapshot from run.json (empty when absent)."""
     return RunInfo.read(run_dir).config
+
+
+def run_world_size(run_dir: str | Path) -> int | None:
+    """GPUs a verl run's data-parallel ranks spread over: run.json's ``world_size`` (the zero-patch
+    glue's, verl's 8 x 1 by default), else ``trainer.n_gpus_per_node x trainer.nnodes`` of the
+    trainer's config (the in-process glue's); None for a one-process trainer (the embedded one)."""
+    info = RunInfo.read(run_dir)
+    if info.world_size:
+        return int(info.world_size)
+    gpn, nodes = config_value(info.config, "trainer.n_gpus_per_node"), config_value(info.config, "trainer.nnodes")
+    if isinstance(gpn, int) and not isinstance(gpn, bool) and gpn > 0:
+        return gpn * (nodes if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes > 0 else 1)
+    return None
+
+
+def launch_clip_bounds(run_dir: str | Path, overrides: Mapping[str, Any]) -> dict[str, float]:
+    """The clip bounds a relaunch passes beside an overridden ``clip_ratio`` (verl reads the bounds,
+    not ``clip_ratio``): moved from the run's config by the same factor; verl's 0.2 where a zero-patch
+    run's command does not set them (:func:`watchdog.core.planner.clip_bound_sets`)."""
+    if CLIP_RATIO_KEY not in overrides:
+        return {}
+    info = RunInfo.read(run_dir)
+    defaults = ({CLIP_RATIO_KEY: VERL_CLIP_DEFAULT, CLIP_LOW_KEY: VERL_CLIP_DEFAULT, CLIP_HIGH_KEY: VERL_CLIP_DEFAULT}
+                if info.zero_patch else {})
+    return clip_bound_sets(overrides, info.config, defaults)
 
 
 

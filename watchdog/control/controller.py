@@ -23,18 +23,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from watchdog.backends.local import Backend, SupervisorError, read_tail
-from watchdog.control.actuator import Actuator, RunHandle, run_config
+from watchdog.control.actuator import Actuator, RunHandle, run_config, run_world_size
 from watchdog.control.store import ActionRecord, Phase, RunRecord, Store
 from watchdog.core.engine import BLIND_AFTER_STEPS
 from watchdog.core.planner import (
-    MICRO_BATCH_KEYS,
-    MINI_BATCH_OF,
     ON_ESCALATE,
     PlanContext,
     Planned,
-    config_value,
+    oom_remedy,
     plan_decision,
-    snap_micro_batch,
 )
 from watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
 from watchdog.core.vocabulary import OPEN_ACTION_STATUSES, ActionStatus, DecisionKind, JournalKind
@@ -429,7 +426,8 @@ class RunController:
         # An empty list is an answer too: a zero-patch verl run changes nothing live.
         live = RunInfo.read(self.run.run_dir).live_keys
         live_keys = live if live is not None else self.config.live_keys
-        return PlanContext(overrides, self.latest, cfg, live_keys, dict(self.window.sources), self.config.on_escalate)
+        return PlanContext(overrides, self.latest, cfg, live_keys, dict(self.window.sources), self.config.on_escalate,
+                           run_world_size(self.run.run_dir))
 
     def cost_model(self) -> CostModel:
         """This run's prices: its measured start-up (else the configured one) and median step time."""
@@ -726,20 +724,17 @@ class RunController:
         if self.run.oom_retries >= self.config.oom_retry_budget:
             self._give_up(RULE_OOM, f"OOM again after {self.run.oom_retries} retries")
             return
-        cfg = run_config(self.run.run_dir)
         failed_mb = oom.get("micro_batch_size")
-        sets: dict[str, Any] = {}
-        for key in MICRO_BATCH_KEYS:
-            cur = self.run.overrides.get(key, config_value(cfg, key))
-            if cur is None:
-                continue
-            # The OOM rule may already have lowered it below the size that failed; if not, -1 here.
-            if failed_mb is None or int(cur) >= int(failed_mb) or key not in self.run.overrides:
-                mini = config_value(cfg, MINI_BATCH_OF[key])
-                sets[key] = snap_micro_batch(int(cur) - 1, int(mini) if mini is not None else None)
-        inputs = {"exit_code": code, "micro_batch_size": failed_mb}
+        site = oom.get("site") if isinstance(oom.get("site"), str) else None
+        # The knob of the pass that ran out (a vLLM OOM is not cured by a smaller PPO micro batch).
+        sets = oom_remedy(site, run_config(self.run.run_dir), self.run.overrides, run_world_size(self.run.run_dir),
+                          int(failed_mb) if isinstance(failed_mb, int) else None)
+        inputs = {"exit_code": code, "micro_batch_size": failed_mb, "site": site}
+        where = f" in {site}" if site else ""
         with self.store.transaction():
-            did = self._own_decision(RULE_OOM, f"out of memory at micro batch {failed_mb}: restart smaller", inputs)
+            did = self._own_decision(RULE_OOM, f"out of memory{where} at micro batch {failed_mb}: restart with "
+                                               f"{', '.join(f'{k}={v}' for k, v in sets.items()) or 'the same settings'}",
+                                     inputs)
             payload = self._absorb_waiting({"rule": RULE_OOM, "resume": "latest", "set": sets, "reason": "oom",
                                             "cost": self.cost_model().relaunch(self._steps_since_checkpoint()).to_json()})
             self._settle_absorbed(self.store.add_action(self.run.run_id, "restart", payload, decision_id=did))

@@ -85,9 +85,18 @@ RESTART_KEYS: tuple[TunableKey, ...] = (
     TunableKey("critic.ppo_mini_batch_size", live=False, integer=True),
     TunableKey("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", live=False, integer=True),
     TunableKey("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", live=False, integer=True),
-    TunableKey("actor_rollout_ref.rollout.gpu_memory_utilization", live=False),
-    TunableKey("actor_rollout_ref.actor.grad_clip", live=False),
-    TunableKey("critic.grad_clip", live=False),
+    TunableKey("actor_rollout_ref.rollout.gpu_memory_utilization", live=False, verl_default=0.5),
+    # Token budgets of verl's dynamic batch sizes (use_dynamic_bsz), and the critic engine's in the
+    # v1 trainer (trainer_base.py sets its max_token_len_per_gpu from ppo_infer_max_token_len_per_gpu).
+    TunableKey("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", live=False, integer=True, verl_default=16384),
+    TunableKey("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", live=False, integer=True),
+    TunableKey("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", live=False, integer=True),
+    TunableKey("critic.ppo_max_token_len_per_gpu", live=False, integer=True, verl_default=32768),
+    TunableKey("critic.ppo_infer_max_token_len_per_gpu", live=False, integer=True, verl_default=32768),
+    # verl 0.9 clips gradients with the optimizer's clip_grad (workers/engine/fsdp/transformer_impl.py,
+    # optimizer_step); actor.grad_clip and critic.grad_clip are accepted and never read.
+    TunableKey("actor_rollout_ref.actor.optim.clip_grad", live=False, verl_default=1.0),
+    TunableKey("critic.optim.clip_grad", live=False, verl_default=1.0),
     TunableKey("critic.cliprange_value", live=False),
     TunableKey("algorithm.gamma", live=False),
     TunableKey("algorithm.lam", live=False),

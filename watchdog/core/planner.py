@@ -32,17 +32,28 @@ from watchdog.core.actions import (
 )
 from watchdog.core.engine import Decision
 from watchdog.core.vocabulary import DecisionKind
+from watchdog.protocol import catalog
 
 log = logging.getLogger(__name__)
 
-MICRO_BATCH_KEYS = (
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu",
-    "critic.ppo_micro_batch_size_per_gpu",
-)
+ACTOR_MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+CRITIC_MICRO = "critic.ppo_micro_batch_size_per_gpu"
+LOG_PROB_MICRO = "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu"
+REF_MICRO = "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu"
+MICRO_BATCH_KEYS = (ACTOR_MICRO, CRITIC_MICRO)
 MINI_BATCH_OF = {
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "actor_rollout_ref.actor.ppo_mini_batch_size",
-    "critic.ppo_micro_batch_size_per_gpu": "critic.ppo_mini_batch_size",
+    ACTOR_MICRO: "actor_rollout_ref.actor.ppo_mini_batch_size",
+    CRITIC_MICRO: "critic.ppo_mini_batch_size",
 }
+#: Every micro-batch key verl checks against a share of the batch (training: the mini batch; the
+#: log-prob passes: the whole batch), with the Ulysses sequence-parallel size of its role.
+_SHARE_OF: dict[str, tuple[str, str]] = {
+    ACTOR_MICRO: ("actor_rollout_ref.actor.ppo_mini_batch_size", "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
+    CRITIC_MICRO: ("critic.ppo_mini_batch_size", "critic.ulysses_sequence_parallel_size"),
+    LOG_PROB_MICRO: ("data.train_batch_size", "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
+    REF_MICRO: ("data.train_batch_size", "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
+}
+ROLLOUT_N = "actor_rollout_ref.rollout.n"
 #: What "a human is needed" becomes (``--on-escalate``): wait paused, stop with a verdict, or carry on alerted.
 ON_ESCALATE = ("pause", "stop", "continue")
 
@@ -63,6 +74,9 @@ class PlanContext:
     """The verl key each short name is read from (``kl``: ``actor/kl_loss`` picks the KL loss coefficient)."""
     on_escalate: str = "pause"
     """What a pause for a human becomes: ``pause``, ``stop`` (end the run, verdict) or ``continue``."""
+    world_size: int | None = None
+    """GPUs the trainer's data-parallel ranks spread over (a verl run: a micro batch must divide each
+    rank's share); None: one process (the embedded trainer: it must divide the mini batch)."""
 
 
 @dataclass
@@ -117,7 +131,7 @@ def current_value(key: str, ctx: PlanContext) -> float | None:
 
 
 def snap_micro_batch(value: int, mini_batch: int | None) -> int:
-    """The largest micro-batch <= ``value`` that divides the mini batch (the trainer insists), at least 1."""
+    """The largest micro-batch <= ``value`` that divides ``mini_batch`` (the trainer insists), at least 1."""
     value = max(1, int(value))
     if not mini_batch or mini_batch < 1:
         return value
@@ -126,16 +140,233 @@ def snap_micro_batch(value: int, mini_batch: int | None) -> int:
     return value
 
 
-def settle_value(key: str, new: float, config: Mapping[str, Any]) -> float | int:
-    """A computed value as the trainer takes it: micro batches snapped to divide the mini batch,
-    epochs whole and at least 1."""
-    if key in MICRO_BATCH_KEYS:
-        mini = _number(config_value(config, MINI_BATCH_OF[key]))
-        return snap_micro_batch(int(round(new)), int(mini) if mini is not None else None)
+def micro_batch_share(key: str, config: Mapping[str, Any], world_size: int | None) -> int | None:
+    """What a micro batch of ``key`` must divide, or None when unknown.
+
+    One process (``world_size`` None, the embedded trainer): the mini batch. verl: each
+    data-parallel rank's share, ``batch x rollout.n / (world_size / ulysses_sp)``, where the
+    batch is the mini batch for the PPO updates (workers/engine_workers.py, train_mini_batch:
+    ``mini_batch_size // dp``; workers/engine/utils.py, prepare_micro_batches: that share must
+    be divisible by ``micro_batch_size_per_gpu``) and the whole train batch for the log-prob
+    passes. A share verl itself would reject (not a whole number) is None: nothing to snap to.
+    """
+    batch_key, sp_key = _SHARE_OF.get(key, (MINI_BATCH_OF.get(key, ""), ""))
+    batch = _number(config_value(config, batch_key)) if batch_key else None
+    if world_size is None:
+        return int(batch) if key in MINI_BATCH_OF and batch is not None and batch >= 1 else None
+    if batch is None:
+        # A zero-patch run's config is its command's overrides only: verl's interpolations and defaults.
+        batch = _number(_verl_default(batch_key, config))
+    if batch is None or batch < 1:
+        return None
+    n = _number(config_value(config, ROLLOUT_N)) or 1.0
+    sp = _number(config_value(config, sp_key)) if sp_key else None
+    dp, rest = divmod(int(world_size), int(sp or 1))
+    total = int(batch) * int(n)
+    if dp < 1 or rest or total % dp:
+        return None
+    return total // dp
+
+
+#: Where verl's config takes a key from when it is not set (critic/critic.yaml interpolates the actor's
+#: mini batch), and verl's own value at the end of that chain (actor/actor.yaml, data/legacy_data.yaml).
+_VERL_FALLBACK = {"critic.ppo_mini_batch_size": "actor_rollout_ref.actor.ppo_mini_batch_size"}
+_VERL_BATCH_DEFAULTS = {"actor_rollout_ref.actor.ppo_mini_batch_size": 256, "data.train_batch_size": 1024}
+
+
+def _verl_default(key: str, config: Mapping[str, Any]) -> Any:
+    """What verl's config resolves an unset ``key`` to: its interpolation's source, else verl's default."""
+    src = _VERL_FALLBACK.get(key)
+    if src is not None:
+        v = config_value(config, src)
+        return v if v is not None else _verl_default(src, config)
+    return _VERL_BATCH_DEFAULTS.get(key)
+
+
+def settle_value(key: str, new: float, config: Mapping[str, Any], world_size: int | None = None) -> float | int:
+    """A computed value as the trainer takes it: micro batches snapped to divide their share of the
+    batch (:func:`micro_batch_share`), epochs whole and at least 1."""
+    if key in _SHARE_OF:
+        return snap_micro_batch(int(round(new)), micro_batch_share(key, config, world_size))
     t = TUNABLE_KEYS.get(key)
     if t is not None and t.integer:
         return max(1, int(round(new))) if key.endswith("ppo_epochs") else int(round(new))
     return float(new)
+
+
+def snap_sets(sets: Mapping[str, Any], config: Mapping[str, Any], world_size: int | None = None) -> dict[str, Any]:
+    """``sets`` with every micro batch rounded down to one its share of the batch divides."""
+    return {k: (snap_micro_batch(int(v), micro_batch_share(k, config, world_size)) if k in _SHARE_OF else v)
+            for k, v in sets.items()}
+
+
+def clip_bound_sets(overrides: Mapping[str, Any], config: Mapping[str, Any],
+                    defaults: Mapping[str, float] | None = None) -> dict[str, float]:
+    """The clip bounds a relaunch must pass with an overridden ``clip_ratio`` (empty when none).
+
+    verl's ``clip_ratio_low`` / ``clip_ratio_high`` win over ``clip_ratio`` (see
+    :data:`watchdog.protocol.catalog.CLIP_RATIO_KEY`), so a relaunch that passed ``clip_ratio``
+    alone would change nothing. Each bound moves by the same factor as ``clip_ratio`` moved from
+    the run's config (:func:`~watchdog.protocol.catalog.moved_clip_bounds`): symmetric bounds
+    land on the new value, clip-higher keeps its asymmetry. A bound the overrides set already
+    stays; one the config holds as None follows ``clip_ratio`` by itself (the embedded
+    trainer). ``defaults``: a bound's value where the config does not hold it (verl's 0.2 for a
+    zero-patch run, whose config is only its command's overrides).
+    """
+    new = _number(overrides.get(catalog.CLIP_RATIO_KEY))
+    if new is None:
+        return {}
+    defaults = defaults or {}
+    base = _number(config_value(config, catalog.CLIP_RATIO_KEY))
+    if base is None:
+        base = defaults.get(catalog.CLIP_RATIO_KEY)
+    bounds: list[float | None] = []
+    for key in (catalog.CLIP_LOW_KEY, catalog.CLIP_HIGH_KEY):
+        # Held as None: follows clip_ratio by itself. Not held at all: verl's default, where given.
+        bounds.append(_number(config_value(config, key)) if _holds(config, key) else defaults.get(key))
+    low, high = catalog.moved_clip_bounds(base, new, bounds[0], bounds[1])
+    return {k: v for k, v in ((catalog.CLIP_LOW_KEY, low), (catalog.CLIP_HIGH_KEY, high))
+            if v is not None and k not in overrides}
+
+
+def _holds(cfg: Mapping[str, Any], dotted: str) -> bool:
+    """True when the config has ``dotted`` at all (even as None)."""
+    if dotted in cfg:
+        return True
+    node: Any = cfg
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+# -- out of memory ---------------------------------------------------------------------
+
+#: A token budget of verl's dynamic batching is lowered by this factor per OOM.
+OOM_TOKEN_FACTOR = 0.75
+#: vLLM's share of a GPU is lowered by this factor per rollout OOM (0.5 -> 0.4), down to the floor.
+OOM_GPU_MEMORY_FACTOR, GPU_MEMORY_FLOOR = 0.8, 0.05
+GPU_MEMORY_KEY = "actor_rollout_ref.rollout.gpu_memory_utilization"
+ACTOR_TOKENS = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+LOG_PROB_TOKENS = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"
+REF_TOKENS = "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"
+CRITIC_TOKENS = "critic.ppo_max_token_len_per_gpu"
+CRITIC_ENGINE_TOKENS = "critic.ppo_infer_max_token_len_per_gpu"
+#: verl 0.9's defaults of what an OOM remedy reads (trainer/config: ppo_trainer, actor, critic,
+#: rollout, data); the interpolated ones (log-prob token budgets: the actor's) are resolved in code.
+_OOM_DEFAULTS: dict[str, Any] = {
+    ACTOR_TOKENS: 16384, CRITIC_TOKENS: 32768, CRITIC_ENGINE_TOKENS: 32768, GPU_MEMORY_KEY: 0.5,
+    "actor_rollout_ref.actor.use_dynamic_bsz": False, "trainer.use_v1": True,
+    "data.max_prompt_length": 512, "data.max_response_length": 512, "algorithm.adv_estimator": "gae",
+}
+
+
+def _setting(key: str, config: Mapping[str, Any], overrides: Mapping[str, Any], default: Any = None) -> Any:
+    """A key's value in force: the overrides, the config, then ``default`` / verl's own default."""
+    if key in overrides:
+        return overrides[key]
+    v = config_value(config, key)
+    if v is not None:
+        return v
+    return default if default is not None else _OOM_DEFAULTS.get(key)
+
+
+def run_has_critic(config: Mapping[str, Any]) -> bool:
+    """verl's ``need_critic`` (trainer/ppo/utils.py): ``critic.enable`` if set, else ``adv_estimator == gae``."""
+    enable = config_value(config, "critic.enable")
+    if enable is not None:
+        return bool(enable)
+    return str(_setting("algorithm.adv_estimator", config, {})).lower() == "gae"
+
+
+def _lower_tokens(key: str, config: Mapping[str, Any], overrides: Mapping[str, Any],
+                  default: Any = None) -> dict[str, Any]:
+    """A dynamic-batching token budget x :data:`OOM_TOKEN_FACTOR`, never below the longest sequence
+    (verl asserts ``max_token_len >= max_seq_len``, utils/seqlen_balancing.py)."""
+    cur = _number(_setting(key, config, overrides, default))
+    floor = int(_number(_setting("data.max_prompt_length", config, overrides)) or 0) + \
+        int(_number(_setting("data.max_response_length", config, overrides)) or 0)
+    if cur is None or cur <= floor:
+        return {}
+    return {key: max(floor, int(cur * OOM_TOKEN_FACTOR))}
+
+
+def _lower_micro(key: str, config: Mapping[str, Any], overrides: Mapping[str, Any], world_size: int | None,
+                 failed_mb: int | None) -> dict[str, Any]:
+    """A micro batch one smaller, snapped to divide its share of the batch; unchanged when a rule
+    already lowered it below the size that failed."""
+    cur = _number(_setting(key, config, overrides))
+    if cur is None:
+        return {}
+    if failed_mb is not None and key in overrides and int(cur) < int(failed_mb):
+        return {key: int(cur)}
+    return {key: snap_micro_batch(int(cur) - 1, micro_batch_share(key, config, world_size))}
+
+
+def oom_remedy(site: str | None, config: Mapping[str, Any], overrides: Mapping[str, Any],
+               world_size: int | None = None, failed_mb: int | None = None) -> dict[str, Any]:
+    """What a relaunch after an out-of-memory error sets: the knob of the pass that ran out.
+
+    ``site`` is the pass (:data:`watchdog.protocol.oom.SITES`; None when the traceback did not
+    say). For a verl run (``world_size`` known), verl 0.9.1's knobs:
+
+    - the actor update: ``actor.ppo_micro_batch_size_per_gpu`` (snapped to divide each rank's
+      share, :func:`micro_batch_share`), or with ``use_dynamic_bsz`` its ``ppo_max_token_len_per_gpu``;
+    - the log-prob passes: ``rollout.`` / ``ref.log_prob_micro_batch_size_per_gpu``, or with
+      dynamic batching their ``log_prob_max_token_len_per_gpu``;
+    - the critic: in the v1 trainer its engine always batches by tokens with
+      ``critic.ppo_infer_max_token_len_per_gpu`` (trainer/ppo/v1/trainer_base.py copies it into the
+      engine's ``max_token_len_per_gpu``; ``critic.ppo_micro_batch_size_per_gpu`` is only
+      validated), so that one; the legacy trainer (``trainer.use_v1=false``) its micro batch or
+      ``ppo_max_token_len_per_gpu``;
+    - the rollout (vLLM): ``rollout.gpu_memory_utilization`` x :data:`OOM_GPU_MEMORY_FACTOR`;
+    - unknown: the actor update's knob and the critic's.
+
+    One process (``world_size`` None, the embedded trainer): both PPO micro batches, as before.
+    Pure: the config, the overrides in force and the failed micro batch in, the sets out.
+    """
+    if world_size is None:
+        out: dict[str, Any] = {}
+        for key in MICRO_BATCH_KEYS:
+            out.update(_lower_micro(key, config, overrides, None, failed_mb))
+        return out
+    actor_dyn = bool(_setting("actor_rollout_ref.actor.use_dynamic_bsz", config, overrides))
+
+    def dyn(key: str) -> bool:
+        v = _setting(key, config, overrides)
+        return actor_dyn if v is None else bool(v)
+
+    def actor() -> dict[str, Any]:
+        return _lower_tokens(ACTOR_TOKENS, config, overrides) if actor_dyn else \
+            _lower_micro(ACTOR_MICRO, config, overrides, world_size, failed_mb)
+
+    def critic() -> dict[str, Any]:
+        if bool(_setting("trainer.use_v1", config, overrides)):
+            return _lower_tokens(CRITIC_ENGINE_TOKENS, config, overrides)
+        if dyn("critic.use_dynamic_bsz"):
+            return _lower_tokens(CRITIC_TOKENS, config, overrides)
+        return _lower_micro(CRITIC_MICRO, config, overrides, world_size, failed_mb)
+
+    def log_prob(micro: str, tokens: str, dyn_key: str) -> dict[str, Any]:
+        if dyn(dyn_key):
+            return _lower_tokens(tokens, config, overrides, _setting(ACTOR_TOKENS, config, overrides))
+        return _lower_micro(micro, config, overrides, world_size, failed_mb)
+
+    if site == "rollout":
+        cur = _number(_setting(GPU_MEMORY_KEY, config, overrides))
+        if cur is None or cur <= GPU_MEMORY_FLOOR:
+            return {}
+        return {GPU_MEMORY_KEY: round(max(GPU_MEMORY_FLOOR, cur * OOM_GPU_MEMORY_FACTOR), 3)}
+    if site == "log_prob":
+        return log_prob(LOG_PROB_MICRO, LOG_PROB_TOKENS, "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz")
+    if site == "ref_log_prob":
+        return log_prob(REF_MICRO, REF_TOKENS, "actor_rollout_ref.ref.log_prob_use_dynamic_bsz")
+    if site == "actor_update":
+        return actor()
+    if site in ("critic_update", "critic_values"):
+        return critic()
+    return {**actor(), **(critic() if run_has_critic(config) else {})}
 
 
 # -- decisions -------------------------------------------------------------------------
@@ -155,7 +386,7 @@ def plan_sets(actions: Sequence[Any], ctx: PlanContext, repeat: int = 1, rule: s
             log.warning("rule %s: no current value for %s; skipping the set", rule, key)
             continue
         old.setdefault(key, cur)
-        sets[key] = settle_value(key, a.apply(cur, repeat), ctx.config)
+        sets[key] = settle_value(key, a.apply(cur, repeat), ctx.config, ctx.world_size)
     return sets, old
 
 
@@ -213,6 +444,7 @@ def _pause(base: dict[str, Any], reason: str, severity: str, on_escalate: str) -
 
 
 __all__ = [
-    "KL_COEF", "MICRO_BATCH_KEYS", "MINI_BATCH_OF", "ON_ESCALATE", "PlanContext", "Planned", "config_value",
-    "current_value", "plan_decision", "plan_sets", "settle_value", "snap_micro_batch",
+    "KL_COEF", "MICRO_BATCH_KEYS", "MINI_BATCH_OF", "ON_ESCALATE", "PlanContext", "Planned", "clip_bound_sets",
+    "config_value", "current_value", "micro_batch_share", "oom_remedy", "plan_decision", "plan_sets",
+    "settle_value", "snap_micro_batch", "snap_sets",
 ]

@@ -43,6 +43,36 @@ LIVE_KEYS = (
 RESUME_MODE_KEY = "trainer.resume_mode"
 RESUME_PATH_KEY = "trainer.resume_from_path"
 
+#: Keys verl reads that its Hydra config does not declare (a plain ``key=value`` is refused as "not in
+#: struct"): written ``++key=value``. ``critic.ppo_infer_max_token_len_per_gpu`` is a CriticConfig field
+#: (workers/config/critic.py) absent from critic.yaml, and what bounds the v1 critic engine's memory.
+FORCE_ADD_KEYS = frozenset({"critic.ppo_infer_max_token_len_per_gpu"})
+
+#: verl's PPO clip: ``clip_ratio`` and the two bounds that win over it. verl 0.9 defaults all three
+#: to 0.2 (trainer/config/actor/actor.yaml) and its policy loss reads ``clip_ratio_low`` /
+#: ``clip_ratio_high`` first (trainer/ppo/core_algos.py, compute_policy_loss_vanilla): a change of
+#: ``clip_ratio`` alone changes nothing, so every writer of it moves the bounds too
+#: (:func:`moved_clip_bounds`).
+CLIP_RATIO_KEY = "actor_rollout_ref.actor.clip_ratio"
+CLIP_LOW_KEY = "actor_rollout_ref.actor.clip_ratio_low"
+CLIP_HIGH_KEY = "actor_rollout_ref.actor.clip_ratio_high"
+VERL_CLIP_DEFAULT = 0.2
+
+
+def moved_clip_bounds(old: float | None, new: float, low: float | None,
+                      high: float | None) -> tuple[float | None, float | None]:
+    """The clip bounds once ``clip_ratio`` moves from ``old`` to ``new``: each scaled by new / old.
+
+    Symmetric bounds equal to ``clip_ratio`` (verl's default) land on ``new``; an asymmetric
+    clip-higher setting (DAPO's 0.2 / 0.28) keeps its ratio instead of being flattened. A bound
+    of None follows ``clip_ratio`` by itself and stays None; with no usable ``old`` the bounds
+    become ``new``.
+    """
+    if old is None or not old > 0 or not math.isfinite(old):
+        return (None if low is None else float(new), None if high is None else float(new))
+    scale = float(new) / float(old)
+    return (None if low is None else float(low) * scale, None if high is None else float(high) * scale)
+
 
 @dataclass(frozen=True)
 class Metric:

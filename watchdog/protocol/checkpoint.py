@@ -455,12 +455,15 @@ def verl_components(path: Path | str) -> dict[str, int]:
     return out
 
 
-def verl_checkpoint_info(path: Path | str, marker: int | None, world_size: int | None = None) -> CheckpointInfo:
+def verl_checkpoint_info(path: Path | str, marker: int | None, world_size: int | None = None,
+                         components: tuple[str, ...] = ("actor",)) -> CheckpointInfo:
     """What a manifest-less verl ``global_step_N`` is worth: complete, or not with the reason.
 
     ``marker`` is the step in ``latest_checkpointed_iteration.txt`` (None: none written yet,
     so nothing counts); ``world_size`` the run's (None: whatever the files say, as long as
-    every rank of it is there).
+    every rank of it is there); ``components`` the directories a resume loads: verl loads
+    ``critic/`` whenever the run has a critic (trainer/ppo/v1/trainer_base.py, _load_checkpoint:
+    no check that it exists), so a run with one needs ``("actor", "critic")``.
     """
     path = Path(path)
     m = _STEP_DIR.match(path.name)
@@ -478,12 +481,14 @@ def verl_checkpoint_info(path: Path | str, marker: int | None, world_size: int |
     if step > marker:
         return incomplete(f"newer than {rundir.LATEST_MARKER} ({marker}): a save in progress or abandoned")
     try:
-        components = verl_components(path)
+        found = verl_components(path)
     except CheckpointError as exc:
         return incomplete(str(exc))
-    if "actor" not in components:
-        return incomplete("no actor/ directory with per-rank model files")
-    for name, size in components.items():
+    for name in components_needed(components):
+        if name not in found:
+            return incomplete(f"no {name}/ directory with per-rank model files"
+                              + (" (verl loads it on resume: the run has a critic)" if name == "critic" else ""))
+    for name, size in found.items():
         if world_size is not None and size != world_size:
             return incomplete(f"{name}/ was saved with world size {size}, the run uses {world_size}")
         for rank in range(size):
@@ -495,36 +500,73 @@ def verl_checkpoint_info(path: Path | str, marker: int | None, world_size: int |
     return CheckpointInfo(path, step, -1, True, ts)
 
 
-def list_verl_checkpoints(root: Path | str, world_size: int | None = None) -> list[CheckpointInfo]:
+def components_needed(components: tuple[str, ...]) -> tuple[str, ...]:
+    """The component directories a checkpoint must hold: always ``actor``, plus those given."""
+    return ("actor", *(c for c in components if c != "actor"))
+
+
+def list_verl_checkpoints(root: Path | str, world_size: int | None = None,
+                          components: tuple[str, ...] = ("actor",)) -> list[CheckpointInfo]:
     """Every ``global_step_N`` under verl's ``default_local_dir``, sorted by step, judged by
     :func:`verl_checkpoint_info` (no hashing: verl writes no checksums to compare with)."""
     root = Path(root)
     if not root.is_dir():
         return []
     marker = read_marker(root)
-    out = [verl_checkpoint_info(p, marker, world_size) for p in root.iterdir()
+    out = [verl_checkpoint_info(p, marker, world_size, components) for p in root.iterdir()
            if p.is_dir() and _STEP_DIR.match(p.name)]
     return sorted(out, key=lambda c: c.step)
+
+
+#: Where numpy's array rebuilder lives, under numpy 1 and numpy 2: a file pickled by the other
+#: numpy names the other module (numpy 2 renamed ``numpy.core`` to ``numpy._core``).
+_NUMPY_RECONSTRUCT = ("numpy.core.multiarray._reconstruct", "numpy._core.multiarray._reconstruct")
 
 
 def verl_safe_globals() -> list[Any]:
     """The numpy types verl's ``extra_state`` holds (``np.random.get_state()`` in its RNG state).
 
     Allowing exactly these lets ``torch.load(weights_only=True)`` read verl's files: they
-    rebuild arrays and dtypes, never call arbitrary code.
+    rebuild arrays and dtypes, never call arbitrary code. The array rebuilder is allowed under
+    both numpy 1's and numpy 2's module name, so a checkpoint written by a trainer on the
+    other numpy loads too (the same function, renamed).
     """
     import numpy as np
 
     core = getattr(np, "_core", None) or np.core  # numpy 2 renamed np.core to np._core
-    out: list[Any] = [core.multiarray._reconstruct, np.ndarray, np.dtype]
+    reconstruct = core.multiarray._reconstruct
+    own = f"{reconstruct.__module__}.{reconstruct.__name__}"
+    out: list[Any] = [reconstruct, np.ndarray, np.dtype]
+    out += [(reconstruct, name) for name in _NUMPY_RECONSTRUCT if name != own]
     dtypes = getattr(np, "dtypes", None)
     if dtypes is not None:
         out += [dtypes.UInt32DType, dtypes.Float64DType, dtypes.Int64DType]
     return out
 
 
-def load_verl_file(path: Path | str) -> Any:
-    """``torch.load(weights_only=True)`` of one verl checkpoint file (numpy RNG state allowed).
+def _register_dtensor(torch: Any) -> None:
+    """Make torch's weights-only unpickler accept DTensors (FSDP2's optimizer state holds them).
+
+    torch allows ``DTensor`` and its spec classes only once ``torch.distributed.tensor`` is
+    imported (it registers them with the serialization allowlist); nothing else in the
+    watchdog imports it, so without this every FSDP2 checkpoint is refused.
+    """
+    distributed = getattr(torch, "distributed", None)
+    if distributed is None or not distributed.is_available():
+        return
+    try:
+        import torch.distributed.tensor  # noqa: F401  (the import registers the classes)
+    except ImportError:  # a torch built without distributed: no DTensor can be in its files either
+        pass
+
+
+def load_verl_file(path: Path | str, mmap: bool = False) -> Any:
+    """``torch.load(weights_only=True)`` of one verl checkpoint file (numpy RNG state and FSDP2's
+    DTensors allowed).
+
+    ``mmap``: map the file's tensors instead of reading them into memory (zip-format files,
+    what ``torch.save`` writes; an older format is read normally): the lr patch reads whole
+    optimizer shards only to rewrite a few numbers.
 
     Raises :class:`CheckpointError` naming the file when it cannot be loaded that way
     (a pickle of arbitrary objects, or a type outside the allowlist such as a sharded
@@ -532,18 +574,41 @@ def load_verl_file(path: Path | str) -> Any:
     """
     path = Path(path)
     torch = _torch(path)
+    _register_dtensor(torch)
     try:
         with torch.serialization.safe_globals(verl_safe_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            try:
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            except RuntimeError as exc:
+                if not mmap or "mmap" not in str(exc):
+                    raise
+                return torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(path, "missing") from None
     except Exception as exc:  # UnpicklingError, RuntimeError, EOFError, ...
         lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
         # torch's UnpicklingError is a page of advice; the line naming the refused type is the news.
-        why = next((ln for ln in lines if "Unsupported global" in ln or "WeightsUnpickler" in ln), lines[0] if lines else "")
+        why = next((ln for ln in lines if "Unsupported global" in ln or "WeightsUnpickler" in ln
+                    or "must be imported" in ln), lines[0] if lines else "")
         raise CheckpointError(path, f"cannot be loaded with weights_only=True ({type(exc).__name__}: {why})") from exc
 
 
 def save_verl_file(path: Path | str, obj: Any) -> None:
-    """Write one verl checkpoint file (temp file + rename, so a reader never sees half of it)."""
-    rundir.atomic_write_bytes(path, _serialise(obj))
+    """Write one verl checkpoint file (temp file + rename, so a reader never sees half of it).
+
+    ``torch.save`` streams into the temporary file: no second, serialised copy of the tensors
+    is built in memory (an optimizer shard of a 7B run is gigabytes).
+    """
+    path = Path(path)
+    torch = _torch(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

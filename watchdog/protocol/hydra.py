@@ -25,6 +25,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from watchdog.protocol.catalog import FORCE_ADD_KEYS
+
 
 class OverrideError(ValueError):
     """An argument that is not a single-valued Hydra override; the message names it."""
@@ -155,8 +157,9 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def format_override(key: str, value: Any) -> str:
-    """``key=value`` in Hydra's grammar."""
-    return f"{key}={format_value(value)}"
+    """``key=value`` in Hydra's grammar (``++key=value`` for a key verl's config does not declare,
+    :data:`watchdog.protocol.catalog.FORCE_ADD_KEYS`)."""
+    return f"{'++' if key in FORCE_ADD_KEYS else ''}{key}={format_value(value)}"
 
 
 def with_overrides(command: Sequence[str], replace: Mapping[str, Any], append: Sequence[str] = ()) -> list[str]:

@@ -1,0 +1,492 @@
+"""verl at 7B scale (issue 13): what a real cluster run would hit, checked on CPU against verl 0.9.1.
+
+Each test names the finding it covers. Where verl's own classes or files can say it, they do:
+verl's Hydra config composes the relaunch arguments, verl's ActorConfig / CriticConfig /
+OptimizerConfig read them, Ray's real exception classes print the tracebacks, verl's checkpoint
+manager prunes, and a DTensor is saved on a one-process gloo group.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from watchdog.backends import verl_exits, zero_patch
+from watchdog.backends import verl_lr_patch as lr_patch
+from watchdog.control.actuator import Actuator, RunHandle, launch_clip_bounds, restart_command
+from watchdog.control.store import RunRecord, Store
+from watchdog.core.actions import TUNABLE_KEYS
+from watchdog.core.planner import micro_batch_share, oom_remedy, snap_sets
+from watchdog.protocol import catalog, hydra, rundir
+from watchdog.protocol import checkpoint as ckpt
+
+REPO = Path(__file__).resolve().parents[1]
+ACTOR_LR = "actor_rollout_ref.actor.optim.lr"
+ACTOR_MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+VERL_CMD = [
+    "python3", "-m", "verl.trainer.main_ppo", "algorithm.adv_estimator=gae",
+    "data.train_files=/data/gsm8k/train.parquet", "data.val_files=/data/gsm8k/test.parquet",
+    "data.train_batch_size=96", "data.max_prompt_length=1024", "data.max_response_length=1024",
+    "actor_rollout_ref.model.path=Qwen/Qwen2-7B-Instruct", "actor_rollout_ref.actor.optim.lr=1e-6",
+    "actor_rollout_ref.actor.ppo_mini_batch_size=48", f"{ACTOR_MICRO}=6",
+    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=12",
+    "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=12",
+    "actor_rollout_ref.actor.clip_ratio_high=0.28", "critic.model.path=Qwen/Qwen2-7B-Instruct",
+    "critic.ppo_micro_batch_size_per_gpu=6", "trainer.n_gpus_per_node=8", "trainer.nnodes=1",
+    "trainer.save_freq=5", "trainer.logger=[console]",
+]
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _verl_config_dir() -> str:
+    import verl
+
+    return str(Path(verl.__file__).resolve().parent / "trainer" / "config")
+
+
+def _compose(command: list[str]) -> Any:
+    """verl's own config (ppo_trainer.yaml) composed with a command's Hydra overrides, as main_ppo does."""
+    from hydra import compose, initialize_config_dir
+
+    args = [a for a in command if hydra.is_override(a)]
+    with initialize_config_dir(version_base=None, config_dir=_verl_config_dir()):
+        return compose(config_name="ppo_trainer", overrides=args)
+
+
+class RecordingBackend:
+    """A backend that records the command it was asked to start and starts nothing."""
+
+    def __init__(self) -> None:
+        self.commands: list[list[str]] = []
+
+    def start(self, command: Any, env: Any = None, cwd: Any = None, log_path: Any = None) -> Any:
+        self.commands.append(list(command))
+        return _NoProcess()
+
+    def attach(self, pid: int) -> Any:
+        return _NoProcess()
+
+
+class _NoProcess:
+    pid = None
+
+    def poll(self) -> int | None:
+        return 0
+
+    def alive(self) -> bool:
+        return False
+
+    def signal(self, sig: int) -> bool:
+        return False
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        return 0
+
+
+def _launch(tmp_path: Path, command: list[str], overrides: dict[str, Any]) -> list[str]:
+    """What the actuator launches for a zero-patch run with ``overrides`` in force."""
+    run = tmp_path / "run"
+    zero_patch.init_run(run, command)
+    store = Store(tmp_path / "state")
+    store.upsert_run(RunRecord("run", str(run), command))
+    backend = RecordingBackend()
+    act = Actuator(store, backend)
+    h = RunHandle(store.require_run("run"), dialect=zero_patch.dialect_for(run, "run"))
+    h.run.overrides = dict(overrides)
+    act.launch(h, None, 0.0)
+    return backend.commands[-1]
+
+
+def _format(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+def _raised(exc: BaseException) -> BaseException:
+    try:
+        raise exc
+    except BaseException as e:  # noqa: BLE001 - a traceback to format
+        return e
+
+
+def _driver_log(cause: BaseException, worker_call: str) -> str:
+    """verl's driver output when the worker method ``worker_call`` raised ``cause`` inside the TaskRunner:
+    Ray's real RayTaskError twice (the worker's, then the TaskRunner's), as Hydra prints it."""
+    from ray.exceptions import RayTaskError
+
+    inner = _raised(RayTaskError(worker_call, _format(cause), cause, proctitle=f"ray::{worker_call}", pid=11,
+                                 ip="10.0.0.7").as_instanceof_cause())
+    outer = _raised(RayTaskError("TaskRunner.run", _format(inner), inner, proctitle="ray::TaskRunner.run", pid=12,
+                                 ip="10.0.0.7").as_instanceof_cause())
+    return "(TaskRunner pid=12) INFO vllm: KV cache 4.2 GiB\n" + _format(outer) + \
+        "\nSet the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n"
+
+
+def _cuda_oom() -> BaseException:
+    import torch
+
+    return _raised(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                          "capacity of 79.10 GiB of which 1.05 GiB is free."))
+
+
+# -- finding 1: clip_ratio by relaunch ----------------------------------------------------------------
+
+
+def test_finding1_a_clip_ratio_relaunch_also_moves_the_bounds_verl_reads(tmp_path: Path) -> None:
+    from verl.utils.config import omega_conf_to_dataclass
+
+    cmd = _launch(tmp_path, VERL_CMD, {catalog.CLIP_RATIO_KEY: 0.1})
+    args = hydra.values(cmd)
+    assert args[catalog.CLIP_RATIO_KEY] == 0.1
+    # verl's policy loss reads the bounds first: halving clip_ratio halves both, clip-higher's shape kept.
+    assert args[catalog.CLIP_LOW_KEY] == pytest.approx(0.1) and args[catalog.CLIP_HIGH_KEY] == pytest.approx(0.14)
+    actor = omega_conf_to_dataclass(_compose(cmd).actor_rollout_ref.actor)
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (pytest.approx(0.1), pytest.approx(0.14))
+
+
+def test_finding1_a_second_clip_change_moves_from_the_commands_bounds_not_from_the_last_relaunch(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    bounds = launch_clip_bounds(_launch_dir(tmp_path / "a", VERL_CMD), {catalog.CLIP_RATIO_KEY: 0.05})
+    assert bounds == {catalog.CLIP_LOW_KEY: pytest.approx(0.05), catalog.CLIP_HIGH_KEY: pytest.approx(0.07)}
+    # A rule that set a bound itself keeps it; without clip_ratio in the overrides nothing is added.
+    assert catalog.CLIP_LOW_KEY not in launch_clip_bounds(tmp_path / "a" / "run", {catalog.CLIP_RATIO_KEY: 0.1,
+                                                                                  catalog.CLIP_LOW_KEY: 0.15})
+    assert launch_clip_bounds(tmp_path / "a" / "run", {ACTOR_LR: 1e-7}) == {}
+    assert restart_command(VERL_CMD, {catalog.CLIP_RATIO_KEY: 0.1}, None).count("actor_rollout_ref.actor.clip_ratio=0.1") == 1
+
+
+def _launch_dir(tmp: Path, command: list[str]) -> Path:
+    run = tmp / "run"
+    zero_patch.init_run(run, command)
+    return run
+
+
+def test_finding12_in_process_clip_ratio_keeps_an_asymmetric_clip_higher() -> None:
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla  # noqa: F401  (the loss that reads them)
+    from verl.workers.config import FSDPActorConfig
+
+    from trainer.verl_glue import apply
+
+    cfg = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2,
+                          clip_ratio_low=0.2, clip_ratio_high=0.28)
+    fn = apply.apply_loss_coefs(functools.partial(lambda **kw: None, config=cfg), {apply.CLIP_RATIO: 0.1})
+    new = fn.keywords["config"]
+    assert (new.clip_ratio, new.clip_ratio_low, new.clip_ratio_high) == (0.1, pytest.approx(0.1), pytest.approx(0.14))
+
+
+# -- finding 2: the lr patch, one shard at a time ----------------------------------------------------
+
+
+def _optim_shard(numel: int, lr: float, seed: int) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    state = {i: {"step": torch.tensor(7.0), "exp_avg": torch.randn(numel, generator=g),
+                 "exp_avg_sq": torch.rand(numel, generator=g)} for i in range(2)}
+    return {"state": state, "param_groups": [{"lr": lr * 0.5, "initial_lr": lr, "params": [0, 1],
+                                              "betas": (0.9, 0.999), "weight_decay": 0.01}]}
+
+
+def _extra_state(lr: float) -> dict[str, Any]:
+    import numpy as np
+    import torch
+
+    return {"lr_scheduler": {"base_lrs": [lr], "_last_lr": [lr * 0.5], "last_epoch": 7, "_step_count": 8},
+            "rng": {"cpu": torch.get_rng_state(), "numpy": np.random.get_state()}}
+
+
+def _multi_rank_checkpoint(root: Path, world: int, numel: int, lr: float = 1e-6) -> Path:
+    """A verl ``global_step_40`` of ``world`` ranks for actor and critic, written with torch.save."""
+    import torch
+
+    d = ckpt.step_dir(root, 40)
+    for c, comp in enumerate(("actor", "critic")):
+        for rank in range(world):
+            (d / comp).mkdir(parents=True, exist_ok=True)
+            torch.save(_optim_shard(numel, lr, seed=100 * c + rank), ckpt.verl_file(d / comp, "optim", world, rank))
+            torch.save(_extra_state(lr), ckpt.verl_file(d / comp, "extra_state", world, rank))
+            torch.save({"w": torch.zeros(4)}, ckpt.verl_file(d / comp, "model", world, rank))
+    torch.save({"dataloader": 40}, d / "data.pt")
+    (root / rundir.LATEST_MARKER).write_text("40")
+    return d
+
+
+def _tensor_bytes_alive() -> int:
+    """Bytes of every distinct tensor storage reachable in this process (what a load holds)."""
+    import torch
+
+    seen: dict[int, int] = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            try:
+                st = obj.untyped_storage()
+            except RuntimeError:
+                continue
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def test_finding2_the_lr_patch_holds_one_ranks_optimizer_state_at_a_time(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    world, numel = 4, 64 * 1024  # 8 optimizer shards of 1 MiB of tensors each
+    src = _multi_rank_checkpoint(tmp_path / "ck", world, numel)
+    shard = 2 * 2 * numel * 4  # two params x (exp_avg, exp_avg_sq) x float32
+    baseline = _tensor_bytes_alive()
+    peaks: list[int] = []
+    real_load = ckpt.load_verl_file
+
+    def counting_load(path: Path | str, mmap: bool = False) -> Any:
+        obj = real_load(path, mmap=mmap)
+        peaks.append(_tensor_bytes_alive() - baseline)  # everything held right after each load
+        return obj
+
+    monkeypatch.setattr(ckpt, "load_verl_file", counting_load)
+    lrs = {ACTOR_LR: 5e-7, "critic.optim.lr": 5e-6}
+    dst = lr_patch.patch_lr_copy(src, tmp_path / "resume", lrs)
+    monkeypatch.undo()
+    assert len(peaks) == 2 * 2 * world  # optim + extra_state, every rank of both components
+    # The bound: one rank's optimizer shard (plus its small extra_state), never the 8 of the checkpoint.
+    assert max(peaks) <= 1.25 * shard + 64 * 1024, f"peak {max(peaks)} B alive for shards of {shard} B"
+    assert lr_patch.patch_memory_bound(src, lrs) < 2 * shard
+    # ...and the copy is whole: every rank rescaled, tensors intact, the rest hard-linked.
+    for c, comp in enumerate(("actor", "critic")):
+        for rank in range(world):
+            o = ckpt.load_verl_file(ckpt.verl_file(dst / comp, "optim", world, rank))
+            want = _optim_shard(numel, 1e-6, seed=100 * c + rank)
+            assert torch.equal(o["state"][1]["exp_avg_sq"], want["state"][1]["exp_avg_sq"])
+            scale = (5e-7 if comp == "actor" else 5e-6) / 1e-6
+            assert o["param_groups"][0]["initial_lr"] == pytest.approx(1e-6 * scale)
+    assert os.path.samefile(ckpt.verl_file(dst / "actor", "model", world, 3), ckpt.verl_file(src / "actor", "model",
+                                                                                             world, 3))
+
+
+def test_finding2_a_refusal_on_the_last_rank_leaves_nothing_behind(tmp_path: Path) -> None:
+    import torch
+
+    src = _multi_rank_checkpoint(tmp_path / "ck", world=3, numel=16)
+    torch.save({"state": {}, "param_groups": [{"lr": 1.0, "params": []}], "bad": _Pickled()},
+               ckpt.verl_file(src / "critic", "optim", 3, 2))
+    with pytest.raises(lr_patch.LrPatchRefused, match="critic/optim_world_size_3_rank_2.pt"):
+        lr_patch.patch_lr_copy(src, tmp_path / "resume", {ACTOR_LR: 5e-7, "critic.optim.lr": 5e-6})
+    assert not any((tmp_path / "resume").iterdir())
+
+
+class _Pickled:
+    """An arbitrary class: what weights_only=True must refuse."""
+
+
+# -- finding 4: the grad clip keys verl reads --------------------------------------------------------
+
+
+def test_finding4_grad_clip_keys_are_verls_optim_clip_grad() -> None:
+    import inspect
+
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    for key in ("actor_rollout_ref.actor.optim.clip_grad", "critic.optim.clip_grad"):
+        assert key in TUNABLE_KEYS and not TUNABLE_KEYS[key].live
+    assert "actor_rollout_ref.actor.grad_clip" not in TUNABLE_KEYS and "critic.grad_clip" not in TUNABLE_KEYS
+    cfg = _compose([*VERL_CMD, "actor_rollout_ref.actor.optim.clip_grad=0.5", "critic.optim.clip_grad=0.25"])
+    assert omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.optim).clip_grad == 0.5
+    assert omega_conf_to_dataclass(cfg.critic.optim).clip_grad == 0.25
+    # The engine clips with the optimizer's clip_grad; actor.grad_clip is never read by it.
+    step = inspect.getsource(FSDPEngine.optimizer_step)
+    assert "optimizer_config.clip_grad" in step and "grad_clip" not in step.replace("clip_grad_norm", "")
+
+
+# -- finding 5: FSDP2 DTensors and numpy skew under weights_only=True ---------------------------------
+
+DTENSOR_SAVE = textwrap.dedent("""
+    import os, sys, torch, torch.distributed as dist
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", sys.argv[2]
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    mesh = init_device_mesh("cpu", (1,))
+    d = distribute_tensor(torch.arange(12.0).reshape(4, 3), mesh, [Shard(0)])
+    optim = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": d, "exp_avg_sq": d * d}},
+             "param_groups": [{"lr": 1e-6, "initial_lr": 1e-6, "params": [0]}]}
+    torch.save(optim, sys.argv[1])
+    dist.destroy_process_group()
+""")
+PATCH_IN_FRESH_PROCESS = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from watchdog.backends import verl_lr_patch as lp
+    from watchdog.protocol import checkpoint as ckpt
+    assert "torch.distributed.tensor" not in sys.modules  # nothing of the watchdog imported it before
+    src = Path(sys.argv[1])
+    dst = lp.patch_lr_copy(src, Path(sys.argv[2]), {"actor_rollout_ref.actor.optim.lr": 5e-7})
+    o = ckpt.load_verl_file(ckpt.verl_file(dst / "actor", "optim", 1, 0))
+    print(type(o["state"][0]["exp_avg"]).__name__, o["param_groups"][0]["lr"], o["state"][0]["exp_avg"].to_local().sum().item())
+""")
+
+
+def test_finding5_an_fsdp2_dtensor_optimizer_state_gets_an_lr_patch_with_weights_only(tmp_path: Path) -> None:
+    import torch
+
+    from watchdog.protocol.exporter import free_port
+
+    d = ckpt.step_dir(tmp_path / "ck", 10)
+    (d / "actor").mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    saved = subprocess.run([sys.executable, "-c", DTENSOR_SAVE, str(ckpt.verl_file(d / "actor", "optim", 1, 0)),
+                            str(free_port())], capture_output=True, text=True, timeout=300, env=env)
+    assert saved.returncode == 0, saved.stderr[-2000:]
+    torch.save(_extra_state(1e-6), ckpt.verl_file(d / "actor", "extra_state", 1, 0))
+    torch.save({"w": torch.zeros(2)}, ckpt.verl_file(d / "actor", "model", 1, 0))
+    torch.save({}, d / "data.pt")
+    out = subprocess.run([sys.executable, "-c", PATCH_IN_FRESH_PROCESS, str(d), str(tmp_path / "resume")],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kind, lr, total = out.stdout.split()
+    assert (kind, float(lr), float(total)) == ("DTensor", pytest.approx(5e-7 * 0.5 / 0.5), 66.0)
+
+
+def _rename_in_pickle(src: Path, dst: Path, old: bytes, new: bytes) -> None:
+    """``src`` rewritten as the other numpy pickles it (torch.save's zip with data.pkl edited)."""
+    import zipfile
+
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if info.filename.endswith("data.pkl"):
+                assert old in data
+                data = data.replace(old, new)
+            zout.writestr(info, data)
+
+
+@pytest.mark.parametrize("written_by", ["numpy 1 (numpy.core)", "numpy 2 (numpy._core)"])
+def test_finding5_an_rng_state_pickled_by_the_other_numpy_loads_with_weights_only(tmp_path: Path,
+                                                                                   written_by: str) -> None:
+    import numpy as np
+    import torch
+
+    here = b"cnumpy._core.multiarray\n" if hasattr(np, "_core") else b"cnumpy.core.multiarray\n"
+    other = b"cnumpy.core.multiarray\n" if "numpy 1" in written_by else b"cnumpy._core.multiarray\n"
+    torch.save(_extra_state(1e-6), tmp_path / "mine.pt")
+    _rename_in_pickle(tmp_path / "mine.pt", tmp_path / "theirs.pt", here, other)
+    extra = ckpt.load_verl_file(tmp_path / "theirs.pt")
+    assert extra["rng"]["numpy"][0] == "MT19937" and len(extra["rng"]["numpy"][1]) == 624
+    assert lr_patch.base_lr({"param_groups": [{"lr": 1e-6}]}, extra, tmp_path / "theirs.pt") == 1e-6
+
+
+# -- finding 6: OOM remedies verl accepts, each site its own knob ------------------------------------
+
+
+def test_finding6_the_micro_batch_is_snapped_to_divide_each_ranks_share(tmp_path: Path) -> None:
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    cfg = zero_patch.config_snapshot(VERL_CMD)
+    # mini 48 x rollout.n 1 over 8 data-parallel ranks: each rank trains on 6 samples per mini batch.
+    assert micro_batch_share(ACTOR_MICRO, cfg, 8) == 6
+    sets = oom_remedy("actor_update", cfg, {}, world_size=8, failed_mb=6)
+    assert sets == {ACTOR_MICRO: 3}  # 5 does not divide 6; 4 divides the global 48 but not 6
+    assert snap_sets({ACTOR_MICRO: 4}, cfg, 8) == {ACTOR_MICRO: 3}
+
+    def verl_accepts(micro: int) -> bool:
+        data = TensorDict({"x": __import__("torch").zeros(6, 2)}, batch_size=[6])
+        tu.assign_non_tensor(data, use_dynamic_bsz=False, micro_batch_size_per_gpu=micro)
+        try:
+            prepare_micro_batches(data)
+        except AssertionError:
+            return False
+        return True
+
+    assert verl_accepts(3) and not verl_accepts(4)  # verl's own check on one rank's share
+
+
+def test_finding6_each_oom_site_lowers_its_own_knob() -> None:
+    cfg = zero_patch.config_snapshot(VERL_CMD)
+    assert oom_remedy("log_prob", cfg, {}, 8) == {"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu": 6}
+    assert oom_remedy("ref_log_prob", cfg, {}, 8) == {"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu": 6}
+    assert oom_remedy("rollout", cfg, {}, 8) == {"actor_rollout_ref.rollout.gpu_memory_utilization": 0.4}
+    assert oom_remedy("rollout", cfg, {"actor_rollout_ref.rollout.gpu_memory_utilization": 0.4}, 8) == \
+        {"actor_rollout_ref.rollout.gpu_memory_utilization": 0.32}
+    # Dynamic batch sizes: the token budget is the knob, never below one whole sequence (2048 here).
+    dyn = {**cfg, "actor_rollout_ref.actor.use_dynamic_bsz": True}
+    assert oom_remedy("actor_update", dyn, {}, 8) == {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 12288}
+    assert oom_remedy("log_prob", dyn, {}, 8) == {"actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": 12288}
+    assert oom_remedy("actor_update", dyn, {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 2048}, 8) == {}
+    # The embedded trainer (one process): both PPO micro batches, as before.
+    assert oom_remedy(None, {"actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 16,
+                                                             "ppo_micro_batch_size_per_gpu": 8}},
+                             "critic": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 8}}, {}) == \
+        {ACTOR_MICRO: 4, "critic.ppo_micro_batch_size_per_gpu": 4}
+
+
+@pytest.mark.parametrize(("worker_call", "site"), [
+    ("WorkerDict.actor_rollout_ref_update_actor", "actor_update"),
+    ("WorkerDict.actor_rollout_ref_compute_log_prob", "log_prob"),
+    ("WorkerDict.actor_rollout_ref_compute_ref_log_prob", "ref_log_prob"),
+    ("WorkerDict.critic_train_mini_batch", "critic_update"),
+    ("WorkerDict.critic_infer_batch", "critic_values"),
+    ("vLLMHttpServer.wake_up", "rollout"),
+])
+def test_finding6_the_oom_site_is_read_from_rays_traceback(worker_call: str, site: str) -> None:
+    ec = verl_exits.classify(_driver_log(_cuda_oom(), worker_call), 1)
+    assert (ec.kind, ec.memory, ec.site) == ("oom", "cuda", site)
+
+
+def test_finding3_a_v1_critic_oom_lowers_the_engines_token_budget_which_verl_accepts() -> None:
+    import dataclasses
+
+    from verl.workers.config import CriticConfig
+
+    cfg = zero_patch.config_snapshot(VERL_CMD)
+    sets = oom_remedy("critic_update", cfg, {}, 8)
+    assert sets == {"critic.ppo_infer_max_token_len_per_gpu": 24576}  # 32768 x 0.75, verl's default budget
+    cmd = restart_command(VERL_CMD, sets, None)
+    assert "++critic.ppo_infer_max_token_len_per_gpu=24576" in cmd  # critic.yaml does not declare the key
+    assert _compose(cmd).critic.ppo_infer_max_token_len_per_gpu == 24576  # Hydra takes it into verl's config
+    assert "ppo_infer_max_token_len_per_gpu" in {f.name for f in dataclasses.fields(CriticConfig)}
+    # ...which is what the v1 trainer copies into the critic engine (dynamic batching always on there).
+    import inspect
+
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    src = inspect.getsource(PPOTrainer)
+    assert "critic_cfg.engine.max_token_len_per_gpu = critic_cfg.ppo_infer_max_token_len_per_gpu" in src
+    legacy = oom_remedy("critic_update", {**cfg, "trainer.use_v1": False}, {}, 8)
+    assert legacy == {"critic.ppo_micro_batch_size_per_gpu": 3}
+
+
+# -- finding 10: a run with a critic needs critic/ ---------------------------------------------------
+
+
+def test_finding10_a_checkpoint_without_critic_files_is_incomplete_for_a_run_with_a_critic(tmp_path: Path) -> None:
+    import torch
+
+    run = tmp_path / "run"
+    zero_patch.init_run(run, [*VERL_CMD, "trainer.n_gpus_per_node=1"])
+    root = run / "checkpoints"
+    d = ckpt.step_dir(root, 5)
+    (d / "actor").mkdir(parents=True)
+    for kind in ckpt.VERL_KINDS:
+        torch.save({}, ckpt.verl_file(d / "actor", kind, 1, 0))
+    torch.save({}, d / "data.pt")
+    (root / rundir.LATEST_MARKER).write_text("5")
+    (info,) = zero_patch.dialect_for(run, "run").checkpoints()
+    assert not info.complete and "critic/" in info.reason
+    # A GRPO run (no critic) needs none.
+    grpo = tmp_path / "grpo"
+    zero_patch.init_run(grpo, [*VERL_CMD, "algorithm.adv_estimator=grpo", "trainer.n_gpus_per_node=1",
+                               f"trainer.default_local_dir={root}"])
+    (info,) = zero_patch.dialect_for(grpo, "grpo").checkpoints()
+    assert info.complete, info.reason
