@@ -308,6 +308,15 @@ def test_finding4_grad_clip_keys_are_verls_optim_clip_grad() -> None:
     assert "optimizer_config.clip_grad" in step and "grad_clip" not in step.replace("clip_grad_norm", "")
 
 
+def test_finding4_the_embedded_trainer_clips_with_optim_clip_grad_when_given() -> None:
+    from trainer.config import ActorConfig, CriticConfig, OptimConfig
+    from trainer.ppo import clip_norm
+
+    assert clip_norm(ActorConfig(grad_clip=1.0)) == 1.0  # the older key still works alone
+    assert clip_norm(ActorConfig(grad_clip=1.0, optim=OptimConfig(lr=1e-4, clip_grad=0.3))) == 0.3
+    assert clip_norm(CriticConfig(optim=OptimConfig(lr=1e-3, clip_grad=0.7))) == 0.7
+
+
 # -- finding 5: FSDP2 DTensors and numpy skew under weights_only=True ---------------------------------
 
 DTENSOR_SAVE = textwrap.dedent("""
@@ -490,3 +499,142 @@ def test_finding10_a_checkpoint_without_critic_files_is_incomplete_for_a_run_wit
                                f"trainer.default_local_dir={root}"])
     (info,) = zero_patch.dialect_for(grpo, "grpo").checkpoints()
     assert info.complete, info.reason
+
+
+# -- finding 9: verl's own pruning must not take the last known-good checkpoint ---------------------
+
+
+def _verl_save(root: Path, step: int, manager: Any, keep: int) -> None:
+    """One verl save of a one-rank GRPO run, in verl's order: the checkpoint manager makes room
+    (``ensure_checkpoint_capacity``), writes actor/, registers it (which prunes beyond ``keep``),
+    then the trainer writes data.pt and the marker (trainer/ppo/v1/trainer_base.py, _save_checkpoint)."""
+    import torch
+
+    actor = ckpt.step_dir(root, step) / "actor"
+    manager.ensure_checkpoint_capacity(keep)
+    actor.mkdir(parents=True)
+    for kind in ckpt.VERL_KINDS:
+        torch.save({"step": step}, ckpt.verl_file(actor, kind, 1, 0))
+    manager.register_checkpoint(str(actor), keep)
+    torch.save({}, actor.parent / "data.pt")
+    (root / rundir.LATEST_MARKER).write_text(str(step))
+
+
+def test_finding9_verls_max_actor_ckpt_to_keep_cannot_prune_the_last_known_good_checkpoint(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import torch
+    from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+
+    from watchdog.control.actuator import choose_known_good
+    from watchdog.control.controller import EngineRules, RunController
+
+    run, root = tmp_path / "run", tmp_path / "ckpts"
+    command = [*VERL_CMD, "algorithm.adv_estimator=grpo", "trainer.n_gpus_per_node=1",
+               f"trainer.default_local_dir={root}", "trainer.max_actor_ckpt_to_keep=1"]
+    zero_patch.init_run(run, command)
+    store = Store(tmp_path / "state")
+    store.upsert_run(RunRecord("run", str(run), command))
+    with caplog.at_level("WARNING"):
+        ctl = RunController(store, "run", EngineRules([REPO / "rules" / "default.yaml"]),
+                            Actuator(store, RecordingBackend()))
+    assert "trainer.max_actor_ckpt_to_keep=1" in caplog.text and ckpt.KEPT_DIR in caplog.text
+    # verl's real pruning (its checkpoint manager's own methods; no process group is needed for them).
+    manager = object.__new__(BaseCheckpointManager)
+    manager.previous_saved_paths = []
+    for step in (2, 4):
+        _verl_save(root, step, manager, keep=1)
+        ctl.tick()
+    assert not (ckpt.step_dir(root, 2) / "actor").exists()  # verl pruned it
+    store.open_bad_span("run", "kl_far", 5)  # the run diverges from step 5 on
+    for step in (6, 8):
+        _verl_save(root, step, manager, keep=1)
+        ctl.tick()
+    assert sorted(p.name for p in root.iterdir() if (p / "actor").is_dir()) == ["global_step_8"]
+    good = choose_known_good([c for c in ctl.h.dialect.checkpoints() if c.complete], store.bad_spans("run"))
+    assert good is not None and good.step == 4 and good.path.parent.name == ckpt.KEPT_DIR
+    assert "global_step_" in str(good.path)  # verl's resume_path asserts it (trainer_base.py, _load_checkpoint)
+    model = torch.load(ckpt.verl_file(good.path / "actor", "model", 1, 0), weights_only=True)
+    assert model == {"step": 4}
+    # After the rollback, newer known-good checkpoints release the older kept copies.
+    store.close_bad_spans("run", 8)
+    for step in (10, 12):
+        _verl_save(root, step, manager, keep=1)
+        ctl.tick()
+    assert sorted(p.name for p in ckpt.kept_root(root).iterdir()) == ["global_step_10", "global_step_12"]
+
+
+def test_finding9_without_verls_pruning_nothing_is_kept(tmp_path: Path) -> None:
+    run, root = tmp_path / "run", tmp_path / "ckpts"
+    zero_patch.init_run(run, [*VERL_CMD, "algorithm.adv_estimator=grpo", "trainer.n_gpus_per_node=1",
+                              f"trainer.default_local_dir={root}"])
+    from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+
+    manager = object.__new__(BaseCheckpointManager)
+    manager.previous_saved_paths = []
+    _verl_save(root, 2, manager, keep=0)
+    glue = zero_patch.dialect_for(run, "run")
+    assert glue.protect(lambda step, ts: False) == [] and not ckpt.kept_root(root).exists()
+
+
+def test_finding9_starting_over_sets_the_kept_copies_aside_too(tmp_path: Path) -> None:
+    root = tmp_path / "ckpts"
+    (ckpt.step_dir(root, 2) / "actor").mkdir(parents=True)
+    (ckpt.kept_root(root) / "global_step_2").mkdir(parents=True)
+    moved = ckpt.set_aside(root, "7")
+    assert moved is not None and (moved / ckpt.KEPT_DIR / "global_step_2").is_dir()
+    assert not ckpt.kept_root(root).exists()
+
+
+# -- finding 7: a relaunch waits for the whole process group, not only the leader ---------------------
+
+# A leader that exits at once on SIGTERM, and a worker in its process group (as Ray's raylet, its
+# workers and vLLM are under a local ray.init) that takes a while to let go.
+LEADER_WITH_SLOW_WORKER = textwrap.dedent("""
+    import pathlib, signal, subprocess, sys, time
+    worker = subprocess.Popen([sys.executable, "-c", '''
+    import pathlib, signal, sys, time
+    def bye(*a):
+        time.sleep(1.0)  # releasing the GPU takes time
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, bye)
+    pathlib.Path("worker.pid").write_text(str(__import__("os").getpid()))
+    time.sleep(60)
+    '''])
+    signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+    if sys.argv[1] == "crash":
+        while not pathlib.Path("worker.pid").exists():
+            time.sleep(0.02)
+        sys.exit(1)
+    time.sleep(60)
+""")
+
+
+def _pid_gone(pid: int) -> bool:
+    from watchdog.backends.local import _pid_alive
+
+    return not _pid_alive(pid)
+
+
+@pytest.mark.parametrize("how", ["running", "crash"])
+def test_finding7_stop_returns_only_once_the_leaders_whole_process_group_has_ended(tmp_path: Path, how: str) -> None:
+    import time
+
+    from watchdog.backends.local import LocalBackend
+
+    (tmp_path / "leader.py").write_text(LEADER_WITH_SLOW_WORKER)
+    store = Store(tmp_path / "state")
+    store.upsert_run(RunRecord("run", str(tmp_path), ["python"]))
+    act = Actuator(store, LocalBackend())
+    h = RunHandle(store.require_run("run"))
+    h.proc = LocalBackend().start([sys.executable, str(tmp_path / "leader.py"), how], cwd=tmp_path)
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "worker.pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    worker = int((tmp_path / "worker.pid").read_text())
+    if how == "crash":
+        while h.proc.alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not h.proc.alive() and not _pid_gone(worker)  # the leader died; its worker lives on
+    act.stop(h)
+    assert _pid_gone(worker), "stop returned while a process of the old attempt still ran"
+    assert h.proc.group_members() == []

@@ -107,6 +107,9 @@ class OptimConfig:
     """AdamW weight decay."""
     lr_warmup_steps: int = 0
     """Linear warm-up steps of the LambdaLR schedule (0: constant)."""
+    clip_grad: float | None = None
+    """Max global grad norm: verl 0.9's key (its engine clips with ``optim.clip_grad`` and never reads
+    ``actor.grad_clip``); None: the component's ``grad_clip``."""
 
 
 @dataclass

@@ -289,6 +289,11 @@ def _global_info(mask: torch.Tensor, loss_scale_factor: int | None = None) -> di
             "loss_scale_factor": loss_scale_factor}
 
 
+def clip_norm(cfg: ActorConfig | CriticConfig) -> float:
+    """The grad-norm clip in force: ``optim.clip_grad`` (verl 0.9's key), else the older ``grad_clip``."""
+    return float(cfg.optim.clip_grad) if cfg.optim.clip_grad is not None else float(cfg.grad_clip)
+
+
 def _finite_step(params: list[nn.Parameter], optimizer: torch.optim.Optimizer, grad_clip: float,
                  loss_value: float, what: str, skipped: list[str]) -> float:
     """Clip and step unless the loss or the grad norm is non-finite (then skip, like verl)."""
@@ -351,7 +356,7 @@ def update_actor(policy: nn.Module, optimizer: torch.optim.Optimizer, ro: Rollou
                 acc["actor/entropy"] += entropy.detach().item()
                 acc["actor/pg_clipfrac"] += pg_metrics["actor/pg_clipfrac"] * share
                 acc["actor/ppo_kl"] += pg_metrics["actor/ppo_kl"] * share
-            grad_norm = _finite_step(params, optimizer, cfg.grad_clip, total_loss, "actor", skipped)
+            grad_norm = _finite_step(params, optimizer, clip_norm(cfg), total_loss, "actor", skipped)
             acc["actor/grad_norm"] = grad_norm
             for k, v in acc.items():
                 sums[k] = sums.get(k, 0.0) + v
@@ -389,7 +394,7 @@ def update_critic(critic: Critic, optimizer: torch.optim.Optimizer, ro: Rollout,
                 share = float(mask.sum()) / max(info["batch_num_tokens"], 1)
                 acc["critic/vf_loss"] += vf_loss.detach().item()
                 acc["critic/vf_clipfrac"] += vf_clipfrac.detach().item() * share
-            acc["critic/grad_norm"] = _finite_step(params, optimizer, cfg.grad_clip, acc["critic/vf_loss"],
+            acc["critic/grad_norm"] = _finite_step(params, optimizer, clip_norm(cfg), acc["critic/vf_loss"],
                                                    "critic", skipped)
             for k, v in acc.items():
                 sums[k] = sums.get(k, 0.0) + v

@@ -13,12 +13,25 @@ The controller and the actuator call these methods and never ask which dialect i
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from watchdog.protocol import checkpoint as ckpt
 from watchdog.protocol import rundir
+from watchdog.protocol.runinfo import RunInfo
+
+log = logging.getLogger(__name__)
+
+#: Known-good checkpoints kept out of the trainer's own pruning: the newest and the one before it
+#: (a divergence found a few steps late can make the newest bad, and then the one before is needed).
+KEEP_KNOWN_GOOD = 2
+#: verl's settings under which it deletes old checkpoints itself (trainer/config/ppo_trainer.yaml).
+PRUNE_KEYS = ("trainer.max_actor_ckpt_to_keep", "trainer.max_critic_ckpt_to_keep", "trainer.remove_previous_ckpt_in_save")
+
+IsBad = Callable[[int, float | None], bool]
+"""Whether a checkpoint of (step, save time) was taken while a divergence rule fired."""
 
 
 class Dialect(Protocol):
@@ -57,9 +70,66 @@ class Dialect(Protocol):
         """How the trainer ended: finished | oom | usage | crash."""
         ...
 
+    def protect(self, is_bad: IsBad) -> list[int]:
+        """Keep the last known-good checkpoints out of reach of the trainer's own pruning; their steps."""
+        ...
+
     def close(self) -> None:
         """Release what the dialect holds (a /metrics server)."""
         ...
+
+
+def _setting(config: Mapping[str, Any], dotted: str) -> Any:
+    if dotted in config:
+        return config[dotted]
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, Mapping) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def verl_pruning(config: Mapping[str, Any]) -> str:
+    """The verl settings in ``config`` under which verl deletes old checkpoints itself (empty: none)."""
+    found = []
+    for key in PRUNE_KEYS:
+        v = _setting(config, key)
+        if v not in (None, False, 0, "null", "None"):
+            found.append(f"{key}={v}")
+    return ", ".join(found)
+
+
+def merge_kept(own: Iterable[ckpt.CheckpointInfo], kept: Iterable[ckpt.CheckpointInfo]) -> list[ckpt.CheckpointInfo]:
+    """One entry per step: the trainer's own when complete, else the watchdog's kept copy when that is."""
+    by_step = {c.step: c for c in own}
+    for c in kept:
+        have = by_step.get(c.step)
+        if c.complete and (have is None or not have.complete):
+            by_step[c.step] = c
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def protect_known_good(root: Path, candidates: Iterable[ckpt.CheckpointInfo], is_bad: IsBad,
+                       keep: int = KEEP_KNOWN_GOOD) -> list[int]:
+    """Hard-link the newest ``keep`` complete checkpoints ``is_bad`` clears into ``root/.watchdog_kept``
+    and drop older kept copies (they are no longer the last known-good); returns their steps."""
+    good = [c for c in sorted(candidates, key=lambda c: c.step, reverse=True)
+            if c.complete and not is_bad(c.step, c.ts)][:keep]
+    kept_dir = ckpt.kept_root(root).resolve()
+    for c in good:
+        if c.path.resolve().parent != kept_dir:
+            ckpt.keep_checkpoint(c.path, root)
+    ckpt.release_kept(root, {c.path.name for c in good})
+    return [c.step for c in good]
+
+
+def pruning_notice(setting: str, root: Path) -> str:
+    """The start-up line for a run whose trainer prunes its own checkpoints."""
+    return (f"{setting}: verl deletes older checkpoints itself; the watchdog keeps hard links of the last "
+            f"{KEEP_KNOWN_GOOD} known-good ones in {ckpt.kept_root(root)} (no extra disk until verl deletes the "
+            f"originals, then up to {KEEP_KNOWN_GOOD} checkpoints' worth) so a rollback can still reach them; "
+            f"a rollback further back than those is impossible")
 
 
 def classify_exit(code: int | None, saw_finished: bool, saw_oom: bool) -> str:
@@ -82,13 +152,32 @@ class ProtocolDialect:
 
     def __init__(self, run_dir: Path | str) -> None:
         self.run_dir = Path(run_dir)
+        self._noticed = False
 
     @property
     def checkpoint_root(self) -> Path:
-        return self.run_dir / rundir.CHECKPOINTS
+        """run.json's ``checkpoint_dir`` (the in-process verl glue writes verl's default_local_dir there),
+        else run_dir/checkpoints."""
+        given = RunInfo.read(self.run_dir).checkpoint_dir
+        return Path(given) if given else self.run_dir / rundir.CHECKPOINTS
 
     def checkpoints(self) -> list[ckpt.CheckpointInfo]:
-        return ckpt.list_checkpoints(self.checkpoint_root) if self.checkpoint_root.exists() else []
+        root = self.checkpoint_root
+        return merge_kept(ckpt.list_checkpoints(root), ckpt.list_checkpoints(ckpt.kept_root(root)))
+
+    def protect(self, is_bad: IsBad) -> list[int]:
+        """The in-process verl glue's checkpoints (manifests over verl's layout) under verl's own pruning."""
+        setting = verl_pruning(RunInfo.read(self.run_dir).config)
+        if not setting:
+            return []
+        root = self.checkpoint_root
+        if not self._noticed:
+            log.warning("%s", pruning_notice(setting, root))
+            self._noticed = True
+        # Cheap: manifests read and files stat'ed, nothing hashed (a pruned actor/ leaves its manifest).
+        own = [c for c in ckpt.list_checkpoints(root, verify=False) if c.complete and ckpt.files_present(c.path)]
+        return protect_known_good(root, merge_kept(own, ckpt.list_checkpoints(ckpt.kept_root(root), verify=False)),
+                                  is_bad)
 
     def poll(self, proc: Any, watch_exit: bool) -> None:
         return None

@@ -86,6 +86,40 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+def _own_group(pid: int) -> int | None:
+    """``pid``'s process group when ``pid`` leads it, else None."""
+    try:
+        return pid if os.getpgid(pid) == pid else None
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def group_members(pgid: int, proc: Path | str = "/proc") -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``, from ``/proc``; where there is no
+    ``/proc``, ``[pgid]`` while the kernel still knows the group."""
+    root = Path(proc)
+    if not root.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return []
+        except PermissionError:
+            pass
+        return [pgid]
+    out = []
+    for d in root.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces and ')', so split after the last ')'.
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            out.append(int(d.name))
+    return sorted(out)
+
+
 class LocalProcess:
     """A trainer running as a local process group (its own session)."""
 
@@ -93,6 +127,9 @@ class LocalProcess:
         self._pid = pid
         self._popen = popen
         self._exit: int | None = None
+        self._pgid: int | None = pid if popen is not None else _own_group(pid)
+        """The trainer's process group, drained on stop: the child leads its own session; an attached
+        pid only when it leads a group (never someone else's group)."""
 
     @property
     def pid(self) -> int:
@@ -144,17 +181,53 @@ class LocalProcess:
             time.sleep(0.05)
         return None
 
+    def group_members(self) -> list[int]:
+        """Live processes of the trainer's process group, the leader included (Ray's raylet and
+        workers, vLLM's engine: what holds GPU memory after the leader is gone)."""
+        return group_members(self._pgid) if self._pgid is not None else ([self._pid] if self.alive() else [])
+
     def stop(self, grace: float = 10.0) -> int | None:
-        if not self.alive():
+        """SIGTERM the group, wait up to ``grace`` for the leader *and every other member* to end,
+        then SIGKILL what is left: a relaunch must not start while the old attempt's Ray workers
+        still hold the GPUs. A leader that already ended (a crash) has its group drained too."""
+        if not self.alive() and not self.group_members():
             return self.poll()
-        log.info("stopping pid %d (SIGTERM, %.1fs grace)", self._pid, grace)
-        self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        log.info("stopping pid %d and its process group (SIGTERM, %.1fs grace)", self._pid, grace)
+        self._signal_group(signal.SIGTERM)
         code = self.wait(grace)
-        if self.alive():
-            log.warning("pid %d did not stop within %.1fs: SIGKILL", self._pid, grace)
-            self.signal(signal.SIGKILL)
-            code = self.wait(5.0)
+        left = self._drain(deadline)
+        if left:
+            log.warning("pid %d: %d process(es) of its group did not stop within %.1fs (%s): SIGKILL",
+                        self._pid, len(left), grace, ", ".join(map(str, left[:8])))
+            self._signal_group(signal.SIGKILL)
+            if code is None:
+                code = self.wait(5.0)
+            left = self._drain(time.monotonic() + 5.0)
+            if left:
+                log.warning("pid %d: process(es) %s of its group still there after SIGKILL (uninterruptible?)",
+                            self._pid, ", ".join(map(str, left[:8])))
         return code if code is not None else self.poll()
+
+    def _signal_group(self, sig: int) -> None:
+        if self._pgid is None:
+            self.signal(sig)
+            return
+        try:
+            os.killpg(self._pgid, sig)
+        except ProcessLookupError:
+            pass
+        except PermissionError as exc:
+            raise SupervisorError(f"process group {self._pgid}: cannot send signal {sig}: {exc}") from exc
+
+    def _drain(self, deadline: float) -> list[int]:
+        """Wait until the group is empty or ``deadline``; the members left."""
+        while True:
+            self.poll()  # reap the leader, so it does not linger as a zombie
+            left = self.group_members()
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.05)
 
 
 class LocalBackend:

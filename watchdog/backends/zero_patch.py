@@ -37,7 +37,15 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from watchdog.backends.dialect import Dialect, ProtocolDialect
+from watchdog.backends.dialect import (
+    Dialect,
+    IsBad,
+    ProtocolDialect,
+    merge_kept,
+    protect_known_good,
+    pruning_notice,
+    verl_pruning,
+)
 from watchdog.backends.local import read_tail
 from watchdog.backends.verl_exits import ExitClass, classify
 from watchdog.backends.verl_lr_patch import (
@@ -284,6 +292,10 @@ class VerlGlue:
         self.world_size = info.world_size
         # verl loads critic/ on resume whenever the run has a critic: without it a checkpoint is no use.
         self.components: tuple[str, ...] = ("actor", "critic") if run_has_critic(info.config) else ("actor",)
+        self.prunes = verl_pruning(info.config)
+        """verl's own checkpoint pruning the command sets (empty: none)."""
+        if self.prunes:
+            log.warning("%s: %s", run_id, pruning_notice(self.prunes, self.ckpt_dir))
         self.state = GlueState.load(self.dir / STATE_FILE)
         self.exporter: Any = None
         port = info.run_metrics_port
@@ -402,8 +414,25 @@ class VerlGlue:
 
     # -- watching ---------------------------------------------------------------------------
     def checkpoints(self) -> list[ckpt.CheckpointInfo]:
-        """verl's checkpoints of this run (complete or not, with the reason)."""
-        return ckpt.list_verl_checkpoints(self.ckpt_dir, self.world_size, self.components)
+        """verl's checkpoints of this run (complete or not, with the reason), and the known-good ones
+        the watchdog kept where verl's own pruning deleted them (:meth:`protect`)."""
+        own = ckpt.list_verl_checkpoints(self.ckpt_dir, self.world_size, self.components)
+        return merge_kept(own, self._kept())
+
+    def _kept(self) -> list[ckpt.CheckpointInfo]:
+        where = ckpt.kept_root(self.ckpt_dir)
+        if not where.is_dir():
+            return []
+        # A kept copy was complete when it was linked: its own step stands in for verl's marker.
+        return [ckpt.verl_checkpoint_info(p, int(p.name.rsplit("_", 1)[1]), self.world_size, self.components)
+                for p in sorted(where.iterdir()) if p.is_dir() and _step_of(str(p)) is not None]
+
+    def protect(self, is_bad: IsBad) -> list[int]:
+        """With ``trainer.max_*_ckpt_to_keep`` set, keep the last known-good checkpoints as hard links
+        verl's pruning cannot reach (:func:`watchdog.backends.dialect.protect_known_good`)."""
+        if not self.prunes:
+            return []
+        return protect_known_good(self.ckpt_dir, self.checkpoints(), is_bad)
 
     def poll(self, proc: Any, watch_exit: bool = True) -> None:
         """One tick: relay new metric lines, record new checkpoints, classify an ended attempt."""

@@ -290,9 +290,13 @@ class Actuator:
         return proc
 
     def stop(self, h: RunHandle) -> int | None:
-        """Stop the trainer (SIGTERM, grace, SIGKILL)."""
-        if h.proc is None or not h.proc.alive():
-            return h.proc.poll() if h.proc is not None else None
+        """Stop the trainer (SIGTERM, grace, SIGKILL) and wait until what it started has ended too.
+
+        Called even when the leader has already ended: a crashed verl leaves its Ray workers to
+        shut down, and a relaunch must not race them for the GPUs (each backend's ``stop`` returns
+        at once when nothing of the attempt is left)."""
+        if h.proc is None:
+            return None
         return h.proc.stop(self.config.stop_grace_s)
 
     # -- journal driving -------------------------------------------------------------

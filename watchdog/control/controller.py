@@ -310,6 +310,7 @@ class RunController:
         self._handle_events(events, now)
         decisions = self._evaluate(records, events, now, result)
         self._commit(decisions, result)
+        self._protect_known_good()
         self._watch_liveness(now)
         self._check_pause_timeout(now)
         for entry in self.store.open_actions(self.run.run_id):
@@ -601,6 +602,23 @@ class RunController:
         self.store.update_run(self.run.run_id, startup_s=startup)
         self.store.update_action(done[-1].id, result={**done[-1].result, "relaunch_s": round(startup, 3)})
         log.info("%s: relaunch took %.1f s (stop to first new step)", self.run.run_id, startup)
+
+    def _protect_known_good(self) -> None:
+        """Keep the last known-good checkpoints out of reach of the trainer's own pruning (verl's
+        ``max_*_ckpt_to_keep``); the bad spans are read only when the dialect has something to judge."""
+        spans: list[Any] | None = None
+
+        def is_bad(step: int, ts: float | None) -> bool:
+            nonlocal spans
+            if spans is None:
+                spans = self.store.bad_spans(self.run.run_id)
+            return any(s.covers(step, ts) for s in spans)
+
+        try:
+            self.h.dialect.protect(is_bad)
+        except OSError as exc:  # a full disk, a permission: said, and the run goes on
+            log.warning("%s: cannot keep the known-good checkpoint out of the trainer's pruning: %s",
+                        self.run.run_id, exc)
 
     def _publish_rule_states(self) -> None:
         """Every rule's state for this run, every tick (a gauge set only on decisions would miss

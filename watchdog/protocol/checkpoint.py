@@ -399,7 +399,9 @@ def set_aside(root: Path | str, label: str) -> Path | None:
     Returns the folder (None when there was nothing to move).
     """
     root = Path(root)
-    moved = [p for p in root.iterdir() if _STEP_DIR.match(p.name) or p.name == rundir.LATEST_MARKER] \
+    # The watchdog's kept copies (known-good on the abandoned timeline) go too: a later restart
+    # must not find them either.
+    moved = [p for p in root.iterdir() if _STEP_DIR.match(p.name) or p.name in (rundir.LATEST_MARKER, KEPT_DIR)] \
         if root.is_dir() else []
     if not moved:
         return None
@@ -612,3 +614,75 @@ def save_verl_file(path: Path | str, obj: Any) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+# -- known-good checkpoints kept out of the trainer's own pruning ------------------------------
+#
+# verl deletes old checkpoints itself when ``trainer.max_actor_ckpt_to_keep`` /
+# ``max_critic_ckpt_to_keep`` is set (its checkpoint manager rmtree's ``global_step_N/actor`` and
+# ``/critic`` of the paths it saved, utils/checkpoint/checkpoint_manager.py), whatever the
+# watchdog still needs for a rollback. The watchdog keeps the last known-good ones as hard
+# links under ``root/.watchdog_kept/global_step_N``: a directory verl never saved, so never
+# prunes; no disk is used until verl deletes the original, and a rollback resumes from the kept
+# copy (verl's resume_path takes any ``global_step_N`` directory).
+
+KEPT_DIR = ".watchdog_kept"
+
+
+def kept_root(root: Path | str) -> Path:
+    """Where the watchdog keeps hard-linked copies of known-good checkpoints."""
+    return Path(root) / KEPT_DIR
+
+
+def keep_checkpoint(path: Path | str, root: Path | str) -> Path:
+    """Hard-link every file of the checkpoint ``path`` into ``root/.watchdog_kept/<its name>``.
+
+    Built beside its final place and renamed in, so a crash leaves no half copy; an existing
+    copy with the same files is kept as it is. Files on another file system are copied.
+    """
+    src, dest_root = Path(path), kept_root(root)
+    dst = dest_root / src.name
+    files = sorted(f.relative_to(src) for f in src.rglob("*") if f.is_file())
+    if dst.is_dir() and all((dst / rel).is_file() and os.path.samefile(dst / rel, src / rel) for rel in files):
+        return dst
+    dest_root.mkdir(parents=True, exist_ok=True)
+    tmp = dest_root / f".tmp-{src.name}-{os.getpid()}-{time.monotonic_ns()}"
+    try:
+        for rel in files:
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src / rel, tmp / rel)
+            except OSError:
+                shutil.copy2(src / rel, tmp / rel)
+        if dst.exists():
+            shutil.rmtree(dst)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("kept %s as %s (out of reach of the trainer's own pruning)", src, dst)
+    return dst
+
+
+def release_kept(root: Path | str, keep: Iterable[str]) -> list[Path]:
+    """Remove the kept copies whose name is not in ``keep``; returns what was removed."""
+    where = kept_root(root)
+    if not where.is_dir():
+        return []
+    names = set(keep)
+    removed = []
+    for p in sorted(where.iterdir()):
+        if p.is_dir() and (p.name.startswith(".tmp-") or p.name not in names):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def files_present(path: Path | str) -> bool:
+    """True when every file a checkpoint's manifest lists exists (a stat each, no hashing): a
+    checkpoint whose ``actor/`` the trainer pruned still has its manifest but not its files."""
+    try:
+        doc = _read_manifest(Path(path))
+    except CheckpointError:
+        return False
+    return all((Path(path) / rel).is_file() for rel in doc["files"])
