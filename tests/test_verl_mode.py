@@ -686,6 +686,15 @@ def test_zero_patch_run_restarts_an_oom_smaller_and_a_kl_fire_with_the_new_coef(
     assert info.mode == "verl" and info.live_keys == []
     assert {e.get("source") for e in rundir.iter_events(run)} == {"watchdog:verl"}
     assert all(math.isfinite(v) for v in logged[9].values() if isinstance(v, float))
+    # Every relaunch's cost, stop to its first new step, measured and kept for the cost model.
+    from watchdog.control.store import Store
+
+    store = Store(tmp_path / "state")
+    (run_id,) = store.run_ids()
+    restarts = [e for e in store.journal(run_id) if e.kind == "restart" and e.status == "done"]
+    assert len(restarts) == len(launches) - 1 >= 2
+    assert all(isinstance(e.result.get("relaunch_s"), float) and e.result["relaunch_s"] > 0 for e in restarts)
+    assert store.require_run(run_id).startup_s == pytest.approx(restarts[-1].result["relaunch_s"], abs=1e-3)
 
 
 @pytest.mark.slow

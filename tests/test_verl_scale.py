@@ -638,3 +638,202 @@ def test_finding7_stop_returns_only_once_the_leaders_whole_process_group_has_end
     act.stop(h)
     assert _pid_gone(worker), "stop returned while a process of the old attempt still ran"
     assert h.proc.group_members() == []
+
+
+# -- finding 12: one OOM, one event; a host OOM is an ActorDiedError -----------------------------------
+
+#: The raylet's OOM-kill detail (the format of tests/test_verl_mode.py's HOST_OOM_DETAIL).
+HOST_OOM_DETAIL = (
+    "The actor is dead because its worker process has died. Worker exit type: NODE_OUT_OF_MEMORY "
+    "Worker exit detail: 1 worker(s) were killed due to the node running low on memory. "
+    "Memory on the node (IP: 10.0.0.7, ID: 5f1c2b) was 241.12GB used / 251.50GB limit (0.958725)"
+)
+
+
+def _host_oom() -> BaseException:
+    """Ray's real ActorDiedError for a worker its memory monitor killed (no 'OutOfMemoryError' in it)."""
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+    from ray.exceptions import ActorDiedError
+
+    ctx = ActorDiedErrorContext(class_name="WorkerDict", actor_id=b"\x01" * 16, pid=4242,
+                                node_ip_address="10.0.0.7", error_message=HOST_OOM_DETAIL)
+    return _raised(ActorDiedError(ctx))
+
+
+def test_finding12_is_oom_knows_a_host_oom_that_reaches_the_driver_as_an_actor_died_error() -> None:
+    from ray.exceptions import RayTaskError
+
+    from trainer.verl_glue import runner
+
+    host = _host_oom()
+    assert "OutOfMemoryError" not in f"{type(host).__name__}: {host}"  # what the old check looked for
+    assert runner.oom_fields(host) is not None and runner.oom_fields(host)["memory"] == "host"  # type: ignore[index]
+    cuda = _raised(RayTaskError("WorkerDict.actor_rollout_ref_update_actor", _format(_cuda_oom()), _cuda_oom(),
+                                proctitle="ray::WorkerDict.actor_rollout_ref_update_actor").as_instanceof_cause())
+    fields = runner.oom_fields(cuda)
+    assert fields is not None and (fields["memory"], fields["site"]) == ("cuda", "actor_update")
+    assert "CUDA out of memory" in fields["message"]
+    assert not runner.is_oom(_raised(ValueError("shapes do not match")))
+
+
+def test_finding12_an_in_process_oom_writes_one_oom_event_and_no_error(tmp_path: Path, monkeypatch) -> None:
+    import verl.trainer.main_ppo as main_ppo
+    from omegaconf import OmegaConf
+
+    from trainer.verl_glue import runner
+    from trainer.verl_glue.taskrunner import TaskRunnerV1Class, WatchdogTaskRunner
+
+    run = tmp_path / "run"
+    cfg = OmegaConf.create({"watchdog": {"run_dir": str(run), "run_id": "r", "metrics_port": 0},
+                            "trainer": {"default_local_dir": str(run / "checkpoints")},
+                            "actor_rollout_ref": {"actor": {}}, "critic": {}, "algorithm": {}})
+    monkeypatch.setattr(runner, "_write_launch_json", lambda *a: None)
+    task_runner = object.__new__(WatchdogTaskRunner.__ray_actor_class__)  # the actor's class, run in this process
+    task_runner._finish = lambda kind, **f: rundir.append_event(run, kind, 3, **f)  # as watchdog_finish writes it
+    oom = _cuda_oom()
+
+    def verl_fails(self: Any, config: Any) -> None:
+        raise oom
+
+    monkeypatch.setattr(TaskRunnerV1Class, "run", verl_fails)
+
+    def run_ppo(config: Any, task_runner_class: Any = None) -> None:
+        try:
+            task_runner.run(config)  # the TaskRunner sees the worker's OOM first...
+        except BaseException as exc:  # ...and the driver gets it wrapped by Ray
+            from ray.exceptions import RayTaskError
+
+            raise RayTaskError("TaskRunner.run", _format(exc), exc).as_instanceof_cause() from exc
+
+    monkeypatch.setattr(main_ppo, "run_ppo", run_ppo)
+    assert runner.launch(cfg, ["python"]) == rundir.EXIT_OOM
+    kinds = [e.kind for e in rundir.iter_events(run)]
+    assert kinds == ["oom"] and rundir.iter_events(run)[0]["memory"] == "cuda"
+    # A host OOM that took the TaskRunner down: the driver alone says it, once.
+    host = _host_oom()
+
+    def killed(config: Any, task_runner_class: Any = None) -> None:
+        raise host
+
+    monkeypatch.setattr(main_ppo, "run_ppo", killed)
+    assert runner.launch(cfg, ["python"]) == rundir.EXIT_OOM
+    assert [(e.kind, e.get("memory")) for e in rundir.iter_events(run)] == [("oom", "cuda"), ("oom", "host")]
+
+
+# -- finding 11: the adaptive KL coefficient on relaunch ----------------------------------------------
+
+
+def test_finding11_a_relaunch_passes_the_coefficient_verls_adaptive_controller_holds_after_the_checkpoint(
+        tmp_path: Path) -> None:
+    import json
+
+    from verl.trainer.ppo.core_algos import AdaptiveKLController
+
+    run = tmp_path / "run"
+    command = [*VERL_CMD, "algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.type=adaptive",
+               "algorithm.kl_ctrl.kl_coef=0.05", "algorithm.kl_ctrl.target_kl=0.02", "algorithm.kl_ctrl.horizon=500",
+               "actor_rollout_ref.rollout.n=2"]
+    zero_patch.init_run(run, command)
+    glue = zero_patch.dialect_for(run, "run")
+    cmd, env = glue.prepare_launch(command, {}, None)
+    glue.launched(1, cmd, None)
+    # verl's own controller over 6 steps, logged as apply_kl_penalty logs it: the coefficient *before*
+    # the step's update (trainer/ppo/ray_trainer.py), with n_steps the batch size (96 prompts x n=2).
+    ctrl = AdaptiveKLController(init_kl_coef=0.05, target_kl=0.02, horizon=500)
+    kls = [0.031, 0.027, 0.012, 0.05, 0.019, 0.04]
+    after: dict[int, float] = {}
+    lines = []
+    for step, kl in enumerate(kls, start=1):
+        lines.append(json.dumps({"step": step, "data": {"actor/reward_kl_penalty": kl,
+                                                        "actor/reward_kl_penalty_coeff": ctrl.value}}))
+        ctrl.update(current_kl=kl, n_steps=96 * 2)
+        after[step] = ctrl.value
+    Path(env[zero_patch.FILE_LOGGER_ENV]).write_text("\n".join(lines) + "\n")
+    glue.poll(None)
+    # A rollback to step 2's checkpoint: step 3 must run with the controller's value after step 2.
+    resume = str(ckpt.step_dir(glue.ckpt_dir, 2))
+    cmd2, _ = glue.prepare_launch(restart_command(command, {}, resume), {}, resume)
+    assert float(hydra.values(cmd2)[zero_patch.KL_COEF_KEY]) == pytest.approx(after[2], rel=1e-12)
+    assert after[2] != after[6] and after[2] != kls[1]  # neither the newest nor the logged (pre-update) value
+    # A resume from the newest checkpoint passes the value after the newest step, not the one before it.
+    resume6 = str(ckpt.step_dir(glue.ckpt_dir, 6))
+    cmd3, _ = glue.prepare_launch(restart_command(command, {}, resume6), {}, resume6)
+    assert float(hydra.values(cmd3)[zero_patch.KL_COEF_KEY]) == pytest.approx(after[6], rel=1e-12)
+
+
+def test_finding11_a_fixed_controller_passes_the_logged_coefficient_unchanged() -> None:
+    cfg = {**zero_patch.KL_CTRL_DEFAULTS}
+    assert zero_patch.kl_coef_after(0.001, 0.5, cfg) == 0.001
+
+
+# -- finding 8: boundaries and manifests off verl's step timer; manifests hashed in parallel ----------
+
+
+def test_finding8_the_boundarys_time_is_not_counted_in_verls_step_timer() -> None:
+    import time
+
+    from verl.utils.debug import marked_timer  # what trainer_base.fit times the step with
+
+    from trainer.verl_glue.trainer import WatchdogPPOTrainer
+
+    class SlowBoundary:  # a pause for a human, or a boundary save: 0.3 s
+        def at_boundary(self, step: int) -> None:
+            time.sleep(0.3)
+
+    t = object.__new__(WatchdogPPOTrainer)
+    t.glue, t.global_steps, t.timing_raw = SlowBoundary(), 4, {}  # type: ignore[assignment]
+    with marked_timer("step", t.timing_raw):  # fit's own order: the timer, then on_step_begin inside it
+        t.on_step_begin()
+        time.sleep(0.05)  # the step's own work
+    assert 0.04 <= t.timing_raw["step"] < 0.2, t.timing_raw
+    assert t.timing_raw["watchdog_boundary"] >= 0.3
+
+
+def _verl_step_dir(root: Path, step: int, world: int) -> Path:
+    import torch
+
+    d = ckpt.step_dir(root, step)
+    (d / "actor").mkdir(parents=True)
+    for rank in range(world):
+        for kind in ckpt.VERL_KINDS:
+            torch.save({"rank": rank, "kind": kind}, ckpt.verl_file(d / "actor", kind, world, rank))
+    torch.save({}, d / "data.pt")
+    return d
+
+
+def test_finding8_manifests_are_hashed_in_the_background_several_files_at_once(tmp_path: Path, monkeypatch) -> None:
+    import threading
+
+    from trainer.verl_glue import manifest
+
+    d = _verl_step_dir(tmp_path, 4, world=4)
+    release, threads = threading.Event(), set()
+    real = manifest._sha256_file
+
+    def gated(path: Path) -> str:
+        threads.add(threading.current_thread().name)
+        release.wait(10)
+        return real(path)
+
+    monkeypatch.setattr(manifest, "_sha256_file", gated)
+    done: list[tuple[Path, Exception | None]] = []
+    writer = manifest.ManifestWriter(hash_workers=4)
+    writer.submit(d, 4, 0, lambda p, e: done.append((p, e)), world_size=4, components=("actor",))
+    # The caller (verl's training step) goes on while the files are hashed.
+    assert not (d / ckpt.MANIFEST).exists() and done == []
+    release.set()
+    writer.close()
+    assert done == [(d, None)] and ckpt.verify_checkpoint(d).complete
+    assert len(threads) > 1, threads  # several files at once
+
+
+def test_finding8_a_multi_node_save_with_node_local_disks_gets_no_manifest_and_says_why(tmp_path: Path) -> None:
+    from trainer.verl_glue import manifest
+
+    d = _verl_step_dir(tmp_path, 4, world=16)
+    for rank in range(8, 16):  # the second node's shards are on its own disk
+        for kind in ckpt.VERL_KINDS:
+            ckpt.verl_file(d / "actor", kind, 16, rank).unlink()
+    with pytest.raises(ckpt.CheckpointError, match="shares"):
+        manifest.write_manifest(d, 4, 0, world_size=16, components=("actor",))
+    assert not (d / ckpt.MANIFEST).exists()

@@ -25,12 +25,13 @@ import os
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from watchdog.protocol import rundir
+from watchdog.protocol import oom, rundir
 from watchdog.protocol.control import COMMAND_KINDS
 from watchdog.protocol.runinfo import MODE_VERL_INPROCESS, RunInfo
 
@@ -103,10 +104,33 @@ def validate(cfg: Any) -> None:
     validate_config(config=cfg, use_reference_policy=need_reference_policy(cfg), use_critic=need_critic(cfg))
 
 
+def oom_of(exc: BaseException) -> tuple[str, str | None, str] | None:
+    """``(memory, site, evidence)`` when ``exc`` is an out-of-memory error as it reaches the driver
+    or the TaskRunner, else None. Read from the whole formatted chain with the watchdog's own rules
+    (:mod:`watchdog.protocol.oom`): a CUDA OOM wrapped in Ray's ``RayTaskError`` twice, and a host
+    OOM, which Ray reports as an ``ActorDiedError`` (exit type ``NODE_OUT_OF_MEMORY``) that names no
+    ``OutOfMemoryError`` at all."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return oom.read_oom(f"{type(exc).__name__}: {exc}\n{text}")
+
+
 def is_oom(exc: BaseException) -> bool:
-    """True for a CUDA/host out-of-memory error as it reaches the driver (Ray wraps the worker's)."""
-    text = f"{type(exc).__name__}: {exc}"
-    return "OutOfMemoryError" in text or "CUDA out of memory" in text
+    """True for a CUDA or host out-of-memory error (:func:`oom_of`)."""
+    return oom_of(exc) is not None
+
+
+def oom_fields(exc: BaseException) -> dict[str, Any] | None:
+    """The ``oom`` event's fields for ``exc`` (memory, site, message), or None when it is no OOM."""
+    found = oom_of(exc)
+    if found is None:
+        return None
+    memory, site, evidence = found
+    return {"memory": memory, **({"site": site} if site else {}), "message": evidence[:2000], "source": "verl"}
+
+
+def _oom_recorded_since(run_dir: Path, since: float) -> bool:
+    """Whether this launch's TaskRunner already wrote the ``oom`` event (one OOM, one event)."""
+    return any((e.ts or 0.0) >= since for e in rundir.iter_events(run_dir, ["oom"]))
 
 
 def _write_launch_json(run_dir: Path, cfg: Any, command: list[str]) -> None:
@@ -134,12 +158,17 @@ def launch(cfg: Any, command: list[str]) -> int:
     signal.signal(signal.SIGUSR1, lambda signum, frame: log.debug("SIGUSR1: control.json is read at the next "
                                                                   "step boundary"))
     _write_launch_json(run_dir, cfg, command)
+    started = time.time()
     try:
         run_ppo(cfg, task_runner_class=WatchdogTaskRunner)
     except Exception as exc:
-        if is_oom(exc):
-            rundir.append_event(run_dir, "oom", None, message=str(exc)[:2000], source="verl")
-            log.error("out of memory: %s", exc)
+        fields = oom_fields(exc)
+        if fields is not None:
+            # The TaskRunner writes the event when it sees the OOM; when the OOM killed the TaskRunner
+            # itself (a host OOM), only the driver is left to say it.
+            if not _oom_recorded_since(run_dir, started):
+                rundir.append_event(run_dir, "oom", None, **fields)
+            log.error("out of memory (%s): %s", fields["memory"], fields["message"])
             return rundir.EXIT_OOM
         log.error("verl run failed: %s", exc)
         return 1

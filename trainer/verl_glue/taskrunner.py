@@ -15,6 +15,7 @@ import ray
 from verl.trainer.main_ppo import TaskRunnerV1
 
 from trainer.verl_glue.boundary import StopRequested
+from trainer.verl_glue.runner import oom_fields
 from trainer.verl_glue.trainer import WatchdogPPOTrainer
 
 #: verl's TaskRunnerV1 class, under its ``@ray.remote``.
@@ -36,7 +37,13 @@ class WatchdogTaskRunner(TaskRunnerV1Class):  # type: ignore[misc, valid-type]
             self._finish("")  # `stopped` is already recorded: just close up
             return
         except BaseException as exc:
-            self._finish("error", message=f"{type(exc).__name__}: {exc}"[:2000], source="verl")
+            # One event per failure: an OOM is an ``oom`` (with the memory and the pass that ran out, for
+            # the remedy), not also an ``error``; the driver writes none of its own then.
+            fields = oom_fields(exc)
+            if fields is not None:
+                self._finish("oom", **fields)
+            else:
+                self._finish("error", message=f"{type(exc).__name__}: {exc}"[:2000], source="verl")
             raise
         self._finish("finished")
 

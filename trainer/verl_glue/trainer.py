@@ -46,7 +46,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 from trainer.verl_glue import apply, workers
 from trainer.verl_glue.boundary import ControlBoundary, LiveSettings, RunRecorder, VerlTargets
-from trainer.verl_glue.manifest import write_manifest
+from trainer.verl_glue.manifest import ManifestWriter
 from watchdog.protocol import rundir
 from watchdog.protocol.exporter import MetricsExporter
 from watchdog.protocol.runinfo import RunInfo
@@ -100,6 +100,7 @@ class WatchdogPPOTrainer(PPOTrainerSync):
 
     glue: ControlBoundary | None = None
     recorder: RunRecorder | None = None
+    manifests: ManifestWriter | None = None
     _training = False
 
     # -- behave as "sync" -------------------------------------------------------------------
@@ -181,7 +182,16 @@ class WatchdogPPOTrainer(PPOTrainerSync):
     def on_step_begin(self) -> None:
         super().on_step_begin()
         if self.glue is not None:
+            t0 = time.monotonic()
             self.glue.at_boundary(int(self.global_steps) - 1)
+            # verl calls this inside marked_timer("step") (trainer_base.py, fit), which adds the step's
+            # time to timing_raw["step"]: seed it with minus the boundary's (a pause for a human, a
+            # boundary save), so perf/time_per_step and the throughput are the step's own.
+            spent = time.monotonic() - t0
+            timing = getattr(self, "timing_raw", None)
+            if isinstance(timing, dict):
+                timing["step"] = timing.get("step", 0.0) - spent
+                timing["watchdog_boundary"] = timing.get("watchdog_boundary", 0.0) + spent
 
     def _compute_metrics(self, batch: Any, metrics: dict, timing_raw: dict, global_steps: int, epoch: int) -> None:
         super()._compute_metrics(batch, metrics, timing_raw, global_steps, epoch)
@@ -199,12 +209,21 @@ class WatchdogPPOTrainer(PPOTrainerSync):
             # Still being written when verl returns: no manifest, so the watchdog never trusts it.
             self.recorder.event("checkpoint", step, path=str(path), epoch=epoch, layout="verl", manifest=False)
             return
-        try:
-            write_manifest(path, step, epoch)
-        except (OSError, ValueError) as exc:
-            self.recorder.event("error", step, message=f"checkpoint manifest not written: {exc}", source="checkpoint")
-            return
-        self.recorder.event("checkpoint", step, path=str(path), epoch=epoch, layout="verl", manifest=True)
+        recorder = self.recorder
+
+        def vouched(where: Path, exc: Exception | None) -> None:
+            if exc is not None:
+                recorder.event("error", step, message=f"checkpoint manifest not written: {exc}", source="checkpoint")
+            else:
+                recorder.event("checkpoint", step, path=str(where), epoch=epoch, layout="verl", manifest=True)
+
+        if self.manifests is None:
+            self.manifests = ManifestWriter()
+        trainer_cfg = self.config.trainer
+        world = int(trainer_cfg.n_gpus_per_node) * int(trainer_cfg.nnodes)
+        # Hashed in the background: the step (and verl's step timer) goes on at once.
+        self.manifests.submit(path, step, epoch, vouched, world_size=world,
+                              components=("actor", "critic") if getattr(self, "use_critic", False) else ("actor",))
 
     def _save_at_boundary(self) -> None:
         """Save the state after the last completed step (a ``checkpoint`` or ``stop`` command).
@@ -243,6 +262,8 @@ class WatchdogPPOTrainer(PPOTrainerSync):
         """The last event of the run and the exporter closed (the runner calls it)."""
         if self.recorder is None:
             return
+        if self.manifests is not None:
+            self.manifests.close()  # the last save (a stop's) is vouched for before the run's last event
         if kind:
             self.recorder.event(kind, int(self.global_steps) - 1, **fields)
         self.recorder.exporter.close()

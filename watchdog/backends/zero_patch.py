@@ -71,6 +71,13 @@ LOGGER_KEY = "trainer.logger"
 LOCAL_DIR_KEY = "trainer.default_local_dir"
 KL_COEF_KEY = "algorithm.kl_ctrl.kl_coef"
 KL_COEF_METRIC = "actor/reward_kl_penalty_coeff"
+KL_METRIC = "actor/reward_kl_penalty"
+#: verl's defaults (trainer/config/ppo_trainer.yaml: algorithm.kl_ctrl, data.train_batch_size, rollout.n).
+KL_CTRL_DEFAULTS = {"algorithm.kl_ctrl.type": "fixed", "algorithm.kl_ctrl.target_kl": 0.1,
+                    "algorithm.kl_ctrl.horizon": 10000, "data.train_batch_size": 1024,
+                    "actor_rollout_ref.rollout.n": 1}
+#: Steps of KL history kept (a rollback further back than this falls back to the last logged coefficient).
+KL_HISTORY = 2048
 MICRO_KEY = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 #: Loggers the glue needs: ``file`` for the metrics, ``console`` for a readable trainer.log.
 NEEDED_LOGGERS = ("console", "file")
@@ -145,6 +152,21 @@ def checkpoint_dir(command: Sequence[str], run_dir: Path | str, cwd: Path | str 
     return Path(run_dir) / rundir.CHECKPOINTS
 
 
+def kl_coef_after(coef: float, kl: float, config: Mapping[str, Any]) -> float:
+    """verl's KL coefficient after one step's update, from the step's logged coefficient and KL.
+
+    The arithmetic of verl's ``AdaptiveKLController.update`` (trainer/ppo/core_algos.py), which
+    apply_kl_penalty calls with ``n_steps`` = the batch's size (train_batch_size x rollout.n);
+    a ``fixed`` controller does not move.
+    """
+    if str(config.get("algorithm.kl_ctrl.type", "fixed")) != "adaptive":
+        return float(coef)
+    target, horizon = float(config["algorithm.kl_ctrl.target_kl"]), float(config["algorithm.kl_ctrl.horizon"])
+    n_steps = int(config["data.train_batch_size"]) * int(config["actor_rollout_ref.rollout.n"])
+    error = min(max(kl / target - 1.0, -0.2), 0.2)
+    return float(coef) * (1.0 + error * n_steps / horizon)
+
+
 def zero_patch_command(command: Sequence[str], ckpt_dir: Path | str, kl_coef: float | None) -> list[str]:
     """The command as launched: logger with ``file``, verl's checkpoint dir pinned, KL coefficient carried."""
     ov = hydra.overrides(command)
@@ -182,6 +204,9 @@ class GlueState:
     """``algorithm.kl_ctrl.kl_coef`` override at the last launch."""
     kl_override_attempt: int = 0
     """Attempt at which that override last changed."""
+    kl_history: dict[str, list[float]] = field(default_factory=dict)
+    """Per step (as a string): ``[coefficient, KL, attempt]`` as logged, for the coefficient a resume
+    from that step's checkpoint must pass (:func:`kl_coef_after`); the newest :data:`KL_HISTORY` steps."""
     announced: list[int] = field(default_factory=list)
     """Checkpoint steps already recorded as ``checkpoint`` events."""
     exit: dict[str, Any] | None = None
@@ -292,6 +317,8 @@ class VerlGlue:
         self.world_size = info.world_size
         # verl loads critic/ on resume whenever the run has a critic: without it a checkpoint is no use.
         self.components: tuple[str, ...] = ("actor", "critic") if run_has_critic(info.config) else ("actor",)
+        self.config: dict[str, Any] = dict(info.config)
+        """The command's verl settings (flat dotted keys)."""
         self.prunes = verl_pruning(info.config)
         """verl's own checkpoint pruning the command sets (empty: none)."""
         if self.prunes:
@@ -321,19 +348,28 @@ class VerlGlue:
         return ev
 
     # -- launching ------------------------------------------------------------------------
-    def kl_to_pass(self, overrides: Mapping[str, Any]) -> float | None:
+    def kl_to_pass(self, overrides: Mapping[str, Any], resume_step: int | None = None) -> float | None:
         """The KL coefficient a restart must pass (verl does not checkpoint its KL controller).
 
-        A new override wins; otherwise the value the trainer logged last (an adaptive
-        controller's drift), if it was logged after the override last changed; else the
-        override itself. None on the first launch: the command's own value stands.
+        A new override wins. Otherwise, for a resume from step S's checkpoint, the coefficient
+        verl's controller held *after* step S's update: verl logs ``actor/reward_kl_penalty_coeff``
+        before it updates (trainer/ppo/ray_trainer.py, apply_kl_penalty), so the logged value of
+        S is one update behind, and the newest logged value belongs to a later step than an older
+        checkpoint (:func:`kl_coef_after`). Without S's record, the value logged last, if logged
+        after the override last changed; else the override itself. None on the first launch (the
+        command's own value stands).
         """
         s = self.state
         ov = overrides.get(KL_COEF_KEY)
         ov_f = float(ov) if ov is not None else None
         if ov_f is not None and ov_f != s.kl_override:
             return ov_f
-        if s.last_kl is not None and s.last_kl_attempt >= s.kl_override_attempt and s.attempt >= 1:
+        if s.attempt < 1:
+            return ov_f
+        rec = s.kl_history.get(str(resume_step)) if resume_step is not None else None
+        if rec is not None and rec[2] >= s.kl_override_attempt:
+            return kl_coef_after(rec[0], rec[1], {**KL_CTRL_DEFAULTS, **self.config, **overrides})
+        if s.last_kl is not None and s.last_kl_attempt >= s.kl_override_attempt:
             return s.last_kl
         return ov_f
 
@@ -341,7 +377,7 @@ class VerlGlue:
                        resume_path: str | None) -> tuple[list[str], dict[str, str]]:
         """(command, environment) of the next attempt; records it as the current attempt."""
         s = self.state
-        kl = self.kl_to_pass(overrides)
+        kl = self.kl_to_pass(overrides, _step_of(resume_path))
         ov = overrides.get(KL_COEF_KEY)
         ov_f = float(ov) if ov is not None else None
         if ov_f != s.kl_override:
@@ -471,10 +507,20 @@ class VerlGlue:
         rundir.append_jsonl(self.run_dir / rundir.METRICS, {"step": good["step"], "data": rec.get("data", {})})
         data = good["data"]
         self.state.last_step = int(good["step"])
+        step_kl: list[float | None] = [None, None]
         for key, value in data.items():
-            if catalog.canonical_key(key) == KL_COEF_METRIC and isinstance(value, (int, float)) \
+            name = catalog.canonical_key(key)
+            if name in (KL_COEF_METRIC, KL_METRIC) and isinstance(value, (int, float)) \
                     and catalog.is_finite(float(value)):
-                self.state.last_kl, self.state.last_kl_attempt = float(value), self.state.attempt
+                step_kl[name == KL_METRIC] = float(value)
+        if step_kl[0] is not None:
+            self.state.last_kl, self.state.last_kl_attempt = step_kl[0], self.state.attempt
+            if step_kl[1] is not None:
+                hist = self.state.kl_history
+                hist[str(int(good["step"]))] = [step_kl[0], step_kl[1], float(self.state.attempt)]
+                if len(hist) > KL_HISTORY:
+                    for old in sorted(hist, key=int)[: len(hist) - KL_HISTORY]:
+                        del hist[old]
         if self.exporter is not None:
             self.exporter.update(int(good["step"]), data)
 
