@@ -837,3 +837,61 @@ def test_finding8_a_multi_node_save_with_node_local_disks_gets_no_manifest_and_s
     with pytest.raises(ckpt.CheckpointError, match="shares"):
         manifest.write_manifest(d, 4, 0, world_size=16, components=("actor",))
     assert not (d / ckpt.MANIFEST).exists()
+
+
+# -- RL-Insight: verl's own Prometheus series read without a second exporter --------------------------
+
+
+def test_rl_insight_series_verl_sends_map_onto_the_catalog_and_the_source_reads_them(tmp_path: Path,
+                                                                                       monkeypatch) -> None:
+    from verl.utils.tracking import RLInsightLogger
+
+    from watchdog.protocol.runinfo import RunInfo
+    from watchdog.sources.prometheus import PrometheusSource, make_source, source_config
+
+    sent: dict[str, float] = {}
+
+    class Hub:  # rl_insight's module API as verl calls it (metric_gauge(name, value))
+        @staticmethod
+        def metric_gauge(name: str, value: float) -> None:
+            sent[catalog.RL_INSIGHT_PREFIX + name] = value  # the hub's namespace prefix
+
+    monkeypatch.setenv(RLInsightLogger.ENABLE_ENV, "1")
+    monkeypatch.setattr(RLInsightLogger, "_rl_insight_module", Hub)
+    monkeypatch.setattr(RLInsightLogger, "_init_done", True)
+    logged = {"training/global_step": 7, "actor/reward_kl_penalty": 0.031, "actor/pg_clipfrac": 0.12,
+              "actor/ppo_kl": 0.004, "critic/vf_loss": 0.8, "perf/time_per_step": 41.5, "critic/kl": 0.03,
+              "response_length/mean": 412.0, "val-core/gsm8k/reward/mean@1": 0.61}
+    RLInsightLogger.log(logged, step=7)  # verl's own logger backend
+    mapped = {catalog.BY_RL_INSIGHT[n].key: v for n, v in sent.items() if n in catalog.BY_RL_INSIGHT}
+    assert mapped["actor/pg_clipfrac"] == 0.12 and mapped["training/global_step"] == 7
+    assert mapped["actor/reward_kl_penalty"] in (0.031, 0.03)  # critic/kl: an older verl's name for the same
+    assert "rl_insight_monitor_perf_time_per_step" in catalog.BY_RL_INSIGHT
+    assert catalog.rl_insight_name("val-core/gsm8k/reward/mean@1") is None  # "-" and "@": no Prometheus name
+
+    class RLInsightPrometheus:  # Prometheus's query API over two scrapes of the hub
+        safe_url = "http://prometheus"
+
+        def __init__(self) -> None:
+            self.asked: list[str] = []
+
+        def query(self, promql: str, at: float) -> dict[str, Any]:
+            self.asked.append(promql)
+            series = [{"metric": {"__name__": n, "experiment_name": "qwen7b-ppo", "project": "p"},
+                       "values": [[started + 1, str(v)], [started + 2, str(v)]]}
+                      for n, v in sent.items() if n in catalog.BY_RL_INSIGHT]
+            return {"resultType": "matrix", "result": series}
+
+    run = tmp_path / "run"
+    zero_patch.init_run(run, [*VERL_CMD, "trainer.experiment_name=qwen7b-ppo"])
+    RunInfo.read(run).replace(id="run").write(run)
+    rundir.append_event(run, "started", 0)
+    started = rundir.iter_events(run)[0]["ts"]
+    client = RLInsightPrometheus()
+    source = PrometheusSource(client, run, names="rl_insight", clock=lambda: started + 10)
+    records, _ = source.poll()
+    assert [r["step"] for r in records] == [7]
+    assert records[0]["data"]["actor/pg_clipfrac"] == 0.12
+    assert 'experiment_name="qwen7b-ppo"' in client.asked[0] and "rl_insight_monitor_actor_pg_clipfrac" in client.asked[0]
+    cfg = source_config("rl_insight", "http://prometheus:9090")
+    assert make_source(cfg, run, "run").names == "rl_insight"

@@ -131,8 +131,10 @@ def run_cmd(
         help="Ray job server (http://HEAD:8265): run the trainer there as a Ray Job, resubmitted for "
              "restarts. The run directory must be a path the head shares.")] = None,
     source: Annotated[str, typer.Option("--source", help="Where the rules read the run's metrics: files "
-                                        "(run_dir/metrics.jsonl) or prometheus (Prometheus's HTTP API, aligned "
-                                        "to steps by ppo_global_step; events still from events.jsonl).")] = "files",
+                                        "(run_dir/metrics.jsonl), prometheus (Prometheus's HTTP API, aligned "
+                                        "to steps by ppo_global_step; events still from events.jsonl) or "
+                                        "rl_insight (the same, from verl's own RL-Insight series, by "
+                                        "trainer.experiment_name: no second exporter).")] = "files",
     prometheus_url: Annotated[str | None, typer.Option(
         "--prometheus-url", envvar=PROMETHEUS_URL_ENV, show_envvar=True,
         help="Prometheus base URL for --source prometheus, e.g. http://127.0.0.1:9090.")] = None,

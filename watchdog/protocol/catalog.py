@@ -180,6 +180,37 @@ BY_KEY: dict[str, Metric] = {m.key: m for m in METRICS}
 BY_SHORT: dict[str, Metric] = {m.short: m for m in METRICS}
 BY_PROM: dict[str, Metric] = {m.prom: m for m in METRICS}
 _ALIASES: dict[str, str] = {a: m.key for m in METRICS for a in m.aliases}
+
+# -- verl's own Prometheus monitoring (RL-Insight) ----------------------------------------------
+#
+# With ``trainer.logger=[...,rl_insight]`` and VERL_RL_INSIGHT_ENABLE=1, verl's RLInsightLogger
+# (verl/utils/tracking.py, RLInsightLogger.log) sends every logged metric as a gauge named
+# ``key.replace("/", "_")``; the RL-Insight hub exports it with the ``rl_insight_monitor_``
+# prefix and the labels ``project`` and ``experiment_name`` (verl's trainer.project_name and
+# trainer.experiment_name), e.g. ``rl_insight_monitor_actor_pg_clipfrac`` and the step ruler
+# ``rl_insight_monitor_training_global_step`` (rl-insight docs/monitor/metric-name-catalog.md).
+# The same numbers as the catalog's gauges, so the Prometheus source reads them as they are
+# (``watchdog run --source rl_insight``). What has no RL-Insight series: a metric verl does
+# not log (``actor/reward_kl_penalty_std``, computed by the rules), and ``val-core/...@1``,
+# whose name ("-", "@") is not a Prometheus name as verl sends it.
+
+RL_INSIGHT_PREFIX = "rl_insight_monitor_"
+#: The RL-Insight label that tells runs apart (verl's ``trainer.experiment_name``).
+RL_INSIGHT_RUN_LABEL = "experiment_name"
+_PROM_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+
+
+def rl_insight_name(key: str) -> str | None:
+    """The RL-Insight series of a verl key, or None where the name RLInsightLogger makes is no
+    Prometheus name."""
+    name = RL_INSIGHT_PREFIX + key.replace("/", "_")
+    return name if _PROM_NAME.match(name) else None
+
+
+#: RL-Insight series name -> catalog metric (its key and, for older verl, its aliases).
+BY_RL_INSIGHT: dict[str, Metric] = {
+    n: m for m in METRICS for n in (rl_insight_name(k) for k in (m.key, *m.aliases)) if n is not None
+}
 #: Where a short name may also be read from another metric's key (rank 2: after its key and aliases).
 _FALLBACK_OF: dict[str, tuple[str, ...]] = {}
 for _m in METRICS:

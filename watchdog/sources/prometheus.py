@@ -58,8 +58,14 @@ log = logging.getLogger(__name__)
 
 #: Environment variable with the Prometheus base URL (``--prometheus-url`` / ``prometheus_url`` default).
 PROMETHEUS_URL_ENV = "WATCHDOG_PROMETHEUS_URL"
-#: Metric sources the watchdog can read a run from.
-SOURCES = ("files", "prometheus")
+#: Metric sources the watchdog can read a run from: the run directory, Prometheus holding the
+#: catalog's gauges (the trainer's or the glue's exporter), or Prometheus holding verl's own
+#: RL-Insight series (no second exporter; :data:`watchdog.protocol.catalog.BY_RL_INSIGHT`).
+SOURCES = ("files", "prometheus", "rl_insight")
+#: The sources read through Prometheus.
+PROMETHEUS_SOURCES = ("prometheus", "rl_insight")
+#: verl's default ``trainer.experiment_name`` (trainer/config/ppo_trainer.yaml).
+VERL_EXPERIMENT_NAME = "gsm8k"
 #: The gauge that says which step a scrape belongs to.
 STEP_METRIC = catalog.BY_KEY["training/global_step"].prom
 #: Events after which the trainer process exports nothing more (its pending step is complete).
@@ -103,8 +109,8 @@ class SourceConfig:
     def __post_init__(self) -> None:
         if self.kind not in SOURCES:
             raise ValueError(f"source must be one of {', '.join(SOURCES)}, got {self.kind!r}")
-        if self.kind == "prometheus" and not self.prometheus_url:
-            raise ValueError(f"source prometheus needs a Prometheus URL (prometheus_url, --prometheus-url "
+        if self.kind in PROMETHEUS_SOURCES and not self.prometheus_url:
+            raise ValueError(f"source {self.kind} needs a Prometheus URL (prometheus_url, --prometheus-url "
                              f"or ${PROMETHEUS_URL_ENV})")
         if self.prometheus_url and urllib.parse.urlsplit(self.prometheus_url).scheme not in ("http", "https"):
             raise ValueError(f"prometheus_url must be an http(s) URL, got {redact_url(self.prometheus_url)!r}")
@@ -127,7 +133,7 @@ def make_source(cfg: SourceConfig | None, run_dir: Path | str, run_id: str, tele
     assert cfg.prometheus_url  # checked by SourceConfig
     client = PrometheusClient(cfg.prometheus_url, cfg.timeout_s)
     return PrometheusSource(client, run_dir, run_id=run_id, telemetry=telemetry, file_sd_dir=cfg.file_sd_dir,
-                            lookback_s=cfg.lookback_s)
+                            lookback_s=cfg.lookback_s, names="rl_insight" if cfg.kind == "rl_insight" else "catalog")
 
 
 def redact_url(url: str) -> str:
@@ -195,6 +201,22 @@ def run_selector(run: str) -> str:
     return f'{{__name__=~"{names}",{catalog.RUN_LABEL}={promql_string(run)}}}'
 
 
+def rl_insight_selector(experiment: str) -> str:
+    """Every RL-Insight series of one verl experiment the catalog knows, as one series selector."""
+    names = "|".join(sorted(catalog.BY_RL_INSIGHT))
+    return f'{{__name__=~"{names}",{catalog.RL_INSIGHT_RUN_LABEL}={promql_string(experiment)}}}'
+
+
+def experiment_name(config: Mapping[str, Any]) -> str:
+    """verl's ``trainer.experiment_name`` in run.json's config (flat or nested), else verl's default."""
+    if "trainer.experiment_name" in config:
+        return str(config["trainer.experiment_name"])
+    trainer = config.get("trainer")
+    if isinstance(trainer, Mapping) and trainer.get("experiment_name"):
+        return str(trainer["experiment_name"])
+    return VERL_EXPERIMENT_NAME
+
+
 Scrape = tuple[float, dict[str, float]]
 """One scrape: (timestamp, {Prometheus name: value})."""
 
@@ -206,6 +228,8 @@ def scrapes_from_matrix(data: Mapping[str, Any]) -> list[Scrape]:
     by_ts: dict[float, dict[str, float]] = {}
     for series in data.get("result") or []:
         name = (series.get("metric") or {}).get("__name__")
+        if name in catalog.BY_RL_INSIGHT:  # verl's own series: the same number under the catalog's name
+            name = catalog.BY_RL_INSIGHT[name].prom
         if name not in catalog.BY_PROM:
             continue
         for ts, raw in series.get("values") or []:
@@ -318,8 +342,13 @@ class PrometheusSource:
     def __init__(
         self, client: Any, run_dir: Path | str, offsets: Mapping[str, Any] | None = None, run_id: str | None = None,
         telemetry: Any = None, file_sd_dir: Path | str | None = None, lookback_s: float = 6 * 3600.0,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.time, names: str = "catalog",
     ) -> None:
+        if names not in ("catalog", "rl_insight"):
+            raise ValueError(f"names must be catalog or rl_insight, got {names!r}")
+        self.names = names
+        """``catalog``: the catalog's gauges labelled ``run``; ``rl_insight``: verl's RL-Insight series
+        labelled ``experiment_name``."""
         self.client = client
         self.run_dir = Path(run_dir)
         self.run_id = run_id or self.run_dir.name
@@ -400,8 +429,12 @@ class PrometheusSource:
         return records, events
 
     def label(self) -> str | None:
-        """The ``run`` label of the run's series: run.json's id (None until a trainer wrote one)."""
-        return RunInfo.read(self.run_dir).id or None
+        """The run's label value: run.json's id for the ``run`` label (None until a trainer wrote one),
+        verl's experiment name for RL-Insight's ``experiment_name``."""
+        info = RunInfo.read(self.run_dir)
+        if self.names == "rl_insight":
+            return experiment_name(info.config) if info.id else None
+        return info.id or None
 
     def _read(self, run: str, start: float, end: float) -> list[Scrape]:
         """Scrapes with start < ts <= end, in pieces of at most MAX_RANGE_S."""
@@ -410,7 +443,8 @@ class PrometheusSource:
         while lo < end:
             hi = min(end, lo + self.MAX_RANGE_S)
             rng = max(1, math.ceil(hi - lo))
-            data = self.client.query(f"{run_selector(run)}[{rng}s]", hi)
+            selector = rl_insight_selector(run) if self.names == "rl_insight" else run_selector(run)
+            data = self.client.query(f"{selector}[{rng}s]", hi)
             out += [(ts, v) for ts, v in scrapes_from_matrix(data) if lo < ts <= hi]
             lo = hi
         return out
