@@ -23,12 +23,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
 import signal
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -40,7 +42,15 @@ from watchdog.core.planner import MICRO_BATCH_KEYS, MINI_BATCH_OF, config_value,
 from watchdog.core.vocabulary import ActionStatus, JournalKind
 from watchdog.protocol import hydra
 from watchdog.protocol.catalog import RESUME_MODE_KEY, RESUME_PATH_KEY
-from watchdog.protocol.control import Command, Control, ControlError, read_control, write_control
+from watchdog.protocol.control import (
+    MAX_VERSION,
+    Command,
+    Control,
+    ControlError,
+    applied_version,
+    read_control,
+    write_control,
+)
 from watchdog.protocol.runinfo import RunInfo
 
 log = logging.getLogger(__name__)
@@ -111,6 +121,29 @@ def alert_payload(
 # -- I/O shells -----------------------------------------------------------------------
 
 
+WEBHOOK_URL_ENV = "WATCHDOG_WEBHOOK_URL"
+WEBHOOK_URL_FILE_ENV = "WATCHDOG_WEBHOOK_URL_FILE"
+
+
+def resolve_webhook_url(url_file: str | Path | None = None, configured: str | None = None) -> str | None:
+    """The webhook URL: ``url_file``'s first line, a config file's ``configured`` value,
+    ``$WATCHDOG_WEBHOOK_URL_FILE``'s first line, or ``$WATCHDOG_WEBHOOK_URL``; None when none is set.
+
+    Never from argv (world-readable in ``ps``); a file that cannot be read is a ValueError naming it.
+    """
+    path = url_file or (None if configured else os.environ.get(WEBHOOK_URL_FILE_ENV))
+    if path:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"webhook URL file {path}: cannot be read ({exc})") from exc
+        url = next((ln.strip() for ln in lines if ln.strip()), "")
+        if not url:
+            raise ValueError(f"webhook URL file {path}: empty")
+        return url
+    return configured or os.environ.get(WEBHOOK_URL_ENV) or None
+
+
 @dataclass
 class Notifier:
     """Posts Alertmanager-compatible JSON to a webhook (if configured) and always logs."""
@@ -138,7 +171,8 @@ class Notifier:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return f"webhook {resp.status}"
         except (urllib.error.URLError, OSError) as exc:
-            log.error("webhook %s failed: %s", self.url, exc)
+            # The URL is a secret (a Slack hook, a token in its query): named by where it came from, never shown.
+            log.error("webhook failed (the configured webhook URL, not shown): %s", exc)
             return f"webhook failed: {exc}"
 
 
@@ -159,6 +193,9 @@ class RunHandle:
     dialect: Dialect = None  # type: ignore[assignment]  # set in __post_init__
     """How the trainer speaks (:mod:`watchdog.backends.dialect`): the protocol, or the zero-patch glue of
     an unmodified verl run."""
+    on_live_timeout: Callable[[ActionRecord, str], int | None] = field(default=lambda entry, message: None)
+    """A live change the running trainer did not apply in time: the controller's restart instead
+    (counted against its restart budget); returns its journal id, None when the budget is spent."""
 
     def __post_init__(self) -> None:
         if self.dialect is None:
@@ -177,6 +214,20 @@ class ActuatorConfig:
     """Send SIGUSR1 after writing control.json (a local child reads it at once)."""
     log_name: str = "trainer.log"
     """File in the run directory receiving the trainer's output."""
+
+    def __post_init__(self) -> None:
+        check_finite(self)
+        if not (self.live_timeout_s > 0 and self.stop_grace_s > 0):
+            raise ValueError(f"live_timeout_s and stop_grace_s must be > 0 seconds, got "
+                             f"{self.live_timeout_s!r}, {self.stop_grace_s!r}")
+
+
+def check_finite(config: Any) -> None:
+    """ValueError naming the first number of a config dataclass that is NaN or infinite (None passes)."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number, got {value!r}")
 
 
 class Actuator:
@@ -200,7 +251,15 @@ class Actuator:
 
     def reserve_version(self, h: RunHandle, entry: ActionRecord | None, overrides: dict[str, Any]) -> int:
         """Reserve the next control version in SQLite (before the file exists) and the new desired overrides."""
-        version = h.run.control_version + 1
+        # Above the store's last version, and above anything the run directory has seen (a version the
+        # watchdog never wrote would make the trainer ignore every lower one).
+        try:
+            on_file = (read_control(h.run.run_dir) or Control()).version
+        except ControlError:
+            on_file = 0
+        version = max(h.run.control_version, on_file, applied_version(h.run.run_dir)) + 1
+        if version > MAX_VERSION:
+            raise ActuatorError(f"run {h.run.run_id}: control.json version {version} is past {MAX_VERSION}")
         with self.store.transaction():
             self.store.update_run(h.run.run_id, control_version=version, overrides=overrides)
             if entry is not None:
@@ -331,14 +390,14 @@ class Actuator:
             return
         if entry.status == ActionStatus.SENT and entry.deadline is not None and now > entry.deadline:
             if h.proc is not None and h.proc.alive():
-                log.warning("%s: control v%s not applied within %.0fs: restarting instead",
-                            h.run.run_id, entry.control_version, self.config.live_timeout_s)
-                rid = self.store.add_action(h.run.run_id, "restart", {
-                    "reason": f"control v{entry.control_version} not applied in time", "resume": "latest",
-                    "rule": entry.payload.get("rule", ""),
-                }, decision_id=entry.decision_id)
-                self._finish(h, entry, "done", outcome=f"v{entry.control_version} timed out: applied by restart",
-                             handed_to=rid)
+                # The run's controller restarts instead, counted against its restart budget.
+                message = f"control v{entry.control_version} not applied within {self.config.live_timeout_s:g} s"
+                rid = h.on_live_timeout(entry, message)
+                if rid is None:
+                    self._finish(h, entry, "failed", error=f"{message}; restart budget exhausted")
+                else:
+                    self._finish(h, entry, "done", outcome=f"v{entry.control_version} timed out: applied by restart",
+                                 handed_to=rid)
 
     _drive_command = _drive_live_set
 
