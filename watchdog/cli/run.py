@@ -57,8 +57,8 @@ def _logging(verbose: bool) -> None:
 
 
 def _crash_hook() -> Any:
-    """Test seam: WATCHDOG_TEST_CRASH_AT=control_written makes the watchdog SIGKILL itself right
-    after writing control.json and before seeing ``applied`` (a real kill -9 mid-action)."""
+    """Test seam: WATCHDOG_TEST_CRASH_AT=PHASE (one of actuator.CRASH_POINTS, e.g. control_written)
+    makes the watchdog SIGKILL itself right after that phase of an action (a real kill -9 mid-action)."""
     at = os.environ.get("WATCHDOG_TEST_CRASH_AT")
     if not at:
         return None

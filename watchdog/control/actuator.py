@@ -230,6 +230,12 @@ def check_finite(config: Any) -> None:
             raise ValueError(f"{f.name} must be a finite number, got {value!r}")
 
 
+#: Where the fault matrix (bench/faults.py) kills the watchdog: after a tick committed its decisions,
+#: after control.json was written, after the trainer was signalled, after it was stopped for a
+#: restart, after the new trainer was launched.
+CRASH_POINTS = ("decided", "control_written", "signalled", "stopped", "launched")
+
+
 class Actuator:
     """Drives journal entries forward; each call does at most one idempotent phase."""
 
@@ -243,9 +249,9 @@ class Actuator:
         self.notifier = notifier or Notifier()
         self.config = config or ActuatorConfig()
         self._on_action = on_action or (lambda run, rule, kind, outcome: None)
-        # Test seam: called with a phase name right after that phase's effect; a test passes a
-        # function that SIGKILLs this very process there (a real kill -9 between write and confirm).
-        self._crash_hook = crash_hook or (lambda phase: None)
+        # Test seam: called with a phase name right after that phase's effect (:data:`CRASH_POINTS`);
+        # the fault matrix passes a function that SIGKILLs this very process there (a real kill -9).
+        self.crash_hook = crash_hook or (lambda phase: None)
 
     # -- control.json ----------------------------------------------------------------
 
@@ -382,8 +388,9 @@ class Actuator:
                 overrides = {**h.run.overrides, **entry.payload.get("set", {})}
                 entry.control_version = self.reserve_version(h, entry, overrides)
             self.write_control(h, entry.control_version)
-            self._crash_hook("control_written")
+            self.crash_hook("control_written")
             self._signal(h)
+            self.crash_hook("signalled")
             deadline = now + self.config.live_timeout_s
             self.store.update_action(entry.id, status=ActionStatus.SENT, deadline=deadline)
             entry.status, entry.deadline = ActionStatus.SENT, deadline
@@ -447,28 +454,38 @@ class Actuator:
                     and h.proc is not None and h.proc.alive():
                 self._finish(h, entry, "failed", error=p["refused"])  # nothing left worth a restart
                 return
-        stopped_ts = time.time()
-        trained_to = h.run.last_step
-        code = self.stop(h)
-        if p.get("resume") == "scratch":
-            # Start over from the initial weights: nothing saved on the abandoned timeline (the
-            # stopped trainer's SIGTERM checkpoint included) may be resumed by a later restart.
-            from watchdog.protocol import checkpoint as ckpt
-
-            moved = ckpt.set_aside(h.dialect.checkpoint_root, f"{entry.id}")
-            if moved is not None:
-                p["set_aside"] = str(moved)
-                self.store.update_action(entry.id, payload=p)
-        overrides = {k: v for k, v in {**h.run.overrides, **p.get("set", {})}.items()
-                     if k not in p.get("refused_keys", ())}
-        version = self.reserve_version(h, None, overrides)
-        self.write_control(h, version)
         rewinding = p.get("resume") in ("known_good", "path", "scratch")
         skip = int(p.get("skip_batches") or 0) if rewinding and p["resume_path"] else 0
-        skip_arg = skip_batches_arg(h.run.run_dir, skip) if skip else None
-        if skip and skip_arg is None:
-            p["skip_note"] = f"skip_batches={skip} not done (the trainer offers no key for it)"
-        self.launch(h, p["resume_path"], now, once=[skip_arg] if skip_arg else (), fresh=p.get("resume") == "scratch")
+        if "launched_pid" not in p:
+            p.update(stopped_ts=time.time(), trained_to=h.run.last_step)
+            p["stop_exit"] = self.stop(h)
+            self.crash_hook("stopped")
+            if p.get("resume") == "scratch":
+                # Start over from the initial weights: nothing saved on the abandoned timeline (the
+                # stopped trainer's SIGTERM checkpoint included) may be resumed by a later restart.
+                from watchdog.protocol import checkpoint as ckpt
+
+                moved = ckpt.set_aside(h.dialect.checkpoint_root, f"{entry.id}")
+                if moved is not None:
+                    p["set_aside"] = str(moved)
+                    self.store.update_action(entry.id, payload=p)
+            overrides = {k: v for k, v in {**h.run.overrides, **p.get("set", {})}.items()
+                         if k not in p.get("refused_keys", ())}
+            version = self.reserve_version(h, None, overrides)
+            self.write_control(h, version)
+            skip_arg = skip_batches_arg(h.run.run_dir, skip) if skip else None
+            if skip and skip_arg is None:
+                p["skip_note"] = f"skip_batches={skip} not done (the trainer offers no key for it)"
+            # The new pid and "launched" land in one commit: a watchdog killed after it adopts the
+            # new trainer instead of launching a second one (exactly once; RELIABILITY.md).
+            with self.store.transaction():
+                self.launch(h, p["resume_path"], now, once=[skip_arg] if skip_arg else (),
+                            fresh=p.get("resume") == "scratch")
+                p.update(launched_pid=h.run.pid, version=version)
+                self.store.update_action(entry.id, payload=p)
+            entry.payload = p
+            self.crash_hook("launched")
+        code, version, stopped_ts = p.get("stop_exit"), p["version"], p["stopped_ts"]
         if rewinding and p.get("resume_step") is not None:
             # Went back past the divergence: checkpoints of these steps written from now on are re-runs.
             self.store.close_bad_spans(h.run.run_id, max(h.run.last_step or 0, int(p["resume_step"])))
@@ -484,7 +501,7 @@ class Actuator:
         who = f"ray job {h.run.job_id}" if h.run.job_id else f"pid {h.run.pid}"
         self._finish(h, entry, "done", outcome=f"restarted from {where} ({who}, prior exit {code}){notes}",
                      pid=h.run.pid, job_id=h.run.job_id, resume_step=p.get("resume_step"), exit_code=code,
-                     stopped_ts=stopped_ts, steps_lost=_steps_lost(trained_to, p.get("resume_step")))
+                     stopped_ts=stopped_ts, steps_lost=_steps_lost(p.get("trained_to"), p.get("resume_step")))
 
     def _drive_stop(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
         """Nothing is left to try and no human waits: stop the trainer and end the run with a verdict."""
@@ -529,7 +546,9 @@ class Actuator:
             entry.payload = p
             entry.control_version = self.reserve_version(h, entry, dict(h.run.overrides))
             self.write_control(h, entry.control_version)
+            self.crash_hook("control_written")
             self._signal(h)
+            self.crash_hook("signalled")
             deadline = now + self.config.live_timeout_s
             self.store.update_action(entry.id, status=ActionStatus.SENT, deadline=deadline)
             entry.status, entry.deadline = ActionStatus.SENT, deadline

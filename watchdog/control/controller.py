@@ -366,6 +366,8 @@ class RunController:
             self._handle_events(events, now)
             decisions = self._evaluate(records, events, now, result)
             self._commit(decisions, result)
+            if decisions:
+                self.actuator.crash_hook("decided")
         except Exception as exc:
             self.tailer.offsets = offsets
             self.state = state
