@@ -238,8 +238,12 @@ def test_unconfirmed_live_change_falls_back_to_a_restart_with_the_override(tmp_p
     _drive(wd, lambda: len(rundir.iter_events(run_dir, ["started"])) == 2)
     second = rundir.iter_events(run_dir, ["started"])[1]
     assert f"{KL}=0.02" in second["argv"]  # 0.01 x 2, now a Hydra override of the relaunch
-    (d,) = wd.store.decisions("run")
+    decisions = wd.store.decisions("run")
+    (d,) = [d for d in decisions if d["rule"] != "watchdog:live_timeout"]
     assert d["status"] == "applied" and "timed out: applied by restart" in d["outcome"]
+    # The fallback restart is the watchdog's own decision, counted against the restart budget.
+    (timeout,) = [d for d in decisions if d["rule"] == "watchdog:live_timeout"]
+    assert "not applied within 0.5 s" in timeout["message"] and wd.store.require_run("run").restarts >= 1
     wd.actuator.stop(ctl.h)
 
 
@@ -437,6 +441,7 @@ def test_status_lists_runs_as_json_and_says_where_it_looked_when_there_are_none(
     state = tmp_path / "state"
     r = CliRunner().invoke(app, ["status", "--state-dir", str(state)])
     assert r.exit_code == 0 and "no runs in" in r.output and "watchdog.db" in r.output
+    assert not state.exists()  # looking creates nothing
     Store(state).upsert_run(RunRecord("a", str(tmp_path / "a"), ["python", "-m", "trainer"], phase="running"))
     r = CliRunner().invoke(app, ["status", "--state-dir", str(state), "--json"])
     assert r.exit_code == 0, r.output

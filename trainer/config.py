@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import typing
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -390,6 +391,19 @@ class Config:
         if d.offline and not d.train_files:
             bad(ConfigError("data.offline=true needs data.train_files (a parquet with responses)",
                               "data.train_files", d.train_files))
+        for leaf, number in self.to_flat().items():
+            if isinstance(number, float) and not math.isfinite(number):
+                bad(ConfigError(f"{leaf} must be a finite number, got {number!r}", leaf, number))
+        for leaf, coef in (("algorithm.kl_ctrl.kl_coef", al.kl_ctrl.kl_coef),
+                           ("actor_rollout_ref.actor.kl_loss_coef", a.kl_loss_coef),
+                           ("actor_rollout_ref.actor.entropy_coeff", a.entropy_coeff)):
+            if coef < 0:  # a negative coefficient pays the policy for leaving the reference / for certainty
+                bad(ConfigError(f"{leaf} must be >= 0, got {coef!r}", leaf, coef))
+        for key, clip in (("actor_rollout_ref.actor.clip_ratio", a.clip_ratio),
+                          ("actor_rollout_ref.actor.clip_ratio_low", a.clip_ratio_low),
+                          ("actor_rollout_ref.actor.clip_ratio_high", a.clip_ratio_high)):
+            if clip is not None and not 0 < clip <= 1:
+                bad(ConfigError(f"{key} must be in (0, 1], got {clip!r}", key, clip))
         model = self.actor_rollout_ref.model
         if model.n_head < 1 or model.n_embd % model.n_head:
             bad(ConfigError("actor_rollout_ref.model.n_embd must be divisible by n_head",

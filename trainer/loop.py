@@ -48,6 +48,10 @@ CRITIC_MICRO = "critic.ppo_micro_batch_size_per_gpu"
 KL_STD_STEPS = 10
 
 
+#: What a checkpoint of the embedded trainer holds, by component: all of it is needed to restore.
+_STATE_PARTS = {"actor": ("model", "optimizer", "lr_scheduler"), "critic": ("model", "optimizer", "lr_scheduler"),
+                "data": ("sampler",)}
+
 class StopTraining(Exception):
     """Raised inside the loop to end the run with an exit code after state is saved."""
 
@@ -225,8 +229,16 @@ class Trainer:
                  "micro_batch": {ACTOR_MICRO: self.cfg.get(ACTOR_MICRO), CRITIC_MICRO: self.cfg.get(CRITIC_MICRO)}}
         return components, extra
 
-    def load_state(self, components: dict[str, dict[str, Any]], extra: dict[str, Any]) -> None:
-        """Restore a checkpoint; lr and a fixed kl_coef then follow the current config (live changes win)."""
+    def load_state(self, components: dict[str, dict[str, Any]], extra: dict[str, Any], path: Path) -> None:
+        """Restore a checkpoint; lr and a fixed kl_coef then follow the current config (live changes win).
+
+        CheckpointError naming ``path`` and what is missing when the checkpoint lacks a part (a manifest
+        that lists only some files verifies, yet cannot be restored)."""
+        missing = [f"{c}/{k}" for c, keys in _STATE_PARTS.items() for k in keys
+                   if not isinstance(components.get(c), dict) or k not in components[c]]
+        missing += [k for k in ("rng", "torch_rng", "global_step") if k not in extra]
+        if missing:
+            raise ckpt.CheckpointError(path, f"lacks {', '.join(missing)}: cannot be restored")
         self.policy.load_state_dict(components["actor"]["model"])
         self.actor_opt.load_state_dict(components["actor"]["optimizer"])
         self.actor_sched.load_state_dict(components["actor"]["lr_scheduler"])
@@ -309,13 +321,13 @@ class Trainer:
             return
         info: ckpt.CheckpointInfo | None = None
         if t.resume_mode == "auto":
-            info = ckpt.latest_complete(self.ckpt_root)
+            info = self._resume_newest_usable()
         elif t.resume_mode == "resume_path":
             info = ckpt.verify_checkpoint(t.resume_from_path)
+            components, extra = ckpt.load_checkpoint(info.path)
+            self.load_state(components, extra, info.path)
         if info is None:
             return
-        components, extra = ckpt.load_checkpoint(info.path)
-        self.load_state(components, extra)
         log.info("resumed from %s (step %d)", info.path, self.global_step)
         if t.resume_mode == "resume_path" and info.path.parent.resolve() == self.ckpt_root.resolve():
             # A rollback by restart: as in process, checkpoints of the abandoned timeline (the one
@@ -325,6 +337,19 @@ class Trainer:
             self.sampler.skip(t.resume_skip_batches)
             self.skipped_batches = t.resume_skip_batches
             log.info("skipped %d batches after the checkpoint", t.resume_skip_batches)
+
+    def _resume_newest_usable(self) -> ckpt.CheckpointInfo | None:
+        """resume_mode auto: the newest complete checkpoint that restores; an unusable one is skipped, said."""
+        for info in sorted((c for c in ckpt.list_checkpoints(self.ckpt_root) if c.complete),
+                           key=lambda c: c.step, reverse=True):
+            try:
+                components, extra = ckpt.load_checkpoint(info.path)
+                self.load_state(components, extra, info.path)
+                return info
+            except ckpt.CheckpointError as exc:
+                log.warning("not resuming from %s: %s; trying the one before", info.path, exc)
+                self.event("error", what="checkpoint", message=str(exc))
+        return None
 
     # -- live settings --------------------------------------------------------------------------
     def apply_live(self, key: str, value: Any) -> Any:
@@ -387,21 +412,31 @@ class Trainer:
         self.event("stopped", reason=reason)
         raise StopTraining(rundir.EXIT_STOPPED, reason)
 
+    def _rollback_source(self, args: Mapping[str, Any]) -> ckpt.CheckpointInfo:
+        """The checkpoint a rollback names (path, or to_step, else the newest complete); CheckpointError if unusable."""
+        if args.get("path"):
+            return ckpt.verify_checkpoint(args["path"])
+        if args.get("to_step") is not None:
+            return ckpt.verify_checkpoint(ckpt.step_dir(self.ckpt_root, int(args["to_step"])))
+        found = ckpt.latest_complete(self.ckpt_root)
+        if found is None:
+            raise ckpt.CheckpointError(self.ckpt_root, "no complete checkpoint to roll back to")
+        return found
+
+    def check_rollback(self, args: Mapping[str, Any]) -> str | None:
+        """The dispatcher's hook, before a rollback is confirmed: why it cannot be done (None when it can)."""
+        try:
+            self._rollback_source(args)
+        except (ckpt.CheckpointError, ValueError) as exc:
+            return f"rollback: {exc}"
+        return None
+
     def rollback(self, args: Mapping[str, Any]) -> None:
         """Restore a checkpoint (path, or to_step, else the newest complete) and skip batches."""
         from_step = self.global_step
-        if args.get("path"):
-            info = ckpt.verify_checkpoint(args["path"])
-        elif args.get("to_step") is not None:
-            info = ckpt.verify_checkpoint(ckpt.step_dir(self.ckpt_root, int(args["to_step"])))
-        else:
-            found = ckpt.latest_complete(self.ckpt_root)
-            if found is None:
-                self.event("error", message=f"rollback: no complete checkpoint under {self.ckpt_root}")
-                return
-            info = found
+        info = self._rollback_source(args)
         components, extra = ckpt.load_checkpoint(info.path)
-        self.load_state(components, extra)
+        self.load_state(components, extra, info.path)
         if info.path.parent.resolve() == self.ckpt_root.resolve():
             # Checkpoints of the abandoned timeline must not be what a later resume picks up.
             ckpt.discard_newer(self.ckpt_root, info.step)
@@ -740,7 +775,19 @@ def run_cli(cfg: Config, args: Sequence[str]) -> int:
     """Run a parsed config as ``python -m trainer`` does: train, print the summary, return the exit code."""
     logging.basicConfig(level=os.environ.get("TRAINER_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    run_dir = Path(cfg.trainer.run_dir)
+    try:  # the run directory is where everything goes: a read-only one is a config error, said at once
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / ".trainer-write-test").write_bytes(b"")
+        (run_dir / ".trainer-write-test").unlink()
+    except OSError as exc:
+        sys.stderr.write(f"config error: trainer.run_dir {run_dir}: cannot be written ({exc.strerror or exc})\n")
+        return rundir.EXIT_USAGE
     trainer = Trainer(cfg, [sys.executable, "-m", "trainer", *args])
-    code = trainer.run()
+    try:
+        code = trainer.run()
+    except ckpt.CheckpointError as exc:  # trainer.resume_from_path names a checkpoint that cannot be restored
+        sys.stderr.write(f"config error: trainer.resume_from_path: {exc}\n")
+        return rundir.EXIT_USAGE
     print_summary(trainer)
     return code

@@ -234,6 +234,9 @@ class ControlBoundary:
     def rollback(self, args: Mapping[str, Any]) -> None:  # never called: can_rollback is False
         raise NotImplementedError("the verl glue rolls back by restart")
 
+    def check_rollback(self, args: Mapping[str, Any]) -> str | None:  # never asked: can_rollback is False
+        return "the verl glue rolls back by restart"
+
     def event(self, kind: str, **fields: Any) -> None:
         self.recorder.event(kind, self._step, **fields)
 

@@ -28,6 +28,10 @@ class SupervisorError(OSError):
     """A process could not be started or signalled; names the command or pid."""
 
 
+class LaunchRefused(SupervisorError):
+    """The command cannot run at all (no such program, not executable): trying again cannot help."""
+
+
 class BackendUnavailable(SupervisorError):
     """The backend's control plane (a Ray job server) cannot be reached; names its address.
 
@@ -230,6 +234,18 @@ class LocalProcess:
             time.sleep(0.05)
 
 
+#: The watchdog's own secrets: never passed on to a trainer it starts (the trainer's own, such as
+#: HF_TOKEN or WANDB_API_KEY, are its business and pass).
+SECRET_ENV = frozenset({"WATCHDOG_WEBHOOK_URL", "WATCHDOG_WEBHOOK_URL_FILE", "GRAFANA_TOKEN", "GRAFANA_TOKEN_FILE"})
+
+
+def child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment without :data:`SECRET_ENV`, plus ``extra`` (a launch's own variables)."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+    env.update(extra or {})
+    return env
+
+
 class LocalBackend:
     """Runs trainers as local subprocesses."""
 
@@ -240,9 +256,7 @@ class LocalBackend:
         """Start ``command`` in its own session; stdout and stderr appended to ``log_path``."""
         if not command:
             raise SupervisorError("empty command")
-        full_env = dict(os.environ)
-        if env:
-            full_env.update(env)
+        full_env = child_env(env)
         out = None
         try:
             if log_path is not None:
@@ -253,6 +267,8 @@ class LocalBackend:
                 stdin=subprocess.DEVNULL, stdout=out if out else subprocess.DEVNULL,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
+            raise LaunchRefused(f"cannot start {' '.join(command)!r}: {exc.strerror or exc}") from exc
         except OSError as exc:
             raise SupervisorError(f"cannot start {' '.join(command)!r}: {exc}") from exc
         finally:

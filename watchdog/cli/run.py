@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -23,7 +24,7 @@ from watchdog.control.daemon import (
     run_daemon,
     state_dir_default,
 )
-from watchdog.control.store import Phase, Store, StoreError
+from watchdog.control.store import NoState, Phase, Store, StoreError
 from watchdog.core.pricing import cost_text
 from watchdog.core.vocabulary import ActionStatus, JournalKind, RuleStatus
 from watchdog.protocol import hydra
@@ -39,8 +40,10 @@ StateDir = Annotated[str, typer.Option("--state-dir", help="Watchdog state direc
 
 
 def _store(state_dir: str | None) -> Store:
+    """An existing state, for the commands that read it (a new directory is not created; a lock held by
+    a writer is waited for a few seconds, then said)."""
     try:
-        return Store(state_dir or state_dir_default())
+        return Store(state_dir or state_dir_default(), create=False, busy_timeout_s=5.0)
     except StoreError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
@@ -54,8 +57,8 @@ def _logging(verbose: bool) -> None:
 
 
 def _crash_hook() -> Any:
-    """Test seam: WATCHDOG_TEST_CRASH_AT=control_written makes the watchdog SIGKILL itself right
-    after writing control.json and before seeing ``applied`` (a real kill -9 mid-action)."""
+    """Test seam: WATCHDOG_TEST_CRASH_AT=PHASE (one of actuator.CRASH_POINTS, e.g. control_written)
+    makes the watchdog SIGKILL itself right after that phase of an action (a real kill -9 mid-action)."""
     at = os.environ.get("WATCHDOG_TEST_CRASH_AT")
     if not at:
         return None
@@ -122,8 +125,10 @@ def run_cmd(
     run_metrics_port: Annotated[int | None, typer.Option(
         "--run-metrics-port", help="verl mode: the watchdog serves the run's metrics (catalog names) on "
                                    "127.0.0.1:PORT (-1: any free port; written to run.json).")] = None,
-    webhook_url: Annotated[str | None, typer.Option("--webhook-url", help="Alertmanager-compatible webhook "
-                                                    "(default $WATCHDOG_WEBHOOK_URL).")] = None,
+    webhook_url_file: Annotated[Path | None, typer.Option(
+        "--webhook-url-file", help="A file whose first line is the Alertmanager-compatible webhook URL "
+                                   "(default $WATCHDOG_WEBHOOK_URL_FILE, else $WATCHDOG_WEBHOOK_URL; never argv: "
+                                   "a URL there is readable by every user of the machine).")] = None,
     metrics_port: Annotated[int | None, typer.Option("--metrics-port", help="Serve the watchdog's "
                                                      "/metrics on 127.0.0.1:PORT.")] = None,
     ray_address: Annotated[str | None, typer.Option(
@@ -163,6 +168,9 @@ def run_cmd(
 ) -> None:
     """Start a trainer, watch it and remediate until it finishes; then summarise."""
     _logging(verbose)
+    if not (math.isfinite(tick) and tick > 0):
+        console.print(f"[red]--tick must be a positive number of seconds, got {tick!r}[/red]")
+        raise typer.Exit(2)
     if ray_address:
         _check_ray(ray_address)
     try:
@@ -171,7 +179,14 @@ def run_cmd(
         console.print(f"[red]--source: {exc}[/red]")
         raise typer.Exit(2) from exc
     rd = Path(run_dir or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    rd.mkdir(parents=True, exist_ok=True)
+    try:
+        rd.mkdir(parents=True, exist_ok=True)
+        probe = rd / ".watchdog-write-test"
+        probe.write_bytes(b"")  # the trainer and the watchdog both write here
+        probe.unlink()
+    except OSError as exc:
+        console.print(f"[red]--run-dir {rd}: cannot be written ({exc.strerror or exc})[/red]")
+        raise typer.Exit(2) from exc
     if command:
         cmd = list(command)
     else:
@@ -184,15 +199,15 @@ def run_cmd(
     _prepare_mode(mode, cmd, rd, run_metrics_port)
     try:
         wd = build_watchdog(
-            state_dir or state_dir_default(), rules, webhook_url,
+            state_dir or state_dir_default(), rules, None,
             controller={"restart_budget": restart_budget, "oom_retry_budget": oom_retries,
                         "heartbeat_min_s": heartbeat_min, "startup_timeout_s": startup_timeout,
                         "tuning_relaunch_every": tuning_relaunch_every, "startup_s": startup_s,
                         "on_escalate": on_escalate, "pause_timeout_s": pause_timeout},
             actuator={"live_timeout_s": live_timeout, "stop_grace_s": stop_grace},
-            metrics_port=metrics_port, crash_hook=_crash_hook(),
+            metrics_port=metrics_port, crash_hook=_crash_hook(), webhook_url_file=webhook_url_file,
         )
-    except ValueError as exc:  # a bad setting (--on-escalate maybe): said, not a traceback
+    except (ValueError, StoreError) as exc:  # a bad setting (--on-escalate maybe), a state dir that is a file
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
     try:
@@ -204,9 +219,7 @@ def run_cmd(
     try:
         wd.serve_forever(tick, until_done=True)
     except KeyboardInterrupt:
-        console.print("interrupted: stopping the trainer")
-        wd.actuator.stop(ctl.h)
-        wd.close(withdraw_targets=True)
+        _interrupted(wd, ctl)
         raise typer.Exit(130) from None
     wd.close(withdraw_targets=True)
     run = wd.store.require_run(ctl.run.run_id)
@@ -229,6 +242,20 @@ def run_cmd(
             console.print(f"[yellow]report not written: {exc}[/yellow]")
     console.print(f"history: watchdog history {run.run_id} --json")
     raise typer.Exit(0 if run.phase == Phase.FINISHED else 1)
+
+
+def _interrupted(wd: Any, ctl: Any) -> None:
+    """Ctrl-C: stop the trainer (SIGTERM: it saves; a second Ctrl-C kills it) and record the run as stopped."""
+    console.print("interrupted: stopping the trainer (it saves a checkpoint first; Ctrl-C again kills it)")
+    try:
+        wd.actuator.stop(ctl.h)
+    except KeyboardInterrupt:
+        console.print("interrupted again: killing the trainer")
+        if ctl.h.proc is not None:
+            ctl.h.proc.signal(signal.SIGKILL)
+    wd.store.update_run(ctl.run.run_id, phase=Phase.STOPPED)
+    wd.close(withdraw_targets=True)
+    console.print(f"run {ctl.run.run_id} stopped by Ctrl-C; `watchdog run` with the same --run-dir resumes it")
 
 
 @run_app.command("daemon")
@@ -261,7 +288,15 @@ def status_cmd(
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Runs with their phase, step, restarts, control version and open actions."""
-    store = _store(state_dir)
+    try:
+        store = Store(state_dir or state_dir_default(), create=False, busy_timeout_s=5.0)
+    except NoState as exc:
+        console.print(f"no runs in {exc.path}: no watchdog state there yet "
+                      "(give --state-dir or set $WATCHDOG_STATE_DIR to look elsewhere)")
+        raise typer.Exit(0) from exc
+    except StoreError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
     try:
         runs = [store.require_run(run)] if run else store.list_runs()
     except StoreError as exc:

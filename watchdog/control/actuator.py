@@ -23,12 +23,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
+import os
 import signal
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -47,7 +49,15 @@ from watchdog.protocol.catalog import (
     RESUME_PATH_KEY,
     VERL_CLIP_DEFAULT,
 )
-from watchdog.protocol.control import Command, Control, ControlError, read_control, write_control
+from watchdog.protocol.control import (
+    MAX_VERSION,
+    Command,
+    Control,
+    ControlError,
+    applied_version,
+    read_control,
+    write_control,
+)
 from watchdog.protocol.runinfo import RunInfo
 
 log = logging.getLogger(__name__)
@@ -118,6 +128,29 @@ def alert_payload(
 # -- I/O shells -----------------------------------------------------------------------
 
 
+WEBHOOK_URL_ENV = "WATCHDOG_WEBHOOK_URL"
+WEBHOOK_URL_FILE_ENV = "WATCHDOG_WEBHOOK_URL_FILE"
+
+
+def resolve_webhook_url(url_file: str | Path | None = None, configured: str | None = None) -> str | None:
+    """The webhook URL: ``url_file``'s first line, a config file's ``configured`` value,
+    ``$WATCHDOG_WEBHOOK_URL_FILE``'s first line, or ``$WATCHDOG_WEBHOOK_URL``; None when none is set.
+
+    Never from argv (world-readable in ``ps``); a file that cannot be read is a ValueError naming it.
+    """
+    path = url_file or (None if configured else os.environ.get(WEBHOOK_URL_FILE_ENV))
+    if path:
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"webhook URL file {path}: cannot be read ({exc})") from exc
+        url = next((ln.strip() for ln in lines if ln.strip()), "")
+        if not url:
+            raise ValueError(f"webhook URL file {path}: empty")
+        return url
+    return configured or os.environ.get(WEBHOOK_URL_ENV) or None
+
+
 @dataclass
 class Notifier:
     """Posts Alertmanager-compatible JSON to a webhook (if configured) and always logs."""
@@ -145,7 +178,8 @@ class Notifier:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return f"webhook {resp.status}"
         except (urllib.error.URLError, OSError) as exc:
-            log.error("webhook %s failed: %s", self.url, exc)
+            # The URL is a secret (a Slack hook, a token in its query): named by where it came from, never shown.
+            log.error("webhook failed (the configured webhook URL, not shown): %s", exc)
             return f"webhook failed: {exc}"
 
 
@@ -166,6 +200,9 @@ class RunHandle:
     dialect: Dialect = None  # type: ignore[assignment]  # set in __post_init__
     """How the trainer speaks (:mod:`watchdog.backends.dialect`): the protocol, or the zero-patch glue of
     an unmodified verl run."""
+    on_live_timeout: Callable[[ActionRecord, str], int | None] = field(default=lambda entry, message: None)
+    """A live change the running trainer did not apply in time: the controller's restart instead
+    (counted against its restart budget); returns its journal id, None when the budget is spent."""
 
     def __post_init__(self) -> None:
         if self.dialect is None:
@@ -185,6 +222,26 @@ class ActuatorConfig:
     log_name: str = "trainer.log"
     """File in the run directory receiving the trainer's output."""
 
+    def __post_init__(self) -> None:
+        check_finite(self)
+        if not (self.live_timeout_s > 0 and self.stop_grace_s > 0):
+            raise ValueError(f"live_timeout_s and stop_grace_s must be > 0 seconds, got "
+                             f"{self.live_timeout_s!r}, {self.stop_grace_s!r}")
+
+
+def check_finite(config: Any) -> None:
+    """ValueError naming the first number of a config dataclass that is NaN or infinite (None passes)."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{f.name} must be a finite number, got {value!r}")
+
+
+#: Where the fault matrix (bench/faults.py) kills the watchdog: after a tick committed its decisions,
+#: after control.json was written, after the trainer was signalled, after it was stopped for a
+#: restart, after the new trainer was launched.
+CRASH_POINTS = ("decided", "control_written", "signalled", "stopped", "launched")
+
 
 class Actuator:
     """Drives journal entries forward; each call does at most one idempotent phase."""
@@ -199,15 +256,23 @@ class Actuator:
         self.notifier = notifier or Notifier()
         self.config = config or ActuatorConfig()
         self._on_action = on_action or (lambda run, rule, kind, outcome: None)
-        # Test seam: called with a phase name right after that phase's effect; a test passes a
-        # function that SIGKILLs this very process there (a real kill -9 between write and confirm).
-        self._crash_hook = crash_hook or (lambda phase: None)
+        # Test seam: called with a phase name right after that phase's effect (:data:`CRASH_POINTS`);
+        # the fault matrix passes a function that SIGKILLs this very process there (a real kill -9).
+        self.crash_hook = crash_hook or (lambda phase: None)
 
     # -- control.json ----------------------------------------------------------------
 
     def reserve_version(self, h: RunHandle, entry: ActionRecord | None, overrides: dict[str, Any]) -> int:
         """Reserve the next control version in SQLite (before the file exists) and the new desired overrides."""
-        version = h.run.control_version + 1
+        # Above the store's last version, and above anything the run directory has seen (a version the
+        # watchdog never wrote would make the trainer ignore every lower one).
+        try:
+            on_file = (read_control(h.run.run_dir) or Control()).version
+        except ControlError:
+            on_file = 0
+        version = max(h.run.control_version, on_file, applied_version(h.run.run_dir)) + 1
+        if version > MAX_VERSION:
+            raise ActuatorError(f"run {h.run.run_id}: control.json version {version} is past {MAX_VERSION}")
         with self.store.transaction():
             self.store.update_run(h.run.run_id, control_version=version, overrides=overrides)
             if entry is not None:
@@ -335,22 +400,23 @@ class Actuator:
                 overrides = {**h.run.overrides, **entry.payload.get("set", {})}
                 entry.control_version = self.reserve_version(h, entry, overrides)
             self.write_control(h, entry.control_version)
-            self._crash_hook("control_written")
+            self.crash_hook("control_written")
             self._signal(h)
+            self.crash_hook("signalled")
             deadline = now + self.config.live_timeout_s
             self.store.update_action(entry.id, status=ActionStatus.SENT, deadline=deadline)
             entry.status, entry.deadline = ActionStatus.SENT, deadline
             return
         if entry.status == ActionStatus.SENT and entry.deadline is not None and now > entry.deadline:
             if h.proc is not None and h.proc.alive():
-                log.warning("%s: control v%s not applied within %.0fs: restarting instead",
-                            h.run.run_id, entry.control_version, self.config.live_timeout_s)
-                rid = self.store.add_action(h.run.run_id, "restart", {
-                    "reason": f"control v{entry.control_version} not applied in time", "resume": "latest",
-                    "rule": entry.payload.get("rule", ""),
-                }, decision_id=entry.decision_id)
-                self._finish(h, entry, "done", outcome=f"v{entry.control_version} timed out: applied by restart",
-                             handed_to=rid)
+                # The run's controller restarts instead, counted against its restart budget.
+                message = f"control v{entry.control_version} not applied within {self.config.live_timeout_s:g} s"
+                rid = h.on_live_timeout(entry, message)
+                if rid is None:
+                    self._finish(h, entry, "failed", error=f"{message}; restart budget exhausted")
+                else:
+                    self._finish(h, entry, "done", outcome=f"v{entry.control_version} timed out: applied by restart",
+                                 handed_to=rid)
 
     _drive_command = _drive_live_set
 
@@ -400,28 +466,38 @@ class Actuator:
                     and h.proc is not None and h.proc.alive():
                 self._finish(h, entry, "failed", error=p["refused"])  # nothing left worth a restart
                 return
-        stopped_ts = time.time()
-        trained_to = h.run.last_step
-        code = self.stop(h)
-        if p.get("resume") == "scratch":
-            # Start over from the initial weights: nothing saved on the abandoned timeline (the
-            # stopped trainer's SIGTERM checkpoint included) may be resumed by a later restart.
-            from watchdog.protocol import checkpoint as ckpt
-
-            moved = ckpt.set_aside(h.dialect.checkpoint_root, f"{entry.id}")
-            if moved is not None:
-                p["set_aside"] = str(moved)
-                self.store.update_action(entry.id, payload=p)
-        overrides = {k: v for k, v in {**h.run.overrides, **p.get("set", {})}.items()
-                     if k not in p.get("refused_keys", ())}
-        version = self.reserve_version(h, None, overrides)
-        self.write_control(h, version)
         rewinding = p.get("resume") in ("known_good", "path", "scratch")
         skip = int(p.get("skip_batches") or 0) if rewinding and p["resume_path"] else 0
-        skip_arg = skip_batches_arg(h.run.run_dir, skip) if skip else None
-        if skip and skip_arg is None:
-            p["skip_note"] = f"skip_batches={skip} not done (the trainer offers no key for it)"
-        self.launch(h, p["resume_path"], now, once=[skip_arg] if skip_arg else (), fresh=p.get("resume") == "scratch")
+        if "launched_pid" not in p:
+            p.update(stopped_ts=time.time(), trained_to=h.run.last_step)
+            p["stop_exit"] = self.stop(h)
+            self.crash_hook("stopped")
+            if p.get("resume") == "scratch":
+                # Start over from the initial weights: nothing saved on the abandoned timeline (the
+                # stopped trainer's SIGTERM checkpoint included) may be resumed by a later restart.
+                from watchdog.protocol import checkpoint as ckpt
+
+                moved = ckpt.set_aside(h.dialect.checkpoint_root, f"{entry.id}")
+                if moved is not None:
+                    p["set_aside"] = str(moved)
+                    self.store.update_action(entry.id, payload=p)
+            overrides = {k: v for k, v in {**h.run.overrides, **p.get("set", {})}.items()
+                         if k not in p.get("refused_keys", ())}
+            version = self.reserve_version(h, None, overrides)
+            self.write_control(h, version)
+            skip_arg = skip_batches_arg(h.run.run_dir, skip) if skip else None
+            if skip and skip_arg is None:
+                p["skip_note"] = f"skip_batches={skip} not done (the trainer offers no key for it)"
+            # The new pid and "launched" land in one commit: a watchdog killed after it adopts the
+            # new trainer instead of launching a second one (exactly once; RELIABILITY.md).
+            with self.store.transaction():
+                self.launch(h, p["resume_path"], now, once=[skip_arg] if skip_arg else (),
+                            fresh=p.get("resume") == "scratch")
+                p.update(launched_pid=h.run.pid, version=version)
+                self.store.update_action(entry.id, payload=p)
+            entry.payload = p
+            self.crash_hook("launched")
+        code, version, stopped_ts = p.get("stop_exit"), p["version"], p["stopped_ts"]
         if rewinding and p.get("resume_step") is not None:
             # Went back past the divergence: checkpoints of these steps written from now on are re-runs.
             self.store.close_bad_spans(h.run.run_id, max(h.run.last_step or 0, int(p["resume_step"])))
@@ -437,7 +513,7 @@ class Actuator:
         who = f"ray job {h.run.job_id}" if h.run.job_id else f"pid {h.run.pid}"
         self._finish(h, entry, "done", outcome=f"restarted from {where} ({who}, prior exit {code}){notes}",
                      pid=h.run.pid, job_id=h.run.job_id, resume_step=p.get("resume_step"), exit_code=code,
-                     stopped_ts=stopped_ts, steps_lost=_steps_lost(trained_to, p.get("resume_step")))
+                     stopped_ts=stopped_ts, steps_lost=_steps_lost(p.get("trained_to"), p.get("resume_step")))
 
     def _drive_stop(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
         """Nothing is left to try and no human waits: stop the trainer and end the run with a verdict."""
@@ -482,7 +558,9 @@ class Actuator:
             entry.payload = p
             entry.control_version = self.reserve_version(h, entry, dict(h.run.overrides))
             self.write_control(h, entry.control_version)
+            self.crash_hook("control_written")
             self._signal(h)
+            self.crash_hook("signalled")
             deadline = now + self.config.live_timeout_s
             self.store.update_action(entry.id, status=ActionStatus.SENT, deadline=deadline)
             entry.status, entry.deadline = ActionStatus.SENT, deadline

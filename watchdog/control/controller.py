@@ -14,6 +14,7 @@ actions are then driven from the journal, each phase idempotent.
 
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 import time
@@ -22,8 +23,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from watchdog.backends.local import Backend, SupervisorError, read_tail
-from watchdog.control.actuator import Actuator, RunHandle, run_config, run_world_size
+from watchdog.backends.local import Backend, LaunchRefused, SupervisorError, read_tail
+from watchdog.control.actuator import (
+    Actuator,
+    RunHandle,
+    alert_payload,
+    check_finite,
+    run_config,
+    run_world_size,
+)
 from watchdog.control.store import ActionRecord, Phase, RunRecord, Store
 from watchdog.core.engine import BLIND_AFTER_STEPS
 from watchdog.core.planner import (
@@ -41,6 +49,10 @@ from watchdog.protocol.runinfo import RunInfo
 
 log = logging.getLogger(__name__)
 
+#: Failed ticks in a row at one read position before the watchdog says so (once): a store locked
+#: for one tick is weather; three in a row is something a human must look at.
+FAILED_TICKS_NOTICE = 3
+
 STATE_VERSION = 1
 #: Phases after which a run needs no more watching (``stopped``: ended by the watchdog with a verdict).
 DONE_PHASES = (Phase.FINISHED, Phase.FAILED, Phase.STOPPED)
@@ -49,6 +61,7 @@ RULE_OOM = "watchdog:oom"
 RULE_CRASH = "watchdog:crash"
 RULE_HANG = "watchdog:hang"
 RULE_BUDGET = "watchdog:budget"
+RULE_LIVE_TIMEOUT = "watchdog:live_timeout"
 
 @dataclass
 class ControllerConfig:
@@ -81,11 +94,16 @@ class ControllerConfig:
     """A run paused for a human this long with nobody resuming it is stopped with a verdict (None: wait)."""
 
     def __post_init__(self) -> None:
+        check_finite(self)
         if self.heartbeat_min_s <= 0 or self.heartbeat_factor <= 0:
             raise ValueError(f"heartbeat_min_s and heartbeat_factor must be > 0, got "
                              f"{self.heartbeat_min_s}, {self.heartbeat_factor}")
         if self.restart_budget < 0 or self.oom_retry_budget < 0:
             raise ValueError("budgets must be >= 0")
+        if self.startup_timeout_s <= 0 or self.startup_s < 0 or self.window_size < 1 or self.rollback_margin_steps < 0:
+            raise ValueError(f"startup_timeout_s must be > 0, startup_s >= 0, window_size >= 1 and "
+                             f"rollback_margin_steps >= 0; got {self.startup_timeout_s!r}, {self.startup_s!r}, "
+                             f"{self.window_size!r}, {self.rollback_margin_steps!r}")
         if self.on_escalate not in ON_ESCALATE:
             raise ValueError(f"on_escalate must be one of {', '.join(ON_ESCALATE)}, got {self.on_escalate!r}")
         if self.pause_timeout_s is not None and not self.pause_timeout_s > 0:
@@ -214,7 +232,8 @@ class RunController:
         run = store.require_run(run_id)
         from watchdog.backends.zero_patch import dialect_for
 
-        self.h = RunHandle(run, backend=backend, dialect=dialect_for(run.run_dir, run_id))
+        self.h = RunHandle(run, backend=backend, dialect=dialect_for(run.run_dir, run_id),
+                           on_live_timeout=self._on_live_timeout)
         from watchdog.sources.ingest import RunTailer
 
         saved = store.load_engine_state(run_id) or {}
@@ -234,6 +253,9 @@ class RunController:
         self._blind_warned = bool(ctl.get("blind_warned"))
         self._paused_since: float | None = None
         """When the run last entered a pause for a human (the pause timeout counts from there)."""
+        self._failed_ticks = 0
+        """Ticks in a row that failed at the same read position (``_failed_at``)."""
+        self._failed_at: Mapping[str, Any] | None = None
         self._step_times: list[float] = []
         self._saw_finished = False
         self._saw_oom: dict[str, Any] | None = None
@@ -302,14 +324,16 @@ class RunController:
         now = time.time() if now is None else now
         result = TickResult()
         if self.run.phase == Phase.NEW:
-            self.actuator.launch(self.h, None, now)
+            try:
+                self.actuator.launch(self.h, None, now)
+            except LaunchRefused as exc:  # no such program: every retry would fail the same way
+                self._give_up("watchdog:launch", str(exc))
+                result.done = True
+                return result
         # verl writes no events: its dialect relays the metrics, notes the checkpoints and classifies the
         # exit (not that of a trainer the watchdog stopped itself to pause the run).
         self.h.dialect.poll(self.h.proc, watch_exit=self.run.phase not in (Phase.PAUSED, Phase.ESCALATED))
-        records, events = self.tailer.poll()
-        self._handle_events(events, now)
-        decisions = self._evaluate(records, events, now, result)
-        self._commit(decisions, result)
+        self._read_and_decide(now, result)
         self._protect_known_good()
         self._watch_liveness(now)
         self._check_pause_timeout(now)
@@ -331,6 +355,46 @@ class RunController:
         result.done = self.run.phase in DONE_PHASES and not any(
             e.status != ActionStatus.WAITING for e in self.store.open_actions(self.run.run_id))
         return result
+
+    def _read_and_decide(self, now: float, result: TickResult) -> None:
+        """Read what is new, evaluate and commit the decisions with the read positions: all or nothing.
+
+        A tick that fails (a store that stays locked, an unforeseen error) keeps neither its
+        decisions nor its positions: the window, engine state and positions go back to where the
+        last commit left them, so the next tick reads the same lines again and decides on them.
+        A failure that repeats at the same position is said, once, to the console and the webhook.
+        """
+        offsets = json.loads(json.dumps(self.tailer.offsets))
+        state = self.state
+        try:
+            records, events = self.tailer.poll()
+            self._handle_events(events, now)
+            decisions = self._evaluate(records, events, now, result)
+            self._commit(decisions, result)
+            if decisions:
+                self.actuator.crash_hook("decided")
+        except Exception as exc:
+            self.tailer.offsets = offsets
+            self.state = state
+            self.window = self.rules.new_window(self.config.window_size)
+            self._rebuild_window(offsets)
+            result.decisions.clear()
+            result.new_steps.clear()
+            self._note_failed_tick(offsets, exc)
+            raise
+        self._failed_ticks = 0
+
+    def _note_failed_tick(self, offsets: Mapping[str, Any], exc: Exception) -> None:
+        same = offsets == self._failed_at
+        self._failed_at = offsets
+        self._failed_ticks = self._failed_ticks + 1 if same else 1
+        if self._failed_ticks == FAILED_TICKS_NOTICE:
+            msg = (f"{self.run.run_id}: {self._failed_ticks} ticks in a row failed at the same read position "
+                   f"({type(exc).__name__}: {exc}); nothing read since is decided on until this is fixed, "
+                   f"and every tick tries again")
+            log.error(msg)
+            self.actuator.notifier.notify(alert_payload(self.run.run_id, "watchdog:tick", "critical",
+                                                      "the watchdog cannot decide on this run", msg))
 
     def _handle_events(self, events: list[Event], now: float) -> None:
         for e in events:
@@ -761,22 +825,31 @@ class RunController:
             self.store.update_run(self.run.run_id, oom_retries=self.run.oom_retries, phase=Phase.RESTARTING)
             self.run.phase = Phase.RESTARTING
 
-    def _on_crash(self, rule: str, message: str, inputs: dict[str, Any]) -> None:
+    def _on_crash(self, rule: str, message: str, inputs: dict[str, Any], resume: str = "known_good") -> int | None:
+        """A restart counted against the restart budget (a crash, a hang, a live change not applied);
+        gives the run up once the budget is spent. Returns the restart's journal id (None: given up)."""
         if self.run.restarts >= self.config.restart_budget:
             if self.h.proc is not None:
                 self.actuator.stop(self.h)
             self._give_up(rule, f"{message}; restart budget ({self.config.restart_budget}) exhausted")
-            return
-        log.warning("%s: %s: restarting from the last known-good checkpoint", self.run.run_id, message)
+            return None
+        log.warning("%s: %s: restarting from the %s checkpoint", self.run.run_id, message,
+                    "last known-good" if resume == "known_good" else resume)
         with self.store.transaction():
             did = self._own_decision(rule, message, inputs)
-            payload = self._absorb_waiting({"rule": rule, "resume": "known_good", "reason": message,
+            payload = self._absorb_waiting({"rule": rule, "resume": resume, "reason": message,
                                             "cost": self.cost_model().relaunch(self._steps_since_checkpoint()).to_json()})
-            self._settle_absorbed(self.store.add_action(self.run.run_id, "restart", payload, decision_id=did))
+            rid = self.store.add_action(self.run.run_id, "restart", payload, decision_id=did)
+            self._settle_absorbed(rid)
             self.run.restarts += 1
             self._rewind_pending = True
             self.store.update_run(self.run.run_id, restarts=self.run.restarts, phase=Phase.RESTARTING)
             self.run.phase = Phase.RESTARTING
+        return rid
+
+    def _on_live_timeout(self, entry: ActionRecord, message: str) -> int | None:
+        """The trainer runs but did not apply a control version in time: restart with the overrides."""
+        return self._on_crash(RULE_LIVE_TIMEOUT, message, {"control_version": entry.control_version}, resume="latest")
 
     def _give_up(self, rule: str, message: str) -> None:
         with self.store.transaction():

@@ -9,11 +9,14 @@ with ``max_instances=1`` (a slow tick is never overlapped by the next), ``coales
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
+import types
+import typing
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ import yaml
 
 from watchdog.backends.local import Backend, LocalBackend, SupervisorError
 from watchdog.backends.zero_patch import MODE_VERL, MODES, VerlModeError, prepare_run, resolve_mode
-from watchdog.control.actuator import Actuator, ActuatorConfig, Notifier
+from watchdog.control.actuator import Actuator, ActuatorConfig, Notifier, resolve_webhook_url
 from watchdog.control.controller import ControllerConfig, EngineRules, RulesEngine, RunController
 from watchdog.control.store import Phase, RunRecord, Store
 from watchdog.core.planner import ON_ESCALATE
@@ -90,7 +93,10 @@ class DaemonConfig:
     metrics_addr: str = "127.0.0.1"
     """Bind address of /metrics."""
     webhook_url: str | None = None
-    """Alertmanager-compatible webhook for escalations (default: $WATCHDOG_WEBHOOK_URL)."""
+    """Alertmanager-compatible webhook for escalations (default: $WATCHDOG_WEBHOOK_URL_FILE's first line,
+    else $WATCHDOG_WEBHOOK_URL). A secret: prefer ``webhook_url_file`` or the environment."""
+    webhook_url_file: str | None = None
+    """A file whose first line is the webhook URL."""
     controller: dict[str, Any] = field(default_factory=dict)
     """ControllerConfig fields (restart_budget, heartbeat_min_s, ...)."""
     actuator: dict[str, Any] = field(default_factory=dict)
@@ -107,8 +113,10 @@ class DaemonConfig:
     $GRAFANA_TOKEN_FILE or $GRAFANA_TOKEN, never from this file)."""
 
     def __post_init__(self) -> None:
-        if self.tick_s <= 0:
+        if not self.tick_s > 0:
             raise DaemonConfigError(f"tick_s must be > 0, got {self.tick_s!r}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise DaemonConfigError(f"metrics_port must be 0 (any free port) .. 65535, got {self.metrics_port!r}")
         if self.source not in SOURCES:
             raise DaemonConfigError(f"source must be one of {', '.join(SOURCES)}, got {self.source!r}")
 
@@ -127,17 +135,24 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
         raise DaemonConfigError(f"{path}: {exc}") from exc
     if not isinstance(doc, dict):
         raise DaemonConfigError(f"{path}: top level must be a mapping")
-    _check_keys(path, "", doc, {f.name for f in fields(DaemonConfig)})
+    _check_fields(path, "", doc, DaemonConfig)
+    raw_runs = doc.get("runs", []) or []
+    if not isinstance(raw_runs, list):
+        raise DaemonConfigError(f"{path}: runs must be a list of run directories, got {raw_runs!r:.60}")
     runs = []
-    for i, r in enumerate(doc.get("runs", []) or []):
+    for i, r in enumerate(raw_runs):
         if isinstance(r, str):
             r = {"run_dir": r}
         if not isinstance(r, dict) or "run_dir" not in r:
             raise DaemonConfigError(f"{path}: runs[{i}] needs a run_dir")
-        _check_keys(path, f"runs[{i}].", r, {f.name for f in fields(RunSpec)})
+        _check_fields(path, f"runs[{i}].", r, RunSpec)
         runs.append(RunSpec(**r))
-    _check_keys(path, "controller.", doc.get("controller", {}), {f.name for f in fields(ControllerConfig)})
-    _check_keys(path, "actuator.", doc.get("actuator", {}), {f.name for f in fields(ActuatorConfig)})
+    for section, cls in (("controller", ControllerConfig), ("actuator", ActuatorConfig)):
+        _check_fields(path, f"{section}.", doc.get(section, {}), cls)
+        try:
+            cls(**doc.get(section, {}))
+        except (TypeError, ValueError) as exc:
+            raise DaemonConfigError(f"{path}: {section}: {exc}") from exc
     rest = {k: v for k, v in doc.items() if k != "runs"}
     try:
         cfg = DaemonConfig(runs=runs, **rest)
@@ -169,12 +184,48 @@ def _check_mode(path: Path, prefix: str, spec: RunSpec) -> None:
                                 "embedded trainer serves its own: trainer.metrics_port)")
 
 
-def _check_keys(path: Path, prefix: str, doc: Any, known: set[str]) -> None:
+def _check_fields(path: Path, prefix: str, doc: Any, cls: type) -> None:
+    """Every key of a config section is a field of ``cls`` and holds a value of its type (numbers finite)."""
     if not isinstance(doc, dict):
         raise DaemonConfigError(f"{path}: {prefix.rstrip('.') or 'top level'} must be a mapping")
-    unknown = sorted(set(doc) - known)
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(doc) - set(hints))
     if unknown:
-        raise DaemonConfigError(f"{path}: unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(known))})")
+        raise DaemonConfigError(f"{path}: unknown key {prefix}{unknown[0]} (known: {', '.join(sorted(hints))})")
+    for key, value in doc.items():
+        if key == "runs":
+            continue  # checked run by run
+        what = _type_error(value, hints[key])
+        if what:
+            raise DaemonConfigError(f"{path}: {prefix}{key} must be {what}, got {value!r:.80}")
+
+
+def _type_error(value: Any, hint: Any) -> str | None:
+    """What ``value`` should be when it does not fit the type hint (None when it fits)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = [_type_error(value, a) for a in options]
+        return None if any(e is None for e in errors) else " or ".join(e for e in errors if e)
+    if origin in (list, tuple) or hint in (list, tuple):
+        if not isinstance(value, list):
+            return "a list"
+        inner = next((_type_error(v, args[0]) for v in value if args and _type_error(v, args[0])), None)
+        return f"a list of {inner.removeprefix('a ').removeprefix('an ')}s" if inner else None
+    if origin is dict or hint is dict:
+        return None if isinstance(value, dict) else "a mapping"
+    if hint is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if hint is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if hint is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return None if ok else "a finite number"
+    if hint is str:
+        return None if isinstance(value, str) else "a string"
+    return None
 
 
 class Watchdog:
@@ -217,7 +268,18 @@ class Watchdog:
         restarting the daemon does not relaunch the runs of its config that already ended.
         ``on_escalate``: this run's escalation policy (default: the controller config's)."""
         run_dir = Path(run_dir).resolve()
-        run_id = run_id or run_dir.name
+        # A run is its directory: the record of this very directory, whatever its name; a new
+        # directory whose name another one has gets its own id (never the other's record).
+        existing = self.store.run_for_dir(run_dir)
+        if run_id is None:
+            run_id = existing.run_id if existing is not None else self.store.new_run_id(run_dir)
+        elif existing is not None and existing.run_id != run_id:
+            raise DaemonConfigError(f"{run_dir} is run {existing.run_id!r} in {self.store.path}, not {run_id!r}")
+        other = self.store.get_run(run_id)
+        if other is not None and Path(other.run_dir) != run_dir:
+            raise DaemonConfigError(f"run id {run_id!r} is {other.run_dir} in {self.store.path}, not {run_dir}")
+        if run_id in self.controllers:
+            raise DaemonConfigError(f"{run_dir}: watched twice (run {run_id!r})")
         if mode is not None:
             try:
                 prepare_run(run_dir, command, mode, metrics_port=run_metrics_port)
@@ -228,7 +290,6 @@ class Watchdog:
             from watchdog.backends.ray_jobs import RayJobBackend
 
             backend = RayJobBackend(ray_address, run_id, stop_wait_s=self.actuator.config.stop_grace_s)
-        existing = self.store.get_run(run_id)
         if existing is None:
             self.store.upsert_run(RunRecord(run_id, str(run_dir), list(command or []), managed=managed,
                                             phase=Phase.NEW if (managed and command) else Phase.DETACHED))
@@ -321,7 +382,7 @@ def build_watchdog(
     state_dir: str | Path, rule_paths: Sequence[str | Path] | None = None, webhook_url: str | None = None,
     controller: dict[str, Any] | None = None, actuator: dict[str, Any] | None = None,
     metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", crash_hook: Any = None,
-    grafana_url: str | None = None,
+    grafana_url: str | None = None, webhook_url_file: str | Path | None = None,
 ) -> Watchdog:
     """A Watchdog from plain settings (the CLI and the daemon config both land here).
 
@@ -335,7 +396,10 @@ def build_watchdog(
     if metrics_port is not None:
         port = telemetry.serve(metrics_port, metrics_addr)
         log.info("watchdog /metrics on http://%s:%d/metrics", metrics_addr, port)
-    notifier = Notifier(webhook_url or os.environ.get("WATCHDOG_WEBHOOK_URL") or None)
+    try:
+        notifier = Notifier(resolve_webhook_url(webhook_url_file, configured=webhook_url))
+    except ValueError as exc:
+        raise DaemonConfigError(str(exc)) from exc
     return Watchdog(
         Store(state_dir), rules, LocalBackend(), notifier,
         ControllerConfig(**(controller or {})), ActuatorConfig(**(actuator or {})), telemetry, crash_hook,
@@ -385,7 +449,8 @@ def run_daemon(cfg: DaemonConfig, stop: threading.Event | None = None) -> Watchd
 def prepare_daemon(cfg: DaemonConfig) -> Watchdog:
     """The daemon's Watchdog with every configured run added (adopting trainers already running)."""
     wd = build_watchdog(cfg.state_dir, cfg.rules, cfg.webhook_url, cfg.controller, cfg.actuator,
-                        cfg.metrics_port, cfg.metrics_addr, grafana_url=cfg.grafana_url)
+                        cfg.metrics_port, cfg.metrics_addr, grafana_url=cfg.grafana_url,
+                        webhook_url_file=cfg.webhook_url_file)
     for spec in cfg.runs:
         cmd = spec.restart_command
         ctl = wd.add_run(spec.run_dir, spec.id, cmd, managed=bool(cmd), ray_address=spec.ray_address,

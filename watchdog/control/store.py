@@ -23,6 +23,7 @@ and the CLI thread may share a :class:`Store`.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 import threading
@@ -41,7 +42,7 @@ from watchdog.core.vocabulary import (
     Word,
 )
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 _JOURNAL_TABLE = """
 CREATE TABLE IF NOT EXISTS journal (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -75,6 +76,10 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
         "DROP TABLE journal_v2",
         "CREATE INDEX IF NOT EXISTS journal_open ON journal (run_id, status)",
     ),
+    # A run is its resolved directory: two directories of one name are two runs (v3 let the second
+    # take the first's record and tail the first's files). Fails, naming both, if a v3 state has one
+    # directory under two run ids.
+    4: ("CREATE UNIQUE INDEX IF NOT EXISTS runs_dir ON runs (run_dir)",),
 }
 DB_NAME = "watchdog.db"
 
@@ -173,6 +178,25 @@ class StoreError(RuntimeError):
     """The state database cannot be used (wrong schema version, unknown run); names the file."""
 
 
+class NoState(StoreError):
+    """No state database where one was to be read (nothing was created)."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def _db_error(path: Path, exc: sqlite3.DatabaseError, busy_timeout_s: float) -> str:
+    text = str(exc)
+    if "locked" in text or "busy" in text:
+        return (f"{path}: locked by another process for more than {busy_timeout_s:g} s ({text}); "
+                "is a watchdog daemon or run writing to it? It is tried again, nothing is lost")
+    if "not a database" in text or "malformed" in text or "corrupt" in text:
+        return (f"{path}: not a usable watchdog state database ({text}); move it aside to start afresh "
+                "(the runs' own directories keep their metrics, events and checkpoints)")
+    return f"{path}: {text}"
+
+
 @dataclass
 class RunRecord:
     """One run as the store knows it."""
@@ -256,38 +280,59 @@ def _now() -> float:
 class Store:
     """SQLite (WAL) state of a watchdog; one file, shared by the daemon and the CLI."""
 
-    def __init__(self, path: Path | str) -> None:
+    def __init__(self, path: Path | str, create: bool = True, busy_timeout_s: float = 30.0) -> None:
+        """``create=False``: only an existing state (``watchdog status`` on a new directory creates
+        nothing). ``busy_timeout_s``: how long a write waits for another process's lock."""
         path = Path(path)
         if path.is_dir() or path.suffix != ".db":
-            path.mkdir(parents=True, exist_ok=True)
+            if path.exists() and not path.is_dir():
+                raise StoreError(f"{path}: not a directory (a state directory holds {DB_NAME})")
             path = path / DB_NAME
-        else:
+        if not create and not path.is_file():
+            raise NoState(f"{path.parent}: no watchdog state here (no {DB_NAME}); "
+                          "pass the --state-dir a watchdog run or daemon used", path)
+        try:
             path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"{path.parent}: cannot create the state directory ({exc.strerror or exc})") from exc
         self.path = path
+        self.busy_timeout_s = busy_timeout_s
         self._lock = threading.RLock()
-        # isolation_level=None: we issue BEGIN/COMMIT ourselves so a decision, the engine
-        # state and the journal intents land in one transaction.
-        self._db = sqlite3.connect(str(path), timeout=30.0, isolation_level=None, check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=30000")
         self._depth = 0
-        with self.transaction():
-            for stmt in _SCHEMA.split(";"):
-                if stmt.strip():
-                    self._db.execute(stmt)
-            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
-            if row is None:
-                self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
-            elif int(row["value"]) != SCHEMA_VERSION:
-                self._migrate(path, int(row["value"]))
+        try:
+            # isolation_level=None: we issue BEGIN/COMMIT ourselves so a decision, the engine
+            # state and the journal intents land in one transaction.
+            self._db = sqlite3.connect(str(path), timeout=busy_timeout_s, isolation_level=None,
+                                       check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            with self.transaction():
+                for stmt in _SCHEMA.split(";"):
+                    if stmt.strip():
+                        self._db.execute(stmt)
+                row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+                if row is None:
+                    self._db.execute("INSERT INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+                    for stmt in _MIGRATIONS[4]:  # the index a new database needs; older ones migrate to it
+                        self._db.execute(stmt)
+                elif int(row["value"]) != SCHEMA_VERSION:
+                    self._migrate(path, int(row["value"]))
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(_db_error(path, exc, busy_timeout_s)) from exc
 
     def _migrate(self, path: Path, version: int) -> None:
         """Bring an older database up to :data:`SCHEMA_VERSION` (inside the opening transaction)."""
         if not 1 <= version < SCHEMA_VERSION:
             raise StoreError(f"{path}: schema version {version}, this watchdog speaks {SCHEMA_VERSION}")
         for v in range(version + 1, SCHEMA_VERSION + 1):
+            if v == 4:
+                twice = self._db.execute("SELECT run_dir, group_concat(run_id, ', ') AS ids FROM runs "
+                                         "GROUP BY run_dir HAVING count(*) > 1").fetchall()
+                if twice:
+                    raise StoreError(f"{path}: one run directory under several run ids, which this watchdog "
+                                     f"cannot tell apart: " + "; ".join(f"{r['run_dir']}: {r['ids']}" for r in twice))
             for stmt in _MIGRATIONS[v]:
                 self._db.execute(stmt)
         self._db.execute("UPDATE meta SET value=? WHERE key='schema_version'", (str(SCHEMA_VERSION),))
@@ -303,7 +348,10 @@ class Store:
         with self._lock:
             outer = self._depth == 0
             if outer:
-                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    self._db.execute("BEGIN IMMEDIATE")
+                except sqlite3.OperationalError as exc:
+                    raise StoreError(_db_error(self.path, exc, self.busy_timeout_s)) from exc
             self._depth += 1
             try:
                 yield self._db
@@ -351,6 +399,20 @@ class Store:
         if run is None:
             raise StoreError(f"{self.path}: no run {run_id!r} (known: {', '.join(self.run_ids()) or 'none'})")
         return run
+
+    def run_for_dir(self, run_dir: Path | str) -> RunRecord | None:
+        """The run of a directory (by its resolved path), or None."""
+        with self._lock:
+            row = self._db.execute("SELECT * FROM runs WHERE run_dir=?", (str(Path(run_dir).resolve()),)).fetchone()
+        return _run_from_row(row) if row else None
+
+    def new_run_id(self, run_dir: Path | str) -> str:
+        """An id for a directory no run has yet: its name, or, when another directory has that name,
+        the name and a short hash of the resolved path (``exp-3f2a9c1d``), so ids never collide."""
+        path = Path(run_dir).resolve()
+        if self.get_run(path.name) is None:
+            return path.name
+        return f"{path.name}-{hashlib.sha1(str(path).encode()).hexdigest()[:8]}"
 
     def run_ids(self) -> list[str]:
         """All run ids, oldest first."""

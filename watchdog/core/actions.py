@@ -113,6 +113,30 @@ TUNABLE_KEYS: dict[str, TunableKey] = {
 
 SET_OPS = ("scale", "add", "to")
 
+#: Keys whose values are fractions in (0, 1]: clip ranges, discount and GAE factors, a GPU's memory share.
+_UNIT_SUFFIXES = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "cliprange_value", "gamma", "lam",
+                  "gpu_memory_utilization")
+
+
+def value_problem(key: str, value: Any) -> str | None:
+    """Why ``value`` cannot be ``key``'s value (None when it can): every value a rule, the controller or
+    a trainer sets is finite, whole for whole-number keys, at least 1 for batch sizes and epochs,
+    positive for learning rates, in (0, 1] for clip ranges and fractions, and never negative."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{key} must be a number, got {value!r:.40}"
+    if not math.isfinite(value):
+        return f"{key} must be a finite number, got {value!r}"
+    t = TUNABLE_KEYS.get(key)
+    if t is not None and t.integer:
+        if float(value) != int(value) or value < 1:
+            return f"{key} must be a whole number >= 1, got {value!r}"
+        return None
+    if key.rsplit(".", 1)[-1] in _UNIT_SUFFIXES:
+        return None if 0 < value <= 1 else f"{key} must be in (0, 1], got {value!r}"
+    if key.endswith(".lr"):
+        return None if value > 0 else f"{key} must be > 0, got {value!r}"
+    return None if value >= 0 else f"{key} must be >= 0, got {value!r}"
+
 
 @dataclass(frozen=True)
 class SetAction:

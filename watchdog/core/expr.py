@@ -26,12 +26,13 @@ condition at earlier steps), ``seq`` the last event sequence number already seen
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from watchdog.core.series import MissingDataError, Window
 from watchdog.protocol import catalog
@@ -39,6 +40,8 @@ from watchdog.protocol.events import EVENT_KINDS
 
 MAX_DEPTH = 64
 MAX_LENGTH = 4000
+MAX_DEPTH = 64
+"""Deepest expression tree accepted: evaluation recurses once per level, far below Python's limit."""
 
 NUM, BOOL = "number", "condition"
 
@@ -375,7 +378,30 @@ def parse(text: str) -> Node:
     """Parse an expression into an AST; raises ExprError with the column."""
     if not isinstance(text, str):
         raise ExprError(1, f"expression must be a string, got {type(text).__name__}")
-    return _Parser(text).parse()
+    try:
+        node = _Parser(text).parse()
+    except RecursionError:
+        raise ExprError(1, f"expression nested deeper than {MAX_DEPTH} levels; split it into rules "
+                           "or parameters") from None
+    depth = _depth(node)
+    if depth > MAX_DEPTH:
+        raise ExprError(1, f"expression nested {depth} levels deep (the limit is {MAX_DEPTH}: each level is a "
+                           "call when the rule is evaluated); split it, e.g. max(a, b, c) for a chain of maxes")
+    return node
+
+
+def _depth(node: Node) -> int:
+    """Depth of an AST (iterative: a tree too deep for recursion is what this measures)."""
+    deepest, stack = 0, [(node, 1)]  # (a node, its depth)
+    while stack:
+        n, d = stack.pop()
+        deepest = max(deepest, d)
+        for f in dataclasses.fields(n):
+            v = getattr(n, f.name)
+            for child in (v if isinstance(v, tuple) else (v,)):
+                if dataclasses.is_dataclass(child) and not isinstance(child, type):
+                    stack.append((cast(Node, child), d + 1))
+    return deepest
 
 
 def unparse(node: Node) -> str:

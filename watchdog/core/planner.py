@@ -29,6 +29,7 @@ from watchdog.core.actions import (
     RollbackAction,
     SetAction,
     resolve_key,
+    value_problem,
 )
 from watchdog.core.engine import Decision
 from watchdog.core.vocabulary import DecisionKind
@@ -385,8 +386,13 @@ def plan_sets(actions: Sequence[Any], ctx: PlanContext, repeat: int = 1, rule: s
         if cur is None:
             log.warning("rule %s: no current value for %s; skipping the set", rule, key)
             continue
+        new = settle_value(key, a.apply(cur, repeat), ctx.config, ctx.world_size)
+        problem = value_problem(key, new)
+        if problem:  # never written: a trainer would take a NaN kl_coef or a negative batch as given
+            log.error("rule %s: %s (from %r); the set is not made", rule, problem, cur)
+            continue
         old.setdefault(key, cur)
-        sets[key] = settle_value(key, a.apply(cur, repeat), ctx.config, ctx.world_size)
+        sets[key] = new
     return sets, old
 
 

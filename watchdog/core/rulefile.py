@@ -43,6 +43,7 @@ construction from tags) so every value keeps its line and column for messages.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 import sys
@@ -64,6 +65,9 @@ _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
 
 INSTALLED_RULES = "share/ppo-watchdog/rules"
 """Where a wheel installs the default pack, under the environment's prefix (pyproject's data-files)."""
+MAX_STEPS = 10_000_000
+"""Bound of every step count in a rule file (``for``, ``cooldown``, ``skip_batches``, budgets): more
+steps than any run trains, so a larger one is a typo, not a setting."""
 RULES_ENV = "WATCHDOG_RULES"
 """Environment variable naming the rule files used when none are given (os.pathsep-separated)."""
 
@@ -316,10 +320,13 @@ class YamlReader:
             return None
         return v
 
-    def integer(self, node: yaml.Node, where: str, minimum: int = 0) -> int | None:
+    def integer(self, node: yaml.Node, where: str, minimum: int = 0, maximum: int = MAX_STEPS) -> int | None:
         v = self.scalar(node)
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
             self.error(node, f"{where} must be a whole number >= {minimum}, got {_show(v)}")
+            return None
+        if v > maximum:
+            self.error(node, f"{where} must be a whole number <= {maximum:,}, got {_show(v)}")
             return None
         return v
 
@@ -330,6 +337,9 @@ class YamlReader:
             v = float(v)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             self.error(node, f"{where} must be a number, got {_show(v)}")
+            return None
+        if not math.isfinite(v):
+            self.error(node, f"{where} must be a finite number, got {_show(v)}")
             return None
         return float(v)
 
@@ -420,6 +430,13 @@ def _set_action(r: YamlReader, node: yaml.Node, where: str) -> act.Action | None
         return None
     if key is None or value is None or grow is None or ("min" in m and lo is None) or ("max" in m and hi is None):
         return None
+    # What the set can produce must be a value the key may hold (a NaN, a negative batch, a clip range
+    # above 1 never reaches a trainer).
+    for name, v in (("to", value if op == "to" else None), ("min", lo), ("max", hi)):
+        problem = act.value_problem(key, v) if v is not None else None
+        if problem:
+            r.error(m[name][1], f"{where}.{name}: {problem}")
+            return None
     return act.SetAction(key, op, value, lo, hi, grow=grow)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import signal
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -42,6 +43,9 @@ log = logging.getLogger(__name__)
 #: One-shot commands the watchdog can put in control.json.
 COMMAND_KINDS = frozenset({"checkpoint", "pause", "resume", "stop", "rollback"})
 
+
+#: The highest control.json version (the largest integer JSON readers agree on, and SQLite stores).
+MAX_VERSION = 2**53 - 1
 
 class ControlError(PathError):
     """control.json is not a valid control document; carries the path and the reason."""
@@ -87,14 +91,16 @@ def parse_control(text: str, path: Path | str = CONTROL) -> Control:
     if unknown:
         raise ControlError(path, f"unknown key(s): {', '.join(sorted(unknown))}")
     version = doc.get("version", 0)
-    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
-        raise ControlError(path, f"'version' must be a non-negative integer, got {version!r}")
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_VERSION:
+        raise ControlError(path, f"'version' must be an integer from 0 to {MAX_VERSION}, got {version!r:.40}")
     overrides = doc.get("overrides", {})
     if not isinstance(overrides, dict):
         raise ControlError(path, "'overrides' must be an object")
     for key, value in overrides.items():
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
             raise ControlError(path, f"override {key!r} must be a number or string, got {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ControlError(path, f"override {key!r} must be a finite number, got {value!r}")
     raw_commands = doc.get("commands", [])
     if not isinstance(raw_commands, list):
         raise ControlError(path, "'commands' must be a list")
@@ -127,6 +133,20 @@ def write_control(run_dir: Path | str, control: Control) -> None:
 
 STATE_FILE = ".control_state.json"
 STATE_FORMAT = 1
+
+
+def applied_version(run_dir: Path | str) -> int:
+    """The newest version the trainer of a run directory applied (its state file; 0 when none or unreadable).
+
+    The watchdog writes above it: a trainer that applied a version the watchdog never wrote (a
+    state directory started afresh, a file written by hand) would otherwise ignore every new one.
+    """
+    try:
+        doc = json.loads((Path(run_dir) / STATE_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return 0
+    version = doc.get("version") if isinstance(doc, dict) else None
+    return version if isinstance(version, int) and not isinstance(version, bool) and 0 <= version <= MAX_VERSION else 0
 
 
 @dataclass
@@ -334,6 +354,10 @@ class BoundaryTarget(Protocol):
         """Restore the checkpoint ``args`` name (``path``, ``to_step``) and skip ``skip_batches``."""
         ...
 
+    def check_rollback(self, args: Mapping[str, Any]) -> str | None:
+        """Why the checkpoint ``args`` name cannot be restored (missing, torn, incomplete); None when it can."""
+        ...
+
     def event(self, kind: str, **fields: Any) -> None:
         """Record one event at the trainer's current step."""
         ...
@@ -374,11 +398,14 @@ class StepBoundary:
         confirmed: list[Command] = []
         stop = rollback = pause = None
         for cmd in changes.commands:
-            if cmd.kind == "rollback" and not self.target.can_rollback:
-                self.target.event("error", source="control", version=changes.version, command=cmd.id,
-                                  message=f"command {cmd.id}: rollback is not done in process by this trainer; "
-                                          "left unconfirmed so the watchdog rolls back by restart")
-                continue
+            if cmd.kind == "rollback":
+                problem = ("rollback is not done in process by this trainer" if not self.target.can_rollback
+                           else self.target.check_rollback(cmd.args))
+                if problem:  # checked before confirming: a confirmed rollback is one that happened
+                    self.target.event("error", source="control", version=changes.version, command=cmd.id,
+                                      message=f"command {cmd.id}: {problem}; left unconfirmed so the watchdog "
+                                              "rolls back by restart")
+                    continue
             confirmed.append(cmd)
             if cmd.kind == "checkpoint":
                 self.target.checkpoint(f"command {cmd.id}")

@@ -25,6 +25,20 @@ EVENT_KINDS = frozenset(
 )
 
 
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+#: Fields the watchdog acts on, by event kind: each must be a non-negative integer (or null where
+#: the field is optional). A line that breaks one is refused as a whole (it would be misread).
+_COUNTS: dict[str, tuple[tuple[str, bool], ...]] = {
+    "applied": (("version", False),),
+    "rollback": (("to_step", True), ("from_step", True)),
+    "started": (("resumed_from", True), ("attempt", True)),
+    "oom": (("micro_batch_size", True),),
+}
+
+
 class EventError(ValueError):
     """An events.jsonl line that is not a valid event; the message is ``where: field: reason``."""
 
@@ -65,6 +79,13 @@ class Event(dict[str, Any]):
         ts = obj.get("ts")
         if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts)):
             raise EventError(where, "ts", f"must be a finite number (unix time), got {ts!r:.60}")
+        for name, optional in _COUNTS.get(kind, ()):
+            value = obj.get(name)
+            if (value is None and not optional) or (value is not None and not _count(value)):
+                raise EventError(where, name, f"a {kind} event's {name} must be a non-negative integer"
+                                 f"{' or null' if optional else ''}, got {value!r:.60}")
+        if kind == "applied" and not isinstance(obj.get("commands", []), list):
+            raise EventError(where, "commands", f"must be a list, got {obj.get('commands')!r:.60}")
         return cls(obj)
 
     @classmethod

@@ -155,12 +155,15 @@ def parse_console_line(line: str) -> tuple[int, dict[str, float], list[str]] | N
         piece = piece.strip()
         if not piece or piece == "-":
             continue
-        token = piece.split()[0]
-        key, sep, raw = token.rpartition(":")
-        if not sep or not key:
+        key, sep, raw = piece.partition(":")
+        key = key.strip()
+        if not sep or not key or " " in key:
             problems.append(f"item {piece[:60]!r} is not key:value")
             continue
+        # The whole value first (torch prints tensor(0.5, device='cuda:0')), else its first word.
         value = parse_value(raw)
+        if value is None and raw.split():
+            value = parse_value(raw.split()[0])
         if value is None:
             problems.append(f"key {key!r}: value {raw[:40]!r} is not a number")
             continue
@@ -243,6 +246,8 @@ def record_from_json(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
         step = int(step)
     if isinstance(step, bool) or not isinstance(step, int):
         return None, f"'step' must be an integer, got {step!r}"
+    if step < 0:  # would read as a rewind to before the run began and drop every step recorded
+        return None, f"'step' must be >= 0, got {step}"
     data = obj.get("data")
     if not isinstance(data, dict):
         return None, f"'data' must be an object, got {type(data).__name__}"

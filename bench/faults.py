@@ -1,0 +1,113 @@
+"""The fault-injection matrix, every cell run N times (issue 14; figures in RELIABILITY.md).
+
+    .venv/bin/python bench/faults.py             # 3 rounds, ~25 min on 2 cores
+    .venv/bin/python bench/faults.py --rounds 1
+
+A cell is a test that makes one fault on purpose through the real code path and checks the
+promise it threatens (tests/test_fault_matrix.py and the tests named below). Each round runs
+every cell once in one pytest process (``WATCHDOG_FAULT_MATRIX=1``: all kill -9 phases and the
+disk-full cells); per cell: runs, passes, and the failure text of any that failed.
+Results: ``bench/results/faults.json`` and ``faults.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+#: (cell, pytest node id, the promise it tests)
+CELLS = [
+    *[(f"kill -9 watchdog: {kind} after {phase}",
+       f"tests/test_fault_matrix.py::test_a_watchdog_killed_mid_action_then_rerun_acts_exactly_once[{kind}@{phase}]",
+       "exactly-once actions")
+      for kind, phases in (("live_set", ("decided", "control_written", "signalled")),
+                           ("rollback", ("decided", "control_written", "signalled")),
+                           ("restart", ("decided", "stopped", "launched")))
+      for phase in phases],
+    ("kill -9 trainer during a checkpoint write",
+     "tests/test_checkpoint.py::test_a_save_killed_midway_leaves_no_visible_checkpoint", "never a torn load"),
+    ("corrupt newest checkpoint", "tests/test_checkpoint.py::test_latest_complete_skips_a_corrupt_newest",
+     "never a torn load"),
+    ("checkpoint missing a part", "tests/test_reliability.py::test_a_checkpoint_missing_a_part_is_skipped_for_the_one_before",
+     "never a torn load"),
+    ("disk full during a checkpoint save",
+     "tests/test_fault_matrix.py::test_disk_full_during_a_checkpoint_save_leaves_the_previous_one_the_newest",
+     "never a torn load"),
+    ("disk full during a state write",
+     "tests/test_fault_matrix.py::test_disk_full_during_a_state_write_keeps_nothing_then_decides",
+     "no silent loss of supervision"),
+    ("Prometheus down and back",
+     "tests/test_promsource.py::test_an_outage_is_logged_counted_and_caught_up_on_without_losing_steps",
+     "no action on stale data"),
+    ("state database locked past the timeout",
+     "tests/test_reliability.py::test_a_tick_that_cannot_commit_keeps_nothing_and_the_next_one_decides",
+     "no silent loss of supervision"),
+    ("state database locked / corrupt (CLI)",
+     "tests/test_reliability.py::test_a_corrupt_or_locked_state_is_said_not_a_traceback", "clean errors"),
+    ("trainer that ignores SIGTERM",
+     "tests/test_supervisor.py::test_stop_kills_a_process_that_ignores_sigterm_after_the_grace",
+     "no unsupervised run"),
+    ("bad event line beside a NaN",
+     "tests/test_reliability.py::test_a_bad_event_line_is_skipped_and_the_nan_beside_it_still_decided",
+     "no silent loss of supervision"),
+]
+
+
+def _round(junit: Path) -> dict[str, tuple[bool, str]]:
+    env = {**os.environ, "WATCHDOG_FAULT_MATRIX": "1"}
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
+                    *[node for _, node, _ in CELLS]], cwd=ROOT, env=env, capture_output=True, text=True)
+    out: dict[str, tuple[bool, str]] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        file = case.get("classname", "").replace(".", "/") + ".py"
+        node = f"{file}::{case.get('name')}"
+        bad = case.find("failure") or case.find("error")
+        skipped = case.find("skipped")
+        out[node] = (bad is None and skipped is None,
+                     (bad.get("message", "") if bad is not None else skipped.get("message", "") if skipped is not None
+                      else ""))
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3, help="times each cell runs")
+    args = ap.parse_args()
+    runs: dict[str, list[tuple[bool, str]]] = defaultdict(list)
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory() as d:
+        for i in range(args.rounds):
+            got = _round(Path(d) / f"round{i}.xml")
+            for _, node, _ in CELLS:
+                runs[node].append(got.get(node, (False, "not run")))
+            print(f"round {i + 1}/{args.rounds}: {sum(ok for ok, _ in got.values())}/{len(CELLS)} cells held", flush=True)
+    cells = [{"cell": name, "test": node, "promise": promise, "runs": len(runs[node]),
+              "held": sum(ok for ok, _ in runs[node]), "failures": sorted({m for ok, m in runs[node] if not ok})}
+             for name, node, promise in CELLS]
+    result = {"command": f"python bench/faults.py --rounds {args.rounds}", "rounds": args.rounds,
+              "wall_s": round(time.monotonic() - t0, 1), "cells": cells,
+              "held": sum(c["held"] for c in cells), "runs": sum(c["runs"] for c in cells)}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "faults.json").write_text(json.dumps(result, indent=2) + "\n")
+    rows = [f"| {c['cell']} | {c['promise']} | {c['held']}/{c['runs']} | {'; '.join(c['failures'])[:120]} |"
+            for c in cells]
+    (RESULTS / "faults.md").write_text(
+        f"# `{result['command']}`\n\n{result['held']} of {result['runs']} cell runs held their promise "
+        f"({result['wall_s']} s).\n\n| cell | promise | held | failures |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
+    print(f"{result['held']}/{result['runs']} held -> {RESULTS / 'faults.md'}")
+    return 0 if result["held"] == result["runs"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
