@@ -65,6 +65,7 @@ class Trainer:
         self.ckpt_every = ckpt_every
         self.keys = list(base[0])
         self.pad = [f"timing_s/extra_{i}" for i in range(max(0, KEYS_PER_RECORD - len(self.keys)))]
+        self.pad_json = json.dumps({k: 1.0 + self.rnd.random() for k in self.pad})[1:-1]
         run_dir.mkdir(parents=True)
         (run_dir / rundir.RUN_JSON).write_text(json.dumps({"id": run_dir.name, "pid": None}))
         rundir.append_event(run_dir, "started", 0)
@@ -73,13 +74,16 @@ class Trainer:
         lines, events = [], []
         for _ in range(steps):
             self.step += 1
-            b = self.base[(self.offset + self.step) % len(self.base)]
+            # The log played forwards then backwards (no jump back to step 1 when it wraps).
+            j = (self.offset + self.step) % (2 * len(self.base) - 2)
+            b = self.base[j if j < len(self.base) else 2 * len(self.base) - 2 - j]
             self.walk = min(self.walk * math.exp(self.rnd.gauss(0.0, 0.02)) * self.drift, 50.0)
-            data = {k: v * (self.walk if "kl" in k and "coeff" not in k else 1.0) * (1 + self.rnd.gauss(0, 0.01))
+            r = self.rnd.random
+            data = {k: v * (self.walk if "kl" in k and "coeff" not in k else 1.0) * (0.99 + 0.02 * r())
                     for k, v in b.items()}
-            for k in self.pad:
-                data[k] = 1.0 + self.rnd.random()
-            lines.append(json.dumps({"step": self.step, "data": data}))
+            # The padding keys' values are the run's own constants, serialised once (writing is not
+            # what is measured; the daemon still parses every key of every line).
+            lines.append(f'{{"step": {self.step}, "data": {{{json.dumps(data)[1:-1]}, {self.pad_json}}}}}')
             if self.step % self.ckpt_every == 0:
                 events.append(json.dumps({"ts": now, "step": self.step, "kind": "checkpoint",
                                           "path": str(self.dir / "checkpoints" / f"global_step_{self.step}")}))
@@ -104,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=1000)
     ap.add_argument("--hours", type=float, default=1.0, help="simulated hours")
-    ap.add_argument("--step-s", type=float, default=10.0, help="simulated seconds per training step")
-    ap.add_argument("--tick-s", type=float, default=30.0, help="the daemon's tick interval (tick_s)")
+    ap.add_argument("--step-s", type=float, default=15.0, help="simulated seconds per training step")
+    ap.add_argument("--tick-s", type=float, default=60.0, help="the daemon's tick interval (tick_s)")
     ap.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoint events")
     ap.add_argument("--traced-ticks", type=int, default=3, help="last ticks run under tracemalloc")
     ap.add_argument("--out", type=Path, default=RESULTS)
@@ -219,8 +223,11 @@ def write_md(d: dict[str, Any], path: Path) -> None:
         f"Ticks driven in a loop on a simulated clock, no sleeps. Python {d['python']}, {d['cpus']} cores shared "
         f"(load average {d['loadavg']}), {d['date']}. Command: `{d['command']}`.",
         "",
-        "The step rate is scaled down (a real verl step takes minutes; 3,600 steps a run would be a step a second) "
-        "so the hour runs in minutes on two shared cores: the run count is not.",
+        f"The step rate is scaled down (3,600 steps a run, a step a second, would take the simulation over an hour "
+        f"on two shared cores; a real PPO step of a large model takes tens of seconds to minutes): a step every "
+        f"{d['step_s']:g} s, still past the window's first trims ({d['window_steps']} steps kept, up to twice that). "
+        f"The run count is not scaled. The tick interval is the daemon's `tick_s`; a tick is on time when it ends "
+        f"before the next is due.",
         "",
         "| tick p50 ms | tick p99 ms | max ms | per run p50 ms | tick interval ms | late ticks | on time |",
         "|---:|---:|---:|---:|---:|---:|---|",
