@@ -9,7 +9,12 @@ A daemon watching many runs does, every tick and for every run, one ``Window.app
   replayed with a per-run random walk on top (a seeded multiplicative jitter, and a KL
   drift in a tenth of the runs so the KL rules fire), or a pure random walk without it;
 - each repeat is one cycle: append the next step to every run (timed separately), then
-  evaluate every run (timed): ``time.perf_counter`` around the loop, median over repeats.
+  evaluate every run (timed): ``time.perf_counter`` around the loop, median over repeats;
+- windows are built as the daemon builds them (``EngineRules.new_window``): sized from the rules
+  (their longest window and the current step) and keeping only the metrics the rules read; after
+  the cycles every run's window is measured object by object (``sys.getsizeof`` over everything
+  it references, objects shared by windows counted once), so "window KB per run" is what the
+  windows of that many runs hold, divided by the runs.
 
 Usage: ``python bench/bench_rules.py [--rules FILE] [--sizes 1,100,1000,10000] [--profile]``.
 Writes bench/results/rules_bench.json and bench/results/rules_bench.md.
@@ -41,12 +46,21 @@ RESULTS = ROOT / "bench" / "results"
 VERL_LOG = next((p for p in (ROOT.parent / "shared", Path("/work/shared"))
                  if (p / "testdata" / "verl-logs").is_dir()), ROOT.parent / "shared") / "testdata" / "verl-logs" / "verl_ppo_gemma2b_gsm8k_healthy.txt"
 GOAL_RUNS, GOAL_MS = 1000, 100.0
+GOAL_WINDOW_KB, MEMORY_RUNS = 50.0, 10_000
+KEYS_PER_RECORD = 100
+#: The last figures of the window as it was (every catalog metric, plain lists): the committed run of
+#: 2026-12-01, and the same object-by-object measure of that window at 10,000 runs.
+BEFORE = {"window": "101 steps in the bench, 256 in the daemon",
+          "text": "242 KB per run at 101 steps and 609 KB at the daemon's 256, by this measure (past the "
+                  "first trim); peak RSS 1,839 MiB at 10,000 runs in the run of 2026-12-01",
+          "window_kb_per_run_101_steps": 241.9, "window_kb_per_run_256_steps": 608.6,
+          "peak_rss_mib_10000_runs": 1838.9}
 
 sys.path.insert(0, str(ROOT))
 
 from watchdog.core import engine  # noqa: E402
 from watchdog.core.rulefile import RuleSet, load_rules  # noqa: E402
-from watchdog.core.series import Window  # noqa: E402
+from watchdog.core.series import Window, window_steps  # noqa: E402
 from watchdog.sources import ingest  # noqa: E402
 
 
@@ -88,12 +102,17 @@ class RunSource:
         # Every key verl logs (timing/*, */max, ...), as a real record has them: the window
         # keeps only catalog metrics, but mapping the rest is part of the append cost.
         self.keys = list(base[0])
+        # A verl record of a larger config carries ~100 keys (timing and throughput per role): the
+        # log's own keys, and as many more timing keys as it takes to reach KEYS_PER_RECORD.
+        self.pad = [f"timing_s/extra_{i}" for i in range(max(0, KEYS_PER_RECORD - len(self.keys)))]
 
     def record(self, step: int) -> dict[str, Any]:
         b = self.base[(self.offset + step) % len(self.base)]
         self.walk *= math.exp(self.rnd.gauss(0.0, 0.02)) * self.drift
         data = {k: b[k] * (self.walk if "kl" in k and "coeff" not in k else 1.0) * (1 + self.rnd.gauss(0, 0.01))
                 for k in self.keys if k in b}
+        for k in self.pad:
+            data[k] = 1.0 + self.rnd.random()
         return {"step": step, "data": data}
 
 
@@ -107,13 +126,13 @@ def timed(fn: Callable[..., None], *args: Any) -> tuple[float, float]:
 
 def bench_size(rules: RuleSet, n_runs: int, repeats: int, base: list[dict[str, float]],
                profile: bool) -> dict[str, Any]:
-    size = rules.max_window + 1
+    size = window_steps(rules.max_window)
     sources = [RunSource(r, base) for r in range(n_runs)]
-    windows = [Window(size) for _ in range(n_runs)]
+    windows = [Window(size, rules.metrics) for _ in range(n_runs)]
     states = [engine.EngineState() for _ in range(n_runs)]
     step = 0
     # Warm-up: a full window of history, then a few evaluated steps (states leave inactive).
-    for _ in range(size):
+    for _ in range(2 * size - 3):  # past the first trim: the window's steady size
         step += 1
         for src, w in zip(sources, windows, strict=True):
             w.append_record(src.record(step))
@@ -171,6 +190,7 @@ def bench_size(rules: RuleSet, n_runs: int, repeats: int, base: list[dict[str, f
         "cycle_ms_median": round((med + statistics.median(append_s)) * 1e3, 3),
         "decisions": n_decisions,
         "rules_firing_at_end": firing,
+        "window_kb_per_run": round(deep_size(windows) / n_runs / 1024, 2),
         # ru_maxrss is KiB on Linux; sizes run in ascending order, so this is ~this size's peak
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
@@ -179,6 +199,25 @@ def bench_size(rules: RuleSet, n_runs: int, repeats: int, base: list[dict[str, f
     if prof_text:
         out["profile_top"] = prof_text
     return out
+
+
+def deep_size(roots: list[Any]) -> int:
+    """Bytes of ``roots`` and everything they reference (each object once), without classes,
+    modules and functions (code, not data)."""
+    import types
+
+    skip = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.CodeType)
+    seen = {id(roots)}
+    todo = list(roots)
+    total = 0
+    while todo:
+        o = todo.pop()
+        if id(o) in seen or isinstance(o, skip):
+            continue
+        seen.add(id(o))
+        total += sys.getsizeof(o)
+        todo.extend(gc.get_referents(o))
+    return total
 
 
 def per_rule_costs(rules: RuleSet, windows: list[Window], states: list[engine.EngineState],
@@ -205,14 +244,19 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
         f"load average at start {doc['loadavg']}. Command: `{doc['command']}`.",
         "",
         "| runs per cycle | evaluate, median ms (wall) | min ms | CPU ms (median) | per run µs (wall) "
-        "| append, median ms | cycle ms | peak RSS MiB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| append, median ms | cycle ms | window KB per run | peak RSS MiB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["results"]:
         lines.append(f"| {r['runs']:,} | {r['eval_ms_median']} | {r['eval_ms_min']} | {r['eval_cpu_ms_median']} "
                      f"| {r['eval_us_per_run']} "
-                     f"| {r['append_ms_median']} | {r['cycle_ms_median']} | {r['peak_rss_mib']} |")
-    lines += ["", f"Goal: {GOAL_RUNS:,} runs within {GOAL_MS:g} ms per cycle: **{doc['goal']}**.", ""]
+                     f"| {r['append_ms_median']} | {r['cycle_ms_median']} | {r['window_kb_per_run']} | {r['peak_rss_mib']} |")
+    lines += ["", f"Goal: {GOAL_RUNS:,} runs within {GOAL_MS:g} ms per cycle: **{doc['goal']}**.", "",
+              f"Window memory: {doc['memory_goal']}. A window keeps the {doc['metrics_kept']} metrics the "
+              f"rules read ({', '.join(doc['metrics'])}) of a record with {doc['keys_per_record']} keys, "
+              f"for {doc['results'][0]['window_steps']} steps (up to twice that between two trims), in arrays "
+              "of unboxed numbers; its events as two small arrays. Before (plain lists of every catalog metric, "
+              f"{BEFORE['window']}): {BEFORE['text']}.", ""]
     per_rule = next((r.get("per_rule_cpu_us_per_run") for r in doc["results"] if r["runs"] == GOAL_RUNS), None)
     if per_rule:
         lines += ["CPU µs per run of each rule evaluated alone (at 1,000 runs; most expensive first):", "",
@@ -253,6 +297,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{'met' if at_goal['eval_cpu_ms_median'] <= GOAL_MS else 'MISSED'}: "
             f"{at_goal['eval_cpu_ms_median']} ms CPU, {at_goal['eval_ms_median']} ms wall "
             f"at load average {load} on {os.cpu_count()} cores")
+    at_mem = next((r for r in results if r["runs"] == MEMORY_RUNS), results[-1])
+    memory_goal = (f"{'met' if at_mem['window_kb_per_run'] <= GOAL_WINDOW_KB else 'MISSED'}: "
+                   f"{at_mem['window_kb_per_run']} KB per run at {at_mem['runs']:,} runs "
+                   f"(goal under {GOAL_WINDOW_KB:g} KB), peak RSS {at_mem['peak_rss_mib']} MiB")
     doc = {
         "benchmark": "default rule pack, one append + one evaluate per run per cycle",
         "command": " ".join(["python bench/bench_rules.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -264,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         "data": str(VERL_LOG) if VERL_LOG.exists() else "random walk",
         "rules": len(rules),
         "goal": goal,
+        "memory_goal": memory_goal,
+        "metrics": sorted(rules.metrics),
+        "metrics_kept": len(rules.metrics),
+        "keys_per_record": max(KEYS_PER_RECORD, len(base[0])),
+        "before": BEFORE,
         "results": [{k: v for k, v in r.items() if k != "profile_top"} for r in results],
     }
     args.out.mkdir(parents=True, exist_ok=True)

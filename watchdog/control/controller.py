@@ -77,8 +77,9 @@ class ControllerConfig:
     """Hang timeout in median step times."""
     startup_timeout_s: float = 600.0
     """Allowed time from launch to the first new step (model build, SFT warm start)."""
-    window_size: int = 256
-    """Steps of history the rules see."""
+    window_size: int | None = None
+    """Steps of history the rules see (None: what the loaded rules read, their longest window and the
+    current step, at most ``watchdog.core.series.MAX_WINDOW_STEPS``). A daemon holds one window per run."""
     rollback_margin_steps: int = 1
     """Checkpoints this many steps before a divergence rule's condition first held count as bad too:
     the checkpoint at step N holds the weights that produced step N+1's diverged metrics."""
@@ -142,7 +143,7 @@ def span_start(fire_step: int, for_steps: int, margin: int) -> int:
 class RulesEngine(Protocol):
     """What the controller needs from the rules engine."""
 
-    def new_window(self, size: int) -> Any: ...
+    def new_window(self, size: int | None) -> Any: ...
 
     def initial_state(self) -> Any: ...
 
@@ -164,8 +165,11 @@ class EngineRules:
         self._series = series
         self.ruleset = load_rules([str(p) for p in paths])
 
-    def new_window(self, size: int) -> Any:
-        return self._series.Window(size)
+    def new_window(self, size: int | None) -> Any:
+        # Only what the rules read (metrics and steps): a daemon holds one window per run it watches.
+        if size is None:
+            size = self._series.window_steps(self.ruleset.max_window)
+        return self._series.Window(size, self.ruleset.metrics)
 
     def initial_state(self) -> Any:
         return self._engine.EngineState()

@@ -377,7 +377,8 @@ def run_series(
     (an OOM usually ends a run's log).
     """
     rules = tuple(rules)
-    w = Window(size if size is not None else max((r.max_window for r in rules), default=1) + 1)
+    w = Window(size if size is not None else max((r.max_window for r in rules), default=1) + 1,
+               frozenset().union(*(r.metrics for r in rules)))
     st = state or EngineState()
     pending = list(events)
     i = 0

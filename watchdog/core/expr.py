@@ -30,7 +30,7 @@ import dataclasses
 import difflib
 import math
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -712,7 +712,7 @@ def _max(vals: list[float], *_: Any) -> float:
     return math.nan if _has_nan(vals) else max(vals)
 
 
-def _std(vals: list[float], *_: Any) -> float:
+def _std(vals: Sequence[float], *_: Any) -> float:
     m = _fsum(vals) / len(vals)
     return math.sqrt(_fsum((v - m) ** 2 for v in vals) / len(vals))
 

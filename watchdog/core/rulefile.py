@@ -43,6 +43,7 @@ construction from tags) so every value keeps its line and column for messages.
 from __future__ import annotations
 
 import difflib
+import functools
 import math
 import os
 import re
@@ -208,6 +209,11 @@ class Rule:
         """Steps of history this rule reads."""
         return max(self.expr.max_window, self.clear.max_window if self.clear else 1, self.for_ + 1)
 
+    @property
+    def metrics(self) -> frozenset[str]:
+        """Short names its condition and clear condition read."""
+        return self.expr.metrics | (self.clear.metrics if self.clear is not None else frozenset())
+
 
 @dataclass(frozen=True)
 class RuleSet:
@@ -239,6 +245,12 @@ class RuleSet:
     def max_window(self) -> int:
         """Steps of history the whole set reads (a good Window size)."""
         return max((r.max_window for r in self.rules), default=1)
+
+    @functools.cached_property
+    def metrics(self) -> frozenset[str]:
+        """Short names any rule reads, disabled ones too: the metrics a daemon's windows keep
+        (computed once: every window of the daemon shares the one set)."""
+        return frozenset().union(*(r.metrics for r in self.rules))
 
     def only(self, names: Sequence[str]) -> RuleSet:
         """A subset by name (order kept); KeyError naming an unknown one."""

@@ -1,0 +1,253 @@
+"""Benchmark: one daemon watching 1,000 run directories for an hour of simulated training.
+
+The daemon is built as ``watchdog daemon --config`` builds it (:func:`watchdog.control.daemon.prepare_daemon`
+on a :class:`~watchdog.control.daemon.DaemonConfig` listing every run directory, no restart command:
+the runs are watched, not launched). A simulated trainer per run writes the run-directory protocol
+(``run.json``, ``metrics.jsonl`` lines of ~100 verl keys from the real verl log of ../shared/testdata
+with a per-run random walk and a KL drift in a tenth of the runs, ``events.jsonl``: ``started``, a
+``checkpoint`` every ``--ckpt-every`` steps). The simulated clock advances one tick interval at a
+time: the trainers append the steps of that interval, then ``Watchdog.tick(now)`` runs, timed with
+``perf_counter``; no sleeps, so an hour takes what the ticks cost. A tick is on time when it takes
+less than the tick interval (the scheduler runs ticks with ``max_instances=1, coalesce=True``: a
+longer tick delays the next one).
+
+Memory: RSS after every tick (``/proc/self/statm``) and peak (``ru_maxrss``); the daemon's windows
+measured object by object (as bench/bench_rules.py) at each quarter of the hour; Python heap by
+``tracemalloc`` over the last ``--traced-ticks`` ticks (it slows the process, so not over all).
+
+Usage: ``python bench/daemon_scale.py [--runs 1000] [--hours 1] [--step-s 10] [--tick-s 30]``.
+Writes bench/results/daemon_scale.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+import platform
+import random
+import resource
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import tracemalloc
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_rules import KEYS_PER_RECORD, base_trajectory, deep_size  # noqa: E402
+
+from watchdog.control.daemon import DaemonConfig, RunSpec, prepare_daemon  # noqa: E402
+from watchdog.protocol import rundir  # noqa: E402
+
+
+class Trainer:
+    """A run's simulated trainer: appends whole protocol lines to its run directory."""
+
+    def __init__(self, run_dir: Path, run: int, base: list[dict[str, float]], ckpt_every: int) -> None:
+        self.dir = run_dir
+        self.rnd = random.Random(run)
+        self.base = base
+        self.offset = self.rnd.randrange(len(base))
+        self.drift = 1.003 if run % 10 == 3 else 1.0  # a tenth of the runs drift: KL rules fire
+        self.walk = 1.0
+        self.step = 0
+        self.ckpt_every = ckpt_every
+        self.keys = list(base[0])
+        self.pad = [f"timing_s/extra_{i}" for i in range(max(0, KEYS_PER_RECORD - len(self.keys)))]
+        self.pad_json = json.dumps({k: 1.0 + self.rnd.random() for k in self.pad})[1:-1]
+        run_dir.mkdir(parents=True)
+        (run_dir / rundir.RUN_JSON).write_text(json.dumps({"id": run_dir.name, "pid": None}))
+        rundir.append_event(run_dir, "started", 0)
+
+    def advance(self, steps: int, now: float) -> None:
+        lines, events = [], []
+        for _ in range(steps):
+            self.step += 1
+            # The log played forwards then backwards (no jump back to step 1 when it wraps).
+            j = (self.offset + self.step) % (2 * len(self.base) - 2)
+            b = self.base[j if j < len(self.base) else 2 * len(self.base) - 2 - j]
+            self.walk = min(self.walk * math.exp(self.rnd.gauss(0.0, 0.02)) * self.drift, 50.0)
+            r = self.rnd.random
+            data = {k: v * (self.walk if "kl" in k and "coeff" not in k else 1.0) * (0.99 + 0.02 * r())
+                    for k, v in b.items()}
+            # The padding keys' values are the run's own constants, serialised once (writing is not
+            # what is measured; the daemon still parses every key of every line).
+            lines.append(f'{{"step": {self.step}, "data": {{{json.dumps(data)[1:-1]}, {self.pad_json}}}}}')
+            if self.step % self.ckpt_every == 0:
+                events.append(json.dumps({"ts": now, "step": self.step, "kind": "checkpoint",
+                                          "path": str(self.dir / "checkpoints" / f"global_step_{self.step}")}))
+        with open(self.dir / rundir.METRICS, "a") as f:
+            f.write("\n".join(lines) + "\n")
+        if events:
+            with open(self.dir / rundir.EVENTS, "a") as f:
+                f.write("\n".join(events) + "\n")
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=1000)
+    ap.add_argument("--hours", type=float, default=1.0, help="simulated hours")
+    ap.add_argument("--step-s", type=float, default=15.0, help="simulated seconds per training step")
+    ap.add_argument("--tick-s", type=float, default=60.0, help="the daemon's tick interval (tick_s)")
+    ap.add_argument("--ckpt-every", type=int, default=50, help="steps between checkpoint events")
+    ap.add_argument("--traced-ticks", type=int, default=3, help="last ticks run under tracemalloc")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR)
+
+    tmp = Path(tempfile.mkdtemp(prefix="daemon_scale_"))
+    try:
+        base = base_trajectory()
+        t0 = time.perf_counter()
+        trainers = [Trainer(tmp / "runs" / f"run{r:04d}", r, base, args.ckpt_every) for r in range(args.runs)]
+        cfg = DaemonConfig(runs=[RunSpec(str(t.dir)) for t in trainers], state_dir=str(tmp / "state"),
+                           tick_s=args.tick_s)
+        wd = prepare_daemon(cfg)
+        setup_s = time.perf_counter() - t0
+        rss_start = rss_mib()
+        n_ticks = int(round(args.hours * 3600 / args.tick_s))
+        steps_per_tick = args.tick_s / args.step_s
+        owed = 0.0
+        now = 1_700_000_000.0
+        tick_s: list[float] = []
+        rss: list[float] = []
+        windows_kb: list[dict[str, float]] = []
+        traced_peak = traced_now = 0
+        write_s = 0.0
+        for i in range(n_ticks):
+            now += args.tick_s
+            owed += steps_per_tick
+            k = int(owed)
+            owed -= k
+            w0 = time.perf_counter()
+            for t in trainers:
+                t.advance(k, now)
+            write_s += time.perf_counter() - w0
+            if i == n_ticks - args.traced_ticks:
+                gc.collect()
+                tracemalloc.start()
+            a = time.perf_counter()
+            wd.tick(now)
+            tick_s.append(time.perf_counter() - a)
+            if tracemalloc.is_tracing():
+                traced_now, peak = tracemalloc.get_traced_memory()
+                traced_peak = max(traced_peak, peak)
+            rss.append(rss_mib())
+            if (i + 1) % max(1, n_ticks // 4) == 0 or i == n_ticks - 1:
+                ws = [c.window for c in wd.controllers.values()]
+                windows_kb.append({"tick": i + 1, "sim_minutes": round((i + 1) * args.tick_s / 60, 1),
+                                   "steps_per_run": trainers[0].step,
+                                   "window_kb_per_run": round(deep_size(ws) / len(ws) / 1024, 2),
+                                   "rss_mib": round(rss[-1], 1)})
+                print(f"tick {i + 1}/{n_ticks}: step {trainers[0].step}, tick {tick_s[-1] * 1e3:.0f} ms, "
+                      f"RSS {rss[-1]:.0f} MiB, windows {windows_kb[-1]['window_kb_per_run']} KB/run", flush=True)
+        tracemalloc.stop()
+        wall = time.perf_counter() - t0
+        decisions = len(wd.store.decisions())
+        wd.close()
+        late = sum(1 for x in tick_s if x >= args.tick_s)
+        steady = rss[len(rss) // 4:]
+        doc: dict[str, Any] = {
+            "benchmark": "one daemon, many run directories, an hour of simulated steps",
+            "command": " ".join(["python bench/daemon_scale.py", *(argv if argv is not None else sys.argv[1:])]),
+            "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "loadavg": [round(x, 2) for x in os.getloadavg()],
+            "runs": args.runs,
+            "simulated_hours": args.hours,
+            "step_s": args.step_s,
+            "tick_s": args.tick_s,
+            "ticks": n_ticks,
+            "steps_per_run": trainers[0].step,
+            "records_total": trainers[0].step * args.runs,
+            "keys_per_record": max(KEYS_PER_RECORD, len(base[0])),
+            "checkpoint_every": args.ckpt_every,
+            "window_steps": next(iter(wd.controllers.values())).window.size,
+            "tick_ms_p50": round(statistics.median(tick_s) * 1e3, 1),
+            "tick_ms_p99": round(pct(tick_s, 0.99) * 1e3, 1),
+            "tick_ms_max": round(max(tick_s) * 1e3, 1),
+            "tick_ms_per_run_p50": round(statistics.median(tick_s) * 1e3 / args.runs, 3),
+            "ticks_late": late,
+            "on_time": late == 0,
+            "rss_mib_start": round(rss_start, 1),
+            "rss_mib_end": round(rss[-1], 1),
+            "rss_mib_steady_min_max": [round(min(steady), 1), round(max(steady), 1)],
+            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "windows": windows_kb,
+            "tracemalloc_last_ticks_mib": {"ticks": args.traced_ticks, "current": round(traced_now / 2**20, 1),
+                                           "peak": round(traced_peak / 2**20, 1)},
+            "decisions": decisions,
+            "setup_s": round(setup_s, 1),
+            "trainer_write_s": round(write_s, 1),
+            "wall_s": round(wall, 1),
+        }
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "daemon_scale.json").write_text(json.dumps(doc, indent=2) + "\n")
+    write_md(doc, args.out / "daemon_scale.md")
+    print(json.dumps({k: v for k, v in doc.items() if k != "windows"}))
+    return 0 if doc["on_time"] else 1
+
+
+def write_md(d: dict[str, Any], path: Path) -> None:
+    lines = [
+        "# Daemon at scale",
+        "",
+        f"One daemon (`prepare_daemon`, files source, default pack) watching **{d['runs']:,} run directories** for "
+        f"{d['simulated_hours']:g} simulated hour(s): a step every {d['step_s']:g} s per run "
+        f"({d['steps_per_run']:,} steps a run, {d['records_total']:,} metric lines of {d['keys_per_record']} keys, "
+        f"a checkpoint event every {d['checkpoint_every']} steps), tick every {d['tick_s']:g} s ({d['ticks']} ticks). "
+        f"Ticks driven in a loop on a simulated clock, no sleeps. Python {d['python']}, {d['cpus']} cores shared "
+        f"(load average {d['loadavg']}), {d['date']}. Command: `{d['command']}`.",
+        "",
+        f"The step rate is scaled down (3,600 steps a run, a step a second, would take the simulation over an hour "
+        f"on two shared cores; a real PPO step of a large model takes tens of seconds to minutes): a step every "
+        f"{d['step_s']:g} s, still past the window's first trims ({d['window_steps']} steps kept, up to twice that). "
+        f"The run count is not scaled. The tick interval is the daemon's `tick_s`; a tick is on time when it ends "
+        f"before the next is due.",
+        "",
+        "| tick p50 ms | tick p99 ms | max ms | per run p50 ms | tick interval ms | late ticks | on time |",
+        "|---:|---:|---:|---:|---:|---:|---|",
+        f"| {d['tick_ms_p50']} | {d['tick_ms_p99']} | {d['tick_ms_max']} | {d['tick_ms_per_run_p50']} | "
+        f"{d['tick_s'] * 1e3:g} | {d['ticks_late']} | {'yes' if d['on_time'] else '**no**'} |",
+        "",
+        f"Memory: RSS {d['rss_mib_start']} MiB after adding the runs, {d['rss_mib_end']} MiB at the end, "
+        f"{d['rss_mib_steady_min_max'][0]}-{d['rss_mib_steady_min_max'][1]} MiB over the last three quarters; "
+        f"peak {d['peak_rss_mib']} MiB. Python heap (tracemalloc, last {d['tracemalloc_last_ticks_mib']['ticks']} ticks): "
+        f"{d['tracemalloc_last_ticks_mib']['current']} MiB, peak {d['tracemalloc_last_ticks_mib']['peak']} MiB. "
+        f"Windows of {d['window_steps']} steps:",
+        "",
+        "| simulated minutes | steps a run | window KB per run | RSS MiB |",
+        "|---:|---:|---:|---:|",
+    ]
+    lines += [f"| {w['sim_minutes']} | {w['steps_per_run']} | {w['window_kb_per_run']} | {w['rss_mib']} |"
+              for w in d["windows"]]
+    lines += ["", f"Setup {d['setup_s']} s, trainers' writes {d['trainer_write_s']} s, wall {d['wall_s']} s.", ""]
+    path.write_text("\n".join(lines))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
