@@ -144,7 +144,9 @@ def measure(run_dir: Path, wall: float, seen: list[tuple[int, float]]) -> dict:
         "steps_trained_again": max(0, len([s for s, _ in seen if s > 0]) - productive),
         "median_step_s": round(step_s, 3), "ettr": round(productive * step_s / wall, 3) if wall else 0.0,
         "steps_per_minute": round(60 * productive / wall, 1) if wall else 0.0, "last_step": last,
-        "final_val": final[last]["data"].get(VAL_KEY) if last is not None else None,
+        # The last validation on the final timeline (the trainer validates every test_freq steps).
+        "final_val": next((final[s]["data"][VAL_KEY] for s in sorted(final, reverse=True) if VAL_KEY in final[s]["data"]),
+                          None),
         "sft_val": final.get(0, {}).get("data", {}).get(VAL_KEY), "recovery_s": recover,
     }
 

@@ -8,7 +8,7 @@ order alternating), at least 5 pairs. Per run the median of ``perf/time_per_step
 is the median over pairs of (watched / alone - 1). Goal: at most 1%.
 
 **Reaction**: one watched run with a rule that asks for a live change every 5 steps
-(kl_coef x1.0: a real control.json version, nothing else changes); per change the steps and
+(kl_coef x1.001: a real control.json version and a new value, too small to change training); per change the steps and
 seconds from the decision (its step, when it was stored) to the trainer's ``applied`` event.
 Goal: at most one step boundary after the decision.
 
@@ -35,10 +35,10 @@ PING_RULES = """\
 version: 1
 rules:
   - name: ping
-    description: a live change every 5 steps (kl_coef x1.0), to time decision -> applied
+    description: a live change every 5 steps (kl_coef x1.001, a real new value too small to matter) to time decision -> applied
     expr: step >= 2
     actions:
-      - set: {key: algorithm.kl_ctrl.kl_coef, scale: 1.0}
+      - set: {key: algorithm.kl_ctrl.kl_coef, scale: 1.001}
     cooldown: 5
     repeat: true
 """

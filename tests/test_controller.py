@@ -509,3 +509,24 @@ def test_sigusr1_waits_until_the_relaunched_trainer_has_written_its_own_pid(tmp_
         assert h.proc.wait(5) == -signal.SIGUSR1  # now it is signalled (and this stand-in has no handler)
     finally:
         act.stop(h)
+
+
+def test_a_divergence_that_recurs_after_its_rollback_suspects_the_checkpoint_it_went_back_to(tmp_path: Path) -> None:
+    """lr x30 at step 75, detected at 77: the checkpoint of step 75 already holds the spiked update.
+    The first rollback goes there (nothing says otherwise yet); when the same rule fires again
+    before the run got past step 78, the next rollback must go further back than 75."""
+    run = tmp_path / "run"
+    run.mkdir()
+    wd = build_watchdog(tmp_path / "state", [])
+    ctl = wd.add_run(run, managed=False)
+    rid = ctl.run.run_id
+    assert ctl._recurring_start("kl_explosion", 77, 76) == 76  # a first divergence: as the rule says
+    wd.store.open_bad_span(rid, "kl_explosion", 76)
+    entry = wd.store.add_action(rid, "rollback", {"rule": "kl_explosion", "resume_step": 75})
+    wd.store.update_action(entry, status="done")
+    wd.store.close_bad_spans(rid, 78)
+    assert ctl._recurring_start("kl_explosion", 77, 76) == 75  # again, on the same steps: 75 is suspect
+    assert ctl._recurring_start("kl_explosion", 90, 89) == 89  # past them: a new divergence
+    assert ctl._recurring_start("nan", 77, 76) == 76  # another cause
+    spans = [BadSpan("kl_explosion", 75, None, 0.0, None)]
+    assert choose_known_good([SimpleNamespace(step=s, complete=True) for s in (70, 75)], spans).step == 70

@@ -378,6 +378,9 @@ class Actuator:
             # Nothing was started or stopped (the job server did not answer): the entry stays open
             # and the next tick drives the same phase again.
             log.warning("%s: action %d (%s) waits for the backend: %s", h.run.run_id, entry.id, entry.kind, exc)
+        except ActuatorError as exc:  # a known reason (e.g. a watched run has no command to relaunch)
+            log.error("%s: action %d (%s) failed: %s", h.run.run_id, entry.id, entry.kind, exc)
+            self._finish(h, entry, "failed", error=str(exc))
         except Exception as exc:  # recorded and the loop goes on (a daemon must not die of one run)
             log.exception("%s: action %d (%s) failed", h.run.run_id, entry.id, entry.kind)
             self._finish(h, entry, "failed", error=f"{type(exc).__name__}: {exc}")
@@ -468,6 +471,9 @@ class Actuator:
                 return
         rewinding = p.get("resume") in ("known_good", "path", "scratch")
         skip = int(p.get("skip_batches") or 0) if rewinding and p["resume_path"] else 0
+        if not h.run.command:  # a watched run: its trainer is left as it is, a human restarts it
+            raise ActuatorError(f"a watched run has no command to relaunch; restart it yourself"
+                                f"{' from ' + str(p['resume_path']) if p.get('resume_path') else ''}")
         if "launched_pid" not in p:
             p.update(stopped_ts=time.time(), trained_to=h.run.last_step)
             p["stop_exit"] = self.stop(h)

@@ -101,7 +101,8 @@ class ControllerConfig:
                              f"{self.heartbeat_min_s}, {self.heartbeat_factor}")
         if self.restart_budget < 0 or self.oom_retry_budget < 0:
             raise ValueError("budgets must be >= 0")
-        if self.startup_timeout_s <= 0 or self.startup_s < 0 or self.window_size < 1 or self.rollback_margin_steps < 0:
+        bad_window = self.window_size is not None and self.window_size < 1
+        if self.startup_timeout_s <= 0 or self.startup_s < 0 or bad_window or self.rollback_margin_steps < 0:
             raise ValueError(f"startup_timeout_s must be > 0, startup_s >= 0, window_size >= 1 and "
                              f"rollback_margin_steps >= 0; got {self.startup_timeout_s!r}, {self.startup_s!r}, "
                              f"{self.window_size!r}, {self.rollback_margin_steps!r}")
@@ -546,7 +547,8 @@ class RunController:
                     # (A divergence covered by the rollback in progress is the abandoned timeline's: that
                     # rollback closes its span; a span opened for it would never close.)
                     start = span_start(d.step, self.rules.for_steps(d.rule), self.config.rollback_margin_steps)
-                    self.store.open_bad_span(self.run.run_id, d.rule, start, did)
+                    self.store.open_bad_span(self.run.run_id, d.rule, self._recurring_start(d.rule, d.step, start),
+                                             did)
                 for p in planned:
                     self._journal(p, did, d.kind == DecisionKind.ESCALATE)
             self._release_waiting()
@@ -564,6 +566,23 @@ class RunController:
     def _deferrable(p: Planned) -> bool:
         """A relaunch wanted only for tuning: it waits for the next checkpoint."""
         return p.kind == JournalKind.RESTART and p.payload.get("urgent") is False
+
+    def _recurring_start(self, rule: str, step: int, start: int) -> int:
+        """Where the suspect steps begin when ``rule`` fires again on the timeline its last rollback began.
+
+        The run diverged again before it got past the steps of the last divergence: the checkpoint
+        it went back to already held the cause (a detection later than the rule's ``for``, say), so
+        it is suspect too and the next rollback goes further back.
+        """
+        ends = [s.end_step for s in self.store.bad_spans(self.run.run_id) if s.rule == rule and s.end_step is not None]
+        if not ends or step > ends[-1]:
+            return start
+        targets = [e.result.get("resume_step", e.payload.get("resume_step"))
+                   for e in self.store.journal(self.run.run_id)
+                   if e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART) and e.status == ActionStatus.DONE
+                   and e.payload.get("rule") == rule]
+        last = next((t for t in reversed(targets) if isinstance(t, int)), None)
+        return start if last is None else min(start, last)
 
     def _journal(self, p: Planned, did: int, escalation: bool) -> None:
         """Write one planned entry (priced; a tuning relaunch as ``waiting``)."""
