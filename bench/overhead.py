@@ -84,9 +84,9 @@ def reaction(work: Path, seed: int) -> list[dict]:
     rules.write_text(PING_RULES)
     run = watched(work, seed, rules, tag="ping")
     store = Store(work / f"state-ping-{seed}")
-    applied = {c["version"]: c for c in store.control_versions("run")}
+    applied = {c["version"]: c for c in store.control_versions(run.name)}  # the run id: its directory's name
     out = []
-    for d in store.decisions("run"):
+    for d in store.decisions(run.name):
         for j in d["journal"]:
             c = applied.get(j["control_version"])
             if j["kind"] == "live_set" and c and c["applied_ts"] is not None:
@@ -126,7 +126,10 @@ def main() -> None:
     rows = ["| seed | median step alone (s) | median step watched (s) | overhead |", "|---|---|---|---|"]
     rows += [f"| {p['seed']} | {p['alone_s']} | {p['watched_s']} | {100 * p['overhead']:+.1f}% |" for p in pairs]
     text = (f"# `python bench/overhead.py`\n\nEmbedded default config, {STEPS} steps, 1 s tick, default pack. "
-            f"Median overhead over {len(pairs)} pairs: **{100 * overhead:+.1f}%**.\n\n" + "\n".join(rows) +
+            f"Median overhead over {len(pairs)} pairs: **{100 * overhead:+.1f}%**. The pairs spread from "
+            f"{100 * min(p['overhead'] for p in pairs):+.1f}% to {100 * max(p['overhead'] for p in pairs):+.1f}%: "
+            "that is how much the same seed's step time moves from run to run on this machine, so an "
+            "effect smaller than the spread is not measured here.\n\n" + "\n".join(rows) +
             f"\n\nDecision to applied (a live kl_coef change every 5 steps, {len(react)} changes): median "
             f"{doc['reaction_median_steps']} step(s), at most {doc['reaction_max_steps']}; median "
             f"{doc['reaction_median_s']} s.\n")

@@ -130,6 +130,16 @@ def test_resume_skip_batches_moves_the_data_past_the_batches_after_the_checkpoin
     assert got == expect.state_dict() and got != saved
 
 
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` has a handler for ``sig`` (SigCgt in /proc/PID/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((int(line.split()[1], 16) for line in status.splitlines() if line.startswith("SigCgt:")), 0)
+    return bool(mask >> (sig - 1) & 1)
+
+
 def test_a_restart_from_an_earlier_checkpoint_drops_the_abandoned_timeline_and_survives_an_early_sigusr1(
     tmp_path: Path, tiny_trainer_args: Callable[..., list[str]], trainer_env: dict[str, str]
 ) -> None:
@@ -144,11 +154,16 @@ def test_a_restart_from_an_earlier_checkpoint_drops_the_abandoned_timeline_and_s
     proc = subprocess.Popen(tiny_trainer_args(run, "trainer.save_freq=100", "trainer.resume_mode=resume_path",
                                               f"trainer.resume_from_path={ck.step_dir(root, 2)}", steps=3),
                             env=trainer_env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    # The watchdog writes control.json and signals at once, while this process still imports torch.
+    # The watchdog writes control.json and signals at once, while this process still imports torch
+    # (from the moment its main() catches SIGUSR1: before that the interpreter itself is starting,
+    # and the watchdog signals only a trainer whose run.json carries its pid).
+    deadline = time.monotonic() + TIMEOUT
+    while proc.poll() is None and not _catches(proc.pid, signal.SIGUSR1) and time.monotonic() < deadline:
+        time.sleep(0.005)
     for _ in range(8):
-        time.sleep(0.15)
         if proc.poll() is None:
             proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.15)
     _, err = proc.communicate(timeout=TIMEOUT)
     assert proc.returncode == 0, err[-3000:]
     # Step 4 of the abandoned timeline is gone, so no later resume can pick it.

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from watchdog.core.planner import config_value
 from watchdog.protocol import checkpoint as ckpt
 from watchdog.protocol import rundir
 from watchdog.protocol.runinfo import RunInfo
@@ -79,22 +80,11 @@ class Dialect(Protocol):
         ...
 
 
-def _setting(config: Mapping[str, Any], dotted: str) -> Any:
-    if dotted in config:
-        return config[dotted]
-    node: Any = config
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
 def verl_pruning(config: Mapping[str, Any]) -> str:
     """The verl settings in ``config`` under which verl deletes old checkpoints itself (empty: none)."""
     found = []
     for key in PRUNE_KEYS:
-        v = _setting(config, key)
+        v = config_value(config, key)
         if v not in (None, False, 0, "null", "None"):
             found.append(f"{key}={v}")
     return ", ".join(found)

@@ -170,16 +170,9 @@ def patch_lr_copy(src: Path | str, dst_root: Path | str, lrs: Mapping[str, float
             rel = f.relative_to(src)
             if f.is_dir() or str(rel) in rewritten:
                 continue
-            target = tmp / rel
-            target.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(f, target)  # the model shards are the bulk: share them, never rewrite them
-            except OSError:
-                shutil.copy2(f, target)
+            ckpt.link_or_copy(f, tmp / rel)  # the model shards are the bulk: share them, never rewrite them
         rundir.atomic_write_json(tmp / PATCH_RECORD, {**record, "files": sorted(rewritten), "ts": time.time()})
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
+        ckpt.publish_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -98,16 +98,21 @@ class Planned:
 # -- values ----------------------------------------------------------------------------
 
 
-def config_value(cfg: Mapping[str, Any], dotted: str) -> Any | None:
-    """A dotted key from a nested (or already flat) config snapshot."""
+def _lookup(cfg: Mapping[str, Any], dotted: str) -> tuple[bool, Any]:
+    """(found, value) of a dotted key in a nested (or already flat) config snapshot."""
     if dotted in cfg:
-        return cfg[dotted]
+        return True, cfg[dotted]
     node: Any = cfg
     for part in dotted.split("."):
         if not isinstance(node, Mapping) or part not in node:
-            return None
+            return False, None
         node = node[part]
-    return node
+    return True, node
+
+
+def config_value(cfg: Mapping[str, Any], dotted: str) -> Any | None:
+    """A dotted key from a nested (or already flat) config snapshot."""
+    return _lookup(cfg, dotted)[1]
 
 
 def _number(v: Any) -> float | None:
@@ -232,14 +237,7 @@ def clip_bound_sets(overrides: Mapping[str, Any], config: Mapping[str, Any],
 
 def _holds(cfg: Mapping[str, Any], dotted: str) -> bool:
     """True when the config has ``dotted`` at all (even as None)."""
-    if dotted in cfg:
-        return True
-    node: Any = cfg
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return False
-        node = node[part]
-    return True
+    return _lookup(cfg, dotted)[0]
 
 
 # -- out of memory ---------------------------------------------------------------------

@@ -649,19 +649,29 @@ def keep_checkpoint(path: Path | str, root: Path | str) -> Path:
     tmp = dest_root / f".tmp-{src.name}-{os.getpid()}-{time.monotonic_ns()}"
     try:
         for rel in files:
-            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            try:
-                os.link(src / rel, tmp / rel)
-            except OSError:
-                shutil.copy2(src / rel, tmp / rel)
-        if dst.exists():
-            shutil.rmtree(dst)
-        os.replace(tmp, dst)
+            link_or_copy(src / rel, tmp / rel)
+        publish_dir(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("kept %s as %s (out of reach of the trainer's own pruning)", src, dst)
     return dst
+
+
+def link_or_copy(src: Path, dst: Path) -> None:
+    """``dst`` as a hard link to ``src`` (a copy across file systems); its parent is made."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def publish_dir(tmp: Path, dst: Path) -> None:
+    """Put the directory built at ``tmp`` in place of ``dst`` (a rename: no reader sees half of it)."""
+    if dst.exists():
+        shutil.rmtree(dst)
+    os.replace(tmp, dst)
 
 
 def release_kept(root: Path | str, keep: Iterable[str]) -> list[Path]:
