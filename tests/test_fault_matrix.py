@@ -60,9 +60,10 @@ def test_every_crash_point_is_a_cell() -> None:
 def test_a_watchdog_killed_mid_action_then_rerun_acts_exactly_once(tmp_path: Path, kind: str, phase: str) -> None:
     rules_text, faults, steps, _ = KINDS[kind]
     rules = _rules(tmp_path, rules_text)
-    first = _watchdog(tmp_path, rules, steps=steps, faults=faults, env={"WATCHDOG_TEST_CRASH_AT": phase})
+    first = _watchdog(tmp_path, rules, steps=steps, faults=faults, extra=["--verbose"],
+                      env={"WATCHDOG_TEST_CRASH_AT": phase})
     assert first.returncode == -signal.SIGKILL, first.stdout + first.stderr
-    second = _watchdog(tmp_path, rules, steps=steps, faults=faults)
+    second = _watchdog(tmp_path, rules, steps=steps, faults=faults, extra=["--verbose"])
     assert second.returncode == 0, second.stdout + second.stderr
     assert _events(tmp_path, "finished"), "the run did not end"
     versions = [e["version"] for e in _events(tmp_path, "applied") if e.get("version")]
@@ -70,6 +71,10 @@ def test_a_watchdog_killed_mid_action_then_rerun_acts_exactly_once(tmp_path: Pat
     decisions = [h for h in _history(tmp_path) if h["rule"] == {"live_set": "kl_high", "rollback": "nan_rollback",
                                                                  "restart": "oom"}[kind]]
     assert len(decisions) == 1 and decisions[0]["status"] == "applied", decisions
+    # Every process the watchdogs launched (their console says so with --verbose), not only those that got as far as
+    # a `started` event: a second launch killed while importing torch would leave no event.
+    launches = (first.stdout + first.stderr + second.stdout + second.stderr).count("started pid ")
+    assert launches == (2 if kind == "restart" else 1), f"{launches} trainers launched"
     starts = _events(tmp_path, "started")
     if kind == "live_set":
         assert len(starts) == 1 and len(versions) == 1

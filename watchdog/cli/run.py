@@ -50,8 +50,10 @@ def _store(state_dir: str | None) -> Store:
 
 
 def _logging(verbose: bool) -> None:
-    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # force: the root callback has configured logging already (`watchdog -v run` or `run --verbose`).
+    if verbose:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                            stream=sys.stderr, force=True)
     # A tick skipped while the previous one waits for a trainer to stop is expected, not news.
     logging.getLogger("apscheduler").setLevel(logging.ERROR)
 

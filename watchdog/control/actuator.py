@@ -340,9 +340,8 @@ class Actuator:
         cmd, env = h.dialect.prepare_launch(cmd, h.run.overrides, resume_path)
         backend = h.backend or self.backend
         proc = backend.start(cmd, env=env, cwd=None, log_path=Path(h.run.run_dir) / self.config.log_name)
-        h.dialect.launched(proc.pid, cmd, resume_path)
-        # A Ray Job has a submission id instead of a pid; a local process has none.
-        job_id = getattr(proc, "job_id", None)
+        # Recorded before anything else can fail: a trainer that runs is a trainer the watchdog knows.
+        job_id = getattr(proc, "job_id", None)  # a Ray Job has a submission id instead of a pid
         h.proc = proc
         h.run.pid = proc.pid
         h.run.job_id = job_id
@@ -350,8 +349,9 @@ class Actuator:
         h.run.launched_ts = now
         h.run.last_progress_ts = now
         h.run.exit_code = None
-        self.store.update_run(h.run.run_id, pid=proc.pid, job_id=job_id, phase=Phase.RUNNING, launched_ts=now,
-                              last_progress_ts=now, exit_code=None)
+        self.store.update_run(h.run.run_id, pid=proc.pid, job_id=job_id, phase=Phase.RUNNING,
+                              launched_ts=now, last_progress_ts=now, exit_code=None)
+        h.dialect.launched(proc.pid, cmd, resume_path)
         return proc
 
     def stop(self, h: RunHandle) -> int | None:
@@ -474,10 +474,19 @@ class Actuator:
         if not h.run.command:  # a watched run: its trainer is left as it is, a human restarts it
             raise ActuatorError(f"a watched run has no command to relaunch; restart it yourself"
                                 f"{' from ' + str(p['resume_path']) if p.get('resume_path') else ''}")
+        if "launched_pid" not in p and "stopped_ts" in p and h.run.pid not in (None, p.get("stopped_pid")):
+            # Killed between the launch's commit and this entry's: the run row already holds the new trainer.
+            p.update(launched_pid=h.run.pid)
+            self.store.update_action(entry.id, payload=p)
         if "launched_pid" not in p:
-            p.update(stopped_ts=time.time(), trained_to=h.run.last_step)
-            p["stop_exit"] = self.stop(h)
-            self.crash_hook("stopped")
+            if "stopped_ts" not in p:
+                p.update(trained_to=h.run.last_step, stopped_pid=h.run.pid)
+                p["stop_exit"] = self.stop(h)
+                p["stopped_ts"] = time.time()
+                self.store.update_action(entry.id, payload=p)
+                self.crash_hook("stopped")
+            else:
+                self.stop(h)  # a re-drive: whatever is left of the stopped trainer
             if p.get("resume") == "scratch":
                 # Start over from the initial weights: nothing saved on the abandoned timeline (the
                 # stopped trainer's SIGTERM checkpoint included) may be resumed by a later restart.
@@ -494,16 +503,15 @@ class Actuator:
             skip_arg = skip_batches_arg(h.run.run_dir, skip) if skip else None
             if skip and skip_arg is None:
                 p["skip_note"] = f"skip_batches={skip} not done (the trainer offers no key for it)"
-            # The new pid and "launched" land in one commit: a watchdog killed after it adopts the
-            # new trainer instead of launching a second one (exactly once; RELIABILITY.md).
-            with self.store.transaction():
-                self.launch(h, p["resume_path"], now, once=[skip_arg] if skip_arg else (),
-                            fresh=p.get("resume") == "scratch")
-                p.update(launched_pid=h.run.pid, version=version)
-                self.store.update_action(entry.id, payload=p)
+            # launch() commits the new pid first: a watchdog killed from then on finds a pid other than
+            # ``stopped_pid`` and adopts that trainer instead of launching a second (exactly once; RELIABILITY.md).
+            self.launch(h, p["resume_path"], now, once=[skip_arg] if skip_arg else (),
+                        fresh=p.get("resume") == "scratch")
+            p.update(launched_pid=h.run.pid, version=version)
+            self.store.update_action(entry.id, payload=p)
             entry.payload = p
             self.crash_hook("launched")
-        code, version, stopped_ts = p.get("stop_exit"), p["version"], p["stopped_ts"]
+        code, version, stopped_ts = p.get("stop_exit"), p.get("version", h.run.control_version), p["stopped_ts"]
         if rewinding and p.get("resume_step") is not None:
             # Went back past the divergence: checkpoints of these steps written from now on are re-runs.
             self.store.close_bad_spans(h.run.run_id, max(h.run.last_step or 0, int(p["resume_step"])))

@@ -14,6 +14,7 @@ actions are then driven from the journal, each phase idempotent.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import statistics
@@ -131,6 +132,12 @@ def heartbeat_timeout(step_times: Sequence[float], cfg: ControllerConfig) -> flo
 
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and catalog.is_finite(float(v))
+
+
+#: What a tick changes besides the engine state and read positions, put back when it fails.
+_TICK_FIELDS = ("_rewind_pending", "_rewind_to", "_step_times", "_last_checkpoint", "_saw_finished", "_saw_oom",
+                "_events_since_eval", "_launch_seen", "_started_ts", "latest")
+_TICK_RUN_FIELDS = ("last_step", "last_progress_ts", "last_evaluated_step")
 
 
 def span_start(fire_step: int, for_steps: int, margin: int) -> int:
@@ -371,6 +378,8 @@ class RunController:
         """
         offsets = json.loads(json.dumps(self.tailer.offsets))
         state = self.state
+        kept = {name: copy.copy(getattr(self, name)) for name in _TICK_FIELDS}
+        run_kept = {name: getattr(self.run, name) for name in _TICK_RUN_FIELDS}
         try:
             records, events = self.tailer.poll()
             self._handle_events(events, now)
@@ -381,6 +390,10 @@ class RunController:
         except Exception as exc:
             self.tailer.offsets = offsets
             self.state = state
+            for name, value in kept.items():
+                setattr(self, name, value)
+            for name, value in run_kept.items():
+                setattr(self.run, name, value)
             self.window = self.rules.new_window(self.config.window_size)
             self._rebuild_window(offsets)
             result.decisions.clear()

@@ -643,7 +643,7 @@ def keep_checkpoint(path: Path | str, root: Path | str) -> Path:
     src, dest_root = Path(path), kept_root(root)
     dst = dest_root / src.name
     files = sorted(f.relative_to(src) for f in src.rglob("*") if f.is_file())
-    if dst.is_dir() and all((dst / rel).is_file() and os.path.samefile(dst / rel, src / rel) for rel in files):
+    if dst.is_dir() and all(_same_file(dst / rel, src / rel) for rel in files):
         return dst
     dest_root.mkdir(parents=True, exist_ok=True)
     tmp = dest_root / f".tmp-{src.name}-{os.getpid()}-{time.monotonic_ns()}"
@@ -667,11 +667,24 @@ def link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
+def _same_file(copy: Path, src: Path) -> bool:
+    """``copy`` is ``src``: the same inode (a hard link) or, copied across file systems, same size and mtime."""
+    try:
+        a, b = copy.stat(), src.stat()
+    except OSError:
+        return False
+    return (a.st_ino, a.st_dev) == (b.st_ino, b.st_dev) or (a.st_size, int(a.st_mtime)) == (b.st_size, int(b.st_mtime))
+
+
 def publish_dir(tmp: Path, dst: Path) -> None:
-    """Put the directory built at ``tmp`` in place of ``dst`` (a rename: no reader sees half of it)."""
-    if dst.exists():
-        shutil.rmtree(dst)
+    """Put the directory built at ``tmp`` in place of ``dst``: the old one is renamed aside first and
+    removed only once the new one is in place, so a crash leaves one whole copy or the other."""
+    old = dst.with_name(f"{dst.name}.old-{os.getpid()}-{time.monotonic_ns()}") if dst.exists() else None
+    if old is not None:
+        os.replace(dst, old)
     os.replace(tmp, dst)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def release_kept(root: Path | str, keep: Iterable[str]) -> list[Path]:
