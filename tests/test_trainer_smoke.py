@@ -100,7 +100,9 @@ def test_control_overrides_are_applied_before_the_first_step_and_recorded(tiny_s
     m = _metrics(run)
     assert m[1]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.0123)
     assert m[1]["actor/lr"] == pytest.approx(3e-5)
-    assert t.cfg.actor_rollout_ref.actor.clip_ratio_low == 0.1 and t.cfg.actor_rollout_ref.actor.clip_ratio_high == 0.1
+    # Unset clip bounds stay unset and follow clip_ratio, as in verl (set ones move by the same factor).
+    actor = t.cfg.actor_rollout_ref.actor
+    assert actor.clip_ratio == 0.1 and actor.clip_ratio_low is None and actor.clip_ratio_high is None
     applied = rundir.iter_events(run, ["applied"])
     assert len(applied) == 1 and applied[0]["version"] == 3 and applied[0]["step"] == 0
     assert applied[0]["applied"]["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"] == 4
