@@ -427,7 +427,7 @@ def test_ctrl_c_stops_the_trainer_and_records_the_run_as_stopped(tmp_path: Path,
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     proc.send_signal(signal.SIGINT)
-    assert stopping.wait(90), "".join(lines)  # stopping: SIGTERM sent, ignored, 60 s of grace begun
+    assert stopping.wait(60), "".join(lines)  # stopping: SIGTERM sent, ignored, 60 s of grace begun
     proc.send_signal(signal.SIGINT)  # a second Ctrl-C kills it at once
     proc.wait(timeout=30)
     reader.join(10)

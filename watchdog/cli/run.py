@@ -170,6 +170,9 @@ def run_cmd(
 ) -> None:
     """Start a trainer, watch it and remediate until it finishes; then summarise."""
     _logging(verbose)
+    # Ctrl-C (SIGINT) stops the run cleanly even when this process was started in the background by a
+    # shell, which starts it with SIGINT ignored (a supervisor's `kill -INT` must still work).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if not (math.isfinite(tick) and tick > 0):
         console.print(f"[red]--tick must be a positive number of seconds, got {tick!r}[/red]")
         raise typer.Exit(2)
