@@ -402,13 +402,7 @@ class Actuator:
             if entry.control_version is None:
                 overrides = {**h.run.overrides, **entry.payload.get("set", {})}
                 entry.control_version = self.reserve_version(h, entry, overrides)
-            self.write_control(h, entry.control_version)
-            self.crash_hook("control_written")
-            self._signal(h)
-            self.crash_hook("signalled")
-            deadline = now + self.config.live_timeout_s
-            self.store.update_action(entry.id, status=ActionStatus.SENT, deadline=deadline)
-            entry.status, entry.deadline = ActionStatus.SENT, deadline
+            self._send(h, entry, entry.control_version, now)
             return
         if entry.status == ActionStatus.SENT and entry.deadline is not None and now > entry.deadline:
             if h.proc is not None and h.proc.alive():
@@ -422,6 +416,16 @@ class Actuator:
                                  handed_to=rid)
 
     _drive_command = _drive_live_set
+
+    def _send(self, h: RunHandle, entry: ActionRecord, version: int, now: float) -> None:
+        """Write control.json at the entry's ``version``, signal the trainer, and wait for its ``applied`` (SENT)."""
+        self.write_control(h, version)
+        self.crash_hook("control_written")
+        self._signal(h)
+        self.crash_hook("signalled")
+        deadline = now + self.config.live_timeout_s
+        self.store.update_action(entry.id, status=ActionStatus.SENT, deadline=deadline)
+        entry.status, entry.deadline = ActionStatus.SENT, deadline
 
     def _drive_zero_patch(self, h: RunHandle, entry: ActionRecord) -> None:
         """What a live entry becomes for a trainer that reads no control.json (unmodified verl)."""
@@ -571,13 +575,7 @@ class Actuator:
             self.store.update_action(entry.id, payload=p)
             entry.payload = p
             entry.control_version = self.reserve_version(h, entry, dict(h.run.overrides))
-            self.write_control(h, entry.control_version)
-            self.crash_hook("control_written")
-            self._signal(h)
-            self.crash_hook("signalled")
-            deadline = now + self.config.live_timeout_s
-            self.store.update_action(entry.id, status=ActionStatus.SENT, deadline=deadline)
-            entry.status, entry.deadline = ActionStatus.SENT, deadline
+            self._send(h, entry, entry.control_version, now)
             return
         if entry.status == ActionStatus.SENT and entry.payload["command"]["id"] in h.applied_commands:
             sets = self._snap(h, p.get("set", {}))
