@@ -27,20 +27,44 @@ CORPORA = {"verl_logs": (LOGS / "labels.yaml", "verl"), "embedded_corpus": (ROOT
 
 
 def table(doc: dict) -> str:
-    rows = ["| log | verdict | result | first false action | detected (delay) | rollbacks / pauses / alerts | "
-            "sets per 100 steps | zero-patch relaunches (allowed) | deferred / merged / dropped | KL read |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| log | verdict | result | first false action | detected (delay) | first warning (lead) | "
+            "rollbacks / restarts / pauses / alerts | sets per 100 steps | sets that changed nothing | "
+            "zero-patch relaunches (allowed) | deferred / merged / dropped | KL read |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in doc["logs"]:
         ff = f"{x['first_false']['kind']} {x['first_false']['rule']} @{x['first_false']['step']}" if x["first_false"] else "-"
         det = (f"{x['detected']['kind']} {x['detected']['rule']} @{x['detected']['step']} ({x['delay']:+d})"
                if x["detected"] else "-")
         res = "fragment" if x["verdict"] == "fragment" else ("PASS" if x["passed"] else "**FAIL**")
         zp = x["zero_patch"]
-        rows.append(f"| {Path(x['file']).stem} | {x['verdict']} | {res} | {ff} | {det} | "
-                    f"{x['rollbacks']} / {x['pauses']} / {x['alerts']} | {x['sets_per_100_steps']:.1f} | "
+        warned = x.get("warned")
+        warn = f"{warned['kind']} {warned['rule']} @{warned['step']} ({x['lead']:+d})" if warned else "-"
+        noop = x.get("noop_sets", _noop(x))
+        rows.append(f"| {Path(x['file']).stem} | {x['verdict']} | {res} | {ff} | {det} | {warn} | "
+                    f"{x['rollbacks']} / {x.get('restarts', 0)} / {x['pauses']} / {x['alerts']} | "
+                    f"{x['sets_per_100_steps']:.1f} | {noop} | "
                     f"{zp['relaunches']} ({x['relaunch_allowance']}) | {zp['deferred']} / {zp['merged']} / "
                     f"{zp['dropped']} | {x['kl_source'] or '-'} |")
     return "\n".join(rows)
+
+
+def _noop(x: dict) -> int:
+    """Sets whose ``from`` equals their ``to`` in a log's actions (for JSON of a watchdog without the count)."""
+    return sum(1 for a in x.get("actions", []) if a.get("kind") == "set" and a.get("from") == a.get("to"))
+
+
+def headline(doc: dict) -> str:
+    """The corpus's headline figures as a small table."""
+    h = doc.get("headline")
+    if not h:
+        return ""
+    lead = "-" if h["lead_median"] is None else f"{h['lead_median']:g} / {h['lead_worst']:+d}"
+    return ("| failures detected | lead time, median / worst (steps before onset) | false rollbacks+pauses "
+            "per 1000 healthy steps | zero-patch relaunches per 100 healthy-run steps | sets that changed nothing |\n"
+            "|---|---|---|---|---|\n"
+            f"| {h['detected']}/{h['failures']} | {lead} | {h['false_per_1000_healthy_steps']} "
+            f"({h['false_actions']} in {h['healthy_steps']}) | {h['relaunches_per_100_healthy_steps']} | "
+            f"{h['noop_sets']} |\n\n")
 
 
 def main() -> None:
@@ -63,7 +87,8 @@ def main() -> None:
         stem.with_suffix(".md").write_text(
             f"# `{shown}`\n\n{doc['summary']}\n\nPacks: {', '.join(Path(r).name for r in doc['rules'])}; "
             f"checkpoint every {doc['config']['save_freq']} steps, relaunch start-up {doc['config']['startup_s']:.0f} s, "
-            f"tuning relaunches at most one per {doc['config']['relaunch_every']} steps.\n\n{table(doc)}\n")
+            f"tuning relaunches at most one per {doc['config']['relaunch_every']} steps.\n\n{headline(doc)}"
+            f"{table(doc)}\n")
         print(f"{name}: {doc['summary']} -> {stem}.md")
 
 

@@ -21,6 +21,7 @@ from watchdog.protocol import rundir
 ROOT = Path(__file__).resolve().parents[1]
 LABELS = LOGS / "labels.yaml"
 CORPUS = ROOT / "bench" / "corpus" / "labels.yaml"
+INJECTED = ROOT / "bench" / "corpus_injected" / "labels.yaml"
 
 #: A pack with one rule of each consequence, on a metric the tests steer by hand.
 PACK = textwrap.dedent("""\
@@ -172,6 +173,45 @@ def test_the_default_pack_passes_the_embedded_trainers_own_labelled_corpus() -> 
     doc = json.loads(r.stdout)
     assert r.exit_code == 0, [(x["file"], x["reason"]) for x in doc["logs"] if not x["passed"]]
     assert {x["verdict"] for x in doc["logs"]} == {"healthy", "failure"}
+
+
+#: What CI holds the default pack to on every labelled corpus (issue 21): every failure caught on
+#: time, no false rollback or pause, at most one zero-patch relaunch per 100 healthy steps, and not
+#: one set that would change nothing.
+CORPORA = [pytest.param(LABELS, "verl", marks=needs_logs, id="verl-logs"),
+           pytest.param(CORPUS, "embedded", id="embedded"),
+           pytest.param(INJECTED, "embedded", id="injected")]
+
+
+@pytest.mark.parametrize(("labels", "mode"), CORPORA)
+def test_the_headline_figures_of_each_corpus_hold_the_default_pack_to_its_promises(labels: Path, mode: str) -> None:
+    r = CliRunner().invoke(app, ["eval", str(labels), "--mode", mode, "--json"])
+    h = json.loads(r.stdout)["headline"]
+    assert h["failures"] >= 1 and h["detection_rate"] == 1.0, h
+    assert h["false_actions"] == 0 and h["false_per_1000_healthy_steps"] == 0.0, h
+    assert h["relaunches_per_100_healthy_steps"] <= 1.0, h
+    assert h["noop_sets"] == 0, h
+    assert h["lead_median"] is not None and h["lead_worst"] is not None, h
+
+
+def test_the_headline_counts_detections_lead_time_false_actions_and_changes_that_change_nothing(tmp_path: Path) -> None:
+    _log(tmp_path / "sick.jsonl", {12: -1.0, 8: 9.0}, 30)       # an alert at 8, a rollback at 12; onset 10
+    _log(tmp_path / "well.jsonl", {5: -1.0}, 40)                 # a false rollback in 40 healthy steps
+    labels = tmp_path / "labels.yaml"
+    labels.write_text("version: 1\nlogs:\n  - {file: sick.jsonl, verdict: failure, onset: 10, deadline: 15}\n"
+                      "  - {file: well.jsonl, verdict: healthy}\n")
+    res = ev.evaluate_corpus(ev.load_labels(labels), load_rules([_pack(tmp_path)]), ev.EvalConfig())
+    h = res.headline()
+    assert (h["failures"], h["detected"], h["detection_rate"]) == (1, 1, 1.0)
+    assert (h["lead_median"], h["lead_worst"]) == (2, 2)          # warned at 8, two steps before the onset
+    assert h["false_actions"] == 1 and h["healthy_steps"] == 40 + 7   # the failure's steps 1-7 count as healthy
+    assert h["false_per_1000_healthy_steps"] == pytest.approx(1000 / 47, abs=0.01)
+    assert h["noop_sets"] == 0 and "sets that changed nothing 0" in res.headline_text()
+
+
+def test_an_infrastructure_failure_answered_by_a_policy_rollback_fails_its_label(tmp_path: Path) -> None:
+    s = _score(tmp_path, "verdict: failure\nonset: 10\ndeadline: 15\nexpect: restart\n", {12: -1.0})
+    assert not s.passed and "rollout machinery" in s.reason and s.rollbacks == 1
 
 
 # -- the KL signal of each verl configuration ---------------------------------------------------
