@@ -1,11 +1,12 @@
 """The default pack judged on the labelled corpora: `watchdog eval`, tables committed.
 
-    .venv/bin/python bench/eval_corpus.py                      # both corpora, ~30 s
+    .venv/bin/python bench/eval_corpus.py                      # the three corpora, ~40 s
     .venv/bin/python bench/eval_corpus.py --rules OLD.yaml --tag before
 
 Writes ``bench/results/eval_<corpus>[_<tag>].json`` (the whole ``watchdog eval --json``) and
-``.md`` (one row per log) for the real verl logs of ``../shared/testdata/verl-logs`` (priced as
-zero-patch verl) and the embedded trainer's own runs of ``bench/corpus`` (priced as embedded).
+``.md`` (the headline figures, then one row per log) for the real verl logs of
+``../shared/testdata/verl-logs`` (priced as zero-patch verl), the embedded trainer's own runs of
+``bench/corpus`` and the synthetic fault injection of ``bench/corpus_injected`` (priced as embedded).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from verl_logs import LOGS  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-CORPORA = {"verl_logs": (LOGS / "labels.yaml", "verl"), "embedded_corpus": (ROOT / "bench" / "corpus" / "labels.yaml",
-                                                                            "embedded")}
+CORPORA = {"verl_logs": (LOGS / "labels.yaml", "verl"),
+           "embedded_corpus": (ROOT / "bench" / "corpus" / "labels.yaml", "embedded"),
+           # Synthetic fault injection (bench/make_injected.py): the classes the recorded corpora lack.
+           "injected_corpus": (ROOT / "bench" / "corpus_injected" / "labels.yaml", "embedded")}
 
 
 def table(doc: dict) -> str:

@@ -573,9 +573,11 @@ class CorpusScore:
         healthy = [s for s in j if s.label.verdict == "healthy"]
         fail = [s for s in j if s.label.verdict == "failure"]
         frag = len(self.scores) - len(j)
+        noop = sum(s.noop_sets for s in self.scores)
         return (f"{sum(s.passed for s in j)}/{len(j)} logs passed: healthy {sum(s.passed for s in healthy)}/"
                 f"{len(healthy)}, failures {sum(s.passed for s in fail)}/{len(fail)}"
-                + (f"; {frag} fragment(s) replayed, not scored" if frag else ""))
+                + (f"; {frag} fragment(s) replayed, not scored" if frag else "")
+                + (f"; {noop} set(s) that would change nothing" if noop else ""))
 
     def to_json(self) -> dict[str, Any]:
         return {"passed": self.passed, "summary": self.summary(), "headline": self.headline(), "rules": list(self.rules),
