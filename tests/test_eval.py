@@ -273,3 +273,46 @@ def test_the_live_controller_warns_about_blind_rules_once(tmp_path: Path, caplog
     lines = [r.getMessage() for r in caplog.records if "no KL to the reference" in r.getMessage()]
     assert len(lines) == 1 and "actor_rollout_ref.actor.use_kl_loss=True" in lines[0]
     wd.close()
+
+
+# -- judgment v3 on the synthetic fault injection (issue 21) -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def injected() -> dict[str, dict]:
+    r = CliRunner().invoke(app, ["eval", str(INJECTED), "--mode", "embedded", "--json"])
+    return {x["file"]: x for x in json.loads(r.stdout)["logs"]}
+
+
+def test_a_run_that_died_after_learning_is_rolled_back_by_the_dead_after_learning_rule(injected) -> None:
+    x = injected["dead_after_learning_at_30"]
+    assert x["passed"] and x["detected"]["rule"] == "dead_after_learning" and x["detected"]["kind"] == "rollback"
+
+
+def test_a_run_dead_from_its_first_step_is_only_alerted(injected) -> None:
+    x = injected["dead_from_start"]
+    assert x["passed"] and x["rollbacks"] == 0 and x["pauses"] == 0 and x["alerts"] >= 1
+
+
+def test_a_run_broken_before_the_watchdog_saw_it_is_alerted_and_never_rolled_back(injected) -> None:
+    x = injected["broken_before_watching"]
+    assert x["passed"] and x["rollbacks"] == 0 and x["detected"]["kind"] == "notify"
+
+
+def test_truncation_is_an_alert_naming_the_setting_to_raise(injected) -> None:
+    x = injected["truncation_from_30"]
+    hits = [a for a in x["actions"] if a["rule"] == "truncation" and a["kind"] == "notify"]
+    assert x["passed"] and hits and "data.max_response_length" in hits[0]["detail"]
+    assert hits[0]["step"] <= 45
+
+
+def test_a_growing_gradient_norm_warns_steps_before_the_collapse_and_eval_reports_the_lead(injected) -> None:
+    x = injected["grad_growth_then_collapse_at_50"]
+    assert x["passed"] and x["warned"]["rule"] == "grad_norm_growth" and x["lead"] >= 5
+
+
+def test_failing_rollouts_restart_the_trainer_and_never_roll_back_and_a_blip_does_nothing(injected) -> None:
+    x = injected["infra_rollout_failure_at_40"]
+    assert x["passed"] and x["restarts"] >= 1 and x["rollbacks"] == 0
+    blip = injected["infra_rollout_blip_healthy"]
+    assert blip["passed"] and blip["restarts"] == 0 and blip["rollbacks"] == 0

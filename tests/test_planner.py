@@ -275,3 +275,39 @@ def test_with_an_adaptive_kl_controller_a_divergence_rollback_sets_the_value_it_
     # The controller's own current value (logged), doubled: where it adapts from once the run resumes.
     assert p.kind == "rollback" and p.payload["set"] == {KL: pytest.approx(0.008)}
     assert p.payload["from"] == {KL: 0.004}
+
+
+# -- infrastructure vs policy (issue 21, item 1) ------------------------------------------------
+
+
+def test_a_restart_action_is_a_relaunch_from_the_latest_checkpoint_at_once_and_never_a_rollback():
+    from watchdog.core.actions import RestartAction, StopAction
+
+    d = Decision("rollout_failure", 22, "fire", [RestartAction("rollouts fail"), NotifyAction("x")], {}, "critical",
+                 "m", urgent=True)
+    planned = plan_decision(d, _ctx())
+    assert [p.kind for p in planned] == ["restart", "notify"]
+    p = planned[0]
+    assert p.relaunch and p.payload["resume"] == "latest" and p.payload["urgent"] is True
+    assert p.payload["fresh_engine"] is True and "rollouts fail" in p.payload["reason"]
+    # Its escalation stops the run with the cause named, whatever --on-escalate says.
+    e = Decision("rollout_failure", 32, "escalate", [StopAction("the rollout engine is broken")], {}, "critical", "m")
+    stop, note = plan_decision(e, _ctx(on_escalate="continue"))
+    assert stop.kind == "stop" and "the rollout engine is broken" in stop.payload["verdict"] and note.kind == "notify"
+
+
+def test_the_default_pack_restarts_a_run_whose_rollouts_fail_and_stops_it_the_third_time():
+    from pathlib import Path
+
+    from watchdog.core.replay import replay
+    from watchdog.core.rulefile import load_rules
+    from watchdog.sources.ingest import read_records
+
+    root = Path(__file__).resolve().parents[1]
+    rules = load_rules([root / "rules" / "default.yaml"])
+    records = read_records(root / "bench" / "corpus_injected" / "infra_rollout_failure_at_40")
+    res = replay(records, rules)
+    kinds = [(d.step, p.kind) for d in res.decisions for p in d.planned if p.kind in ("restart", "rollback", "stop")]
+    assert kinds and kinds[0] == (41, "restart")
+    assert not any(k == "rollback" for _, k in kinds)        # never a policy rollback
+    assert [k for _, k in kinds].count("restart") == 2 and kinds[-1][1] == "stop"
