@@ -232,6 +232,15 @@ METRICS: tuple[Metric, ...] = (
     ),
 )
 
+#: Keys only a real verl (0.9) run logs: the embedded trainer's rollouts never abort, it times no
+#: separate generation phase and runs no rollout correction, so it writes none of these.
+VERL_ONLY_KEYS = frozenset({
+    "response/aborted_ratio", "response_length_non_aborted/mean", "response_length_non_aborted/max",
+    "response_length_non_aborted/min", "response_length_non_aborted/clip_ratio", "response_length/min",
+    "timing_s/gen", "training/rollout_probs_diff_max", "training/rollout_probs_diff_std", "rollout_corr/kl",
+    "rollout_corr/log_ppl_abs_diff", "rollout_corr/chi2_token",
+})
+
 BY_KEY: dict[str, Metric] = {m.key: m for m in METRICS}
 BY_SHORT: dict[str, Metric] = {m.short: m for m in METRICS}
 BY_PROM: dict[str, Metric] = {m.prom: m for m in METRICS}
