@@ -96,6 +96,17 @@ def grad_growth(s: int, d: dict[str, Any]) -> None:
         d["actor/entropy"] = d["actor/entropy"] * 3.0
 
 
+def mismatch(s: int, d: dict[str, Any]) -> None:
+    """The rollout engine drifts from the trainer (a precision bug) from step 30: the probability
+    difference grows x1.15 a step from 0.001; at step 50 the policy collapses as in grad_growth."""
+    d["training/rollout_probs_diff_mean"] = 0.001 * 1.15 ** (s - 29)
+    if s >= 50:
+        d["actor/reward_kl_penalty"] = 0.5 + 0.3 * (s - 50)
+        d["critic/score/mean"] = 0.0
+        d["critic/score/max"] = 0.0
+        d["actor/entropy"] = d["actor/entropy"] * 3.0
+
+
 def main() -> None:
     runs = {
         "infra_rollout_failure_at_40": _from(_with_timing(_load("default_seed1")), 40, rollout_failure),
@@ -104,6 +115,7 @@ def main() -> None:
         "dead_from_start": _from(_load("default_seed3"), 1, dead_from_start),
         "truncation_from_30": _from(_load("default_seed3"), 30, truncation),
         "grad_growth_then_collapse_at_50": _from(_load("default_seed1"), 30, grad_growth),
+        "mismatch_rising_then_collapse_at_50": _from(_load("default_seed2"), 30, mismatch),
         # The watchdog starts watching a run that collapsed long before (lr 20x from step 1): the
         # first step it sees is 30, with no healthy step to judge against.
         "broken_before_watching": [r for r in _load("lr_20x_collapse") if r["step"] >= 30],

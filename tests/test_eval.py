@@ -311,6 +311,11 @@ def test_a_growing_gradient_norm_warns_steps_before_the_collapse_and_eval_report
     assert x["passed"] and x["warned"]["rule"] == "grad_norm_growth" and x["lead"] >= 5
 
 
+def test_a_rising_train_rollout_mismatch_warns_before_the_collapse(injected) -> None:
+    x = injected["mismatch_rising_then_collapse_at_50"]
+    assert x["passed"] and x["warned"]["rule"] == "mismatch_rising" and x["lead"] >= 3
+
+
 def test_failing_rollouts_restart_the_trainer_and_never_roll_back_and_a_blip_does_nothing(injected) -> None:
     x = injected["infra_rollout_failure_at_40"]
     assert x["passed"] and x["restarts"] >= 1 and x["rollbacks"] == 0
