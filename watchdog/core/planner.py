@@ -397,48 +397,47 @@ def plan_sets(actions: Sequence[Any], ctx: PlanContext, repeat: int = 1, rule: s
     coefficient is left out when verl's adaptive KL controller owns it: the controller steers it
     to its own ``target_kl`` every step, and a watchdog nudging it too would fight it.
     """
-    sets: dict[str, Any] = {}
-    old: dict[str, float] = {}
-    for a in actions:
-        if not isinstance(a, SetAction):
-            continue
-        key = resolve_key(a.key, ctx.signals)
-        if tuning and key == KL_CTRL_COEF and adaptive_kl(ctx.config, ctx.overrides):
-            log.info("rule %s: %s is steered by verl's adaptive KL controller; the tuning set is left out", rule, key)
-            continue
-        cur = current_value(key, PlanContext({**ctx.overrides, **sets}, ctx.latest, ctx.config))
-        if cur is None:
-            log.warning("rule %s: no current value for %s; skipping the set", rule, key)
-            continue
-        new = settle_value(key, a.apply(cur, repeat), ctx.config, ctx.world_size)
-        problem = value_problem(key, new)
-        if problem:  # never written: a trainer would take a NaN kl_coef or a negative batch as given
-            log.error("rule %s: %s (from %r); the set is not made", rule, problem, cur)
-            continue
-        if unchanged(cur, float(new)):
-            continue  # at its bound already: a set that changes nothing is never sent
-        old.setdefault(key, cur)
-        sets[key] = new
+    sets, old, _ = _plan_sets(actions, ctx, repeat, rule, tuning)
     return sets, old
 
 
 def remedy_exhausted(actions: Sequence[Any], ctx: PlanContext, repeat: int = 1, tuning: bool = False) -> bool:
     """True when ``actions`` hold sets, at least one could be valued, and none would move its key:
     the remedy has nothing left to give (every key at or past its bound)."""
-    valued = False
+    sets, _, valued = _plan_sets(actions, ctx, repeat, "", tuning, quiet=True)
+    return valued > 0 and not sets
+
+
+def _plan_sets(actions: Sequence[Any], ctx: PlanContext, repeat: int, rule: str, tuning: bool,
+               quiet: bool = False) -> tuple[dict[str, Any], dict[str, float], int]:
+    """:func:`plan_sets`, and how many sets could be valued (moving their key or not)."""
+    sets: dict[str, Any] = {}
+    old: dict[str, float] = {}
+    valued = 0
+    say = log.debug if quiet else log.warning
     for a in actions:
         if not isinstance(a, SetAction):
             continue
         key = resolve_key(a.key, ctx.signals)
         if tuning and key == KL_CTRL_COEF and adaptive_kl(ctx.config, ctx.overrides):
+            (log.debug if quiet else log.info)(
+                "rule %s: %s is steered by verl's adaptive KL controller; the tuning set is left out", rule, key)
             continue
-        cur = current_value(key, ctx)
+        cur = current_value(key, PlanContext({**ctx.overrides, **sets}, ctx.latest, ctx.config))
         if cur is None:
+            say("rule %s: no current value for %s; skipping the set", rule, key)
             continue
-        valued = True
-        if not unchanged(cur, float(settle_value(key, a.apply(cur, repeat), ctx.config, ctx.world_size))):
-            return False
-    return valued
+        new = settle_value(key, a.apply(cur, repeat), ctx.config, ctx.world_size)
+        problem = value_problem(key, new)
+        if problem:  # never written: a trainer would take a NaN kl_coef or a negative batch as given
+            (log.debug if quiet else log.error)("rule %s: %s (from %r); the set is not made", rule, problem, cur)
+            continue
+        valued += 1
+        if unchanged(cur, float(new)):
+            continue  # at its bound already: a set that changes nothing is never sent
+        old.setdefault(key, cur)
+        sets[key] = new
+    return sets, old, valued
 
 
 def plan_decision(decision: Decision, ctx: PlanContext) -> list[Planned]:
