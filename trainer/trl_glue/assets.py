@@ -1,0 +1,78 @@
+"""Tiny local assets for TRL on CPU, built without the hub (``python -m trainer.trl_glue.assets DIR``).
+
+- a randomly initialised ``Qwen2ForCausalLM`` (2 layers, hidden 64, tied embeddings, fp32) with a
+  ``GenerationConfig``;
+- its tokenizer: byte-level BPE without merges (GPT-2's 256 byte characters plus
+  ``<|endoftext|>`` and ``<|im_end|>``), so any text round-trips and every byte is one token.
+  transformers 5 rebuilds a qwen2 tokenizer as byte-level BPE anyway; a character vocabulary
+  would silently lose its whitespace.
+
+The prompts and the reward live in :mod:`trainer.trl_glue.task`. Deterministic for a seed;
+:func:`build` skips a directory that holds a complete build (a ``.complete`` stamp).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+SPECIALS = ("<|endoftext|>", "<|im_end|>")
+STAMP = ".complete"
+
+
+def byte_chars() -> list[str]:
+    """GPT-2's byte-to-unicode table as a list indexed by byte (what byte-level BPE uses)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = keep[:], 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(keep, cs, strict=True))
+    return [chr(table[b]) for b in range(256)]
+
+
+def build_tokenizer(out: Path) -> None:
+    """Write a byte-level tokenizer (tokenizer.json + tokenizer_config.json) to ``out``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(byte_chars())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIALS))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, unk_token=None, model_max_length=512)
+    fast.save_pretrained(str(out))
+
+
+def build(out: Path | str, seed: int = 0, hidden: int = 64, layers: int = 2) -> Path:
+    """Write the tiny model and its tokenizer to ``out`` (skipped when already built); returns ``out``."""
+    out = Path(out)
+    if (out / STAMP).exists():
+        return out
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, tie_word_embeddings=True, eos_token_id=eos,
+                      pad_token_id=pad, bos_token_id=None)
+    Qwen2ForCausalLM(cfg).save_pretrained(str(out))
+    GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=True).save_pretrained(str(out))
+    (out / STAMP).write_text("")
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.stderr.write("usage: python -m trainer.trl_glue.assets DIR\n")
+        raise SystemExit(2)
+    build(sys.argv[1])
