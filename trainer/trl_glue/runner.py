@@ -196,8 +196,9 @@ def write_run_json(run_dir: Path, run: TRLRun, command: list[str], keys: Sequenc
     ).write(run_dir)
 
 
-def launch(run: TRLRun, run_dir: Path, command: list[str]) -> int:
-    """Train; returns the exit code (see the module docstring)."""
+def launch(run: TRLRun, run_dir: Path, command: list[str], callbacks: Sequence[Any] = ()) -> int:
+    """Train; returns the exit code (see the module docstring). ``callbacks``: more TrainerCallbacks,
+    after the glue's (a test writes control.json from one, at a step it chooses)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -238,7 +239,7 @@ def launch(run: TRLRun, run_dir: Path, command: list[str]) -> int:
         try:
             cls = trainer_class(run.algorithm)
             trainer = cls(model=run.model_path, reward_funcs=[digits_reward], args=args, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[callback])
+                          processing_class=tokenizer, callbacks=[callback, *callbacks])
         except (ValueError, TypeError, OSError) as exc:
             sys.stderr.write(f"config error: {type(exc).__name__}: {exc}\n")
             recorder.event("error", 0, message=f"config error: {exc}", source="trl")
