@@ -5,7 +5,8 @@
 
 Writes ``bench/results/eval_<corpus>[_<tag>].json`` (the whole ``watchdog eval --json``) and
 ``.md`` (one row per log) for the real verl logs of ``../shared/testdata/verl-logs`` (priced as
-zero-patch verl) and the embedded trainer's own runs of ``bench/corpus`` (priced as embedded).
+zero-patch verl), the embedded trainer's own runs of ``bench/corpus`` and the TRL glue's runs of
+``bench/corpus_trl`` (both priced as embedded: live sets are free).
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from verl_logs import LOGS  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 CORPORA = {"verl_logs": (LOGS / "labels.yaml", "verl"), "embedded_corpus": (ROOT / "bench" / "corpus" / "labels.yaml",
-                                                                            "embedded")}
+                                                                            "embedded"),
+           # TRL GRPO runs (bench/trl_stability.py): live sets are free there, as in the embedded trainer.
+           "trl_corpus": (ROOT / "bench" / "corpus_trl" / "labels.yaml", "embedded")}
 
 
 def table(doc: dict) -> str:

@@ -20,7 +20,7 @@ Outcome of a run:
 - unstable: anything else (below the start, crashed, hung past the time limit).
 
 Rates come with Wilson 95% intervals. Results: ``bench/results/trl_stability.json`` and ``.md``.
-The unsupervised runs of seed 1 are copied to ``bench/corpus_trl/`` (metrics and events) for
+Some unsupervised runs (:data:`CORPUS_RUNS`) are copied to ``bench/corpus_trl/`` (metrics, events) for
 ``watchdog eval bench/corpus_trl/labels.yaml`` (labels written by hand from their numbers).
 """
 
@@ -211,9 +211,14 @@ def table(summary: dict) -> str:
     return "\n".join(rows)
 
 
-def keep_corpus(work: Path, seed: int) -> None:
-    """Copy the unsupervised runs of ``seed`` (metrics, events) into bench/corpus_trl/<family>_seed<seed>/."""
-    for family in FAMILIES:
+#: The unsupervised runs kept for ``watchdog eval`` (bench/corpus_trl/labels.yaml labels them).
+CORPUS_RUNS = (("healthy", 1), ("healthy", 2), ("healthy", 3), ("lr_high", 1), ("lr_high", 2), ("lr_high", 3),
+               ("beta_tiny", 1), ("entropy_bonus", 1))
+
+
+def keep_corpus(work: Path) -> None:
+    """Copy the unsupervised runs of :data:`CORPUS_RUNS` (metrics, events) into bench/corpus_trl/<family>_seed<seed>/."""
+    for family, seed in CORPUS_RUNS:
         src = work / family / f"seed{seed}" / "alone" / "run"
         dst = CORPUS / f"{family}_seed{seed}"
         if not (src / "metrics.jsonl").exists():
@@ -232,7 +237,11 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--timeout", type=float, default=400.0, help="wall limit of one run (alone or watched)")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "trl_stability")
+    ap.add_argument("--render", action="store_true", help="rewrite the .md from the committed .json and exit")
     args = ap.parse_args()
+    if args.render:
+        write_results(json.loads((RESULTS / "trl_stability.json").read_text()))
+        return
     from trainer.trl_glue import assets
 
     t0 = time.time()
@@ -250,18 +259,41 @@ def main() -> None:
             print(f"{r.family:14s} seed {r.seed} {'watched' if r.watched else 'alone  '}: {r.outcome:9s} {r.reason} "
                   f"({r.wall_s:.0f} s, {r.steps_trained} steps, {r.rollbacks} rollbacks) {' '.join(r.decisions)}",
                   flush=True)
-    keep_corpus(args.work, 1)
+    keep_corpus(args.work)
     summary = summarize(results)
     command = "python bench/trl_stability.py" + (f" --seeds {args.seeds}" if args.seeds != 3 else "")
     doc = {"command": command, "steps": STEPS, "seeds": seeds, "start_accuracy": start_acc,
            "wall_s": round(time.time() - t0, 1), "summary": summary, "runs": [asdict(r) for r in results]}
+    write_results(doc)
+    print(table(summary))
+
+
+def per_run(doc: dict) -> str:
+    """One row per (family, seed): final greedy accuracy alone and watched, and what the watchdog did."""
+    rows = ["| family | seed | alone: final accuracy | with the watchdog: final accuracy | what the watchdog did |",
+            "|---|---|---|---|---|"]
+    runs = {(r["family"], r["seed"], r["watched"]): r for r in doc["runs"]}
+    for (family, seed, watched), r in sorted(runs.items(), key=lambda kv: (list(FAMILIES).index(kv[0][0]), kv[0][1])):
+        if watched:
+            continue
+        w = runs.get((family, seed, True), {})
+
+        def acc(x: dict) -> str:
+            return "-" if x.get("final_acc") is None else f"{x['final_acc']:.2f} ({x['outcome']})"
+        rows.append(f"| {family} | {seed} | {acc(r)} | {acc(w)} | {' '.join(w.get('decisions', [])) or '-'} |")
+    return "\n".join(rows)
+
+
+def write_results(doc: dict) -> None:
+    """bench/results/trl_stability.json and .md."""
     stem = RESULTS / "trl_stability"
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     stem.with_suffix(".md").write_text(
-        f"# `{command}`\n\n{len(results)} TRL GRPO runs of {STEPS} steps (tiny local Qwen2 warm-started to greedy "
-        f"accuracy {start_acc:.2f}), seeds {seeds}, {doc['wall_s'] / 60:.0f} min on 2 cores (shared). Stable: "
-        f"finished, final greedy accuracy at least the warm start's - {TOLERANCE}.\n\n{table(summary)}\n")
-    print(table(summary))
+        f"# `{doc['command']}`\n\n{len(doc['runs'])} TRL GRPO runs of {doc['steps']} steps (tiny local Qwen2 "
+        f"warm-started to greedy accuracy {doc['start_accuracy']:.2f}), seeds {doc['seeds']}, "
+        f"{doc['wall_s'] / 60:.0f} min on 2 cores (shared). Stable: finished, final greedy accuracy at least the "
+        f"warm start's - {TOLERANCE}.\n\n{table(doc['summary'])}\n\nPer run (decisions: step:rule:kind, "
+        f"resolves left out):\n\n{per_run(doc)}\n")
 
 
 if __name__ == "__main__":
