@@ -181,7 +181,7 @@ def test_an_oom_becomes_an_oom_event_and_exit_75(tiny_model: Path, tmp_path: Pat
     code = _run(run_dir, tiny_model, "trainer.faults=oom@2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4")
     assert code == rundir.EXIT_OOM
     (oom,) = _events(run_dir, "oom")
-    assert (oom["step"], oom["micro_batch_size"]) == (2, 4)
+    assert (oom["step"], oom["micro_batch_size"], oom["memory"]) == (2, 4, "host")
 
 
 def test_resume_applies_the_launch_lr_not_the_checkpoints_and_discards_the_abandoned_branch(

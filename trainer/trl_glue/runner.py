@@ -54,16 +54,23 @@ def nan_like(exc: BaseException) -> bool:
     return any(m in text for m in _NAN_MARKERS)
 
 
+#: What a host out-of-memory error says on CPU (torch's allocator raises a plain RuntimeError).
+_HOST_OOM = ("DefaultCPUAllocator: can't allocate memory", "CPU out of memory")
+
+
 def oom_fields(exc: BaseException, micro: int) -> dict[str, Any] | None:
-    """The ``oom`` event's fields for an out-of-memory ``exc`` (torch's OutOfMemoryError, or the
-    protocol's OOM text rules over its chain), else None."""
+    """The ``oom`` event's fields for an out-of-memory ``exc`` (torch's OutOfMemoryError, Python's
+    MemoryError, the CPU allocator's error, or the protocol's OOM text rules over its chain), else None."""
     import torch
 
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     found = oom.read_oom(f"{type(exc).__name__}: {exc}\n{text}")
-    if found is None and not isinstance(exc, torch.OutOfMemoryError):
+    host = isinstance(exc, MemoryError) or any(m in text for m in _HOST_OOM)
+    if found is None and not host and not isinstance(exc, torch.OutOfMemoryError):
         return None
     memory, site, evidence = found if found is not None else ("host", None, str(exc))
+    if host or not torch.cuda.is_available():
+        memory = "host"  # torch names its CPU OOMs OutOfMemoryError too; the CUDA pattern would say cuda
     return {"memory": memory, **({"site": site} if site else {}), "message": str(evidence)[:2000],
             "micro_batch_size": micro, "source": "trl"}
 
