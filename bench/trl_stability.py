@@ -96,7 +96,8 @@ def greedy_accuracy(model_dir: Path) -> float:
             for b in range(10):
                 ids = tok(f"{a}+{b}=", return_tensors="pt")
                 out = model.generate(**ids, max_new_tokens=3, do_sample=False, pad_token_id=tok.pad_token_id)
-                ok += tok.decode(out[0][ids["input_ids"].shape[1]:], skip_special_tokens=True).startswith(str(a + b))
+                text = str(tok.decode(out[0][ids["input_ids"].shape[1]:], skip_special_tokens=True))
+                ok += text.startswith(str(a + b))
     return ok / 100
 
 

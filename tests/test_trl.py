@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +167,27 @@ def test_stop_command_saves_the_step_and_exits_0(tiny_model: Path, tmp_path: Pat
     (saved,) = [e for e in _events(run_dir, "checkpoint") if e["reason"].startswith("stop")]
     assert saved["step"] == 3 and ckpt.verify_checkpoint(saved["path"]).step == 3
     assert _events(run_dir, "stopped") and not _events(run_dir, "finished")
+
+
+def test_pause_holds_the_run_between_steps_until_resume_and_applies_what_arrives_meanwhile(
+        tiny_model: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    pause = Control(1, {}, (Command("p1", "pause"),))
+
+    def answer() -> None:  # the watchdog's part: once the trainer says it is paused, resume with a new lr
+        deadline = time.monotonic() + 120
+        while not _events(run_dir, "paused") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        write_control(run_dir, Control(2, {LR: 0.0003}, (Command("r1", "resume"),)))
+
+    helper = threading.Thread(target=answer, daemon=True)
+    helper.start()
+    assert _run(run_dir, tiny_model, steps=4, callbacks=(WriteControlAfter(run_dir, 2, pause),)) == 0
+    helper.join(5)
+    kinds = [(e["kind"], e["step"]) for e in rundir.iter_events(run_dir) if e["kind"] in ("paused", "resumed", "applied")]
+    assert kinds == [("applied", 2), ("paused", 2), ("resumed", 2), ("applied", 2)]
+    m = _metrics(run_dir)
+    assert sorted(m) == [1, 2, 3, 4] and m[3]["trl/learning_rate"] == pytest.approx(0.0003)
 
 
 def test_nan_weights_become_a_nan_event_and_exit_1_before_any_metric_of_that_step(tiny_model: Path,

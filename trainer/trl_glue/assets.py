@@ -76,6 +76,14 @@ def sft(model: object, tok: object, steps: int, seed: int = 0, lr: float = 3e-3,
     return float(loss.detach())
 
 
+def _token_id(tok: object, token: str) -> int:
+    """The id of one token (convert_tokens_to_ids answers a list for a list)."""
+    found = tok.convert_tokens_to_ids(token)  # type: ignore[attr-defined]
+    if not isinstance(found, int):
+        raise RuntimeError(f"tokenizer: {token!r} is not one token ({found!r})")
+    return found
+
+
 def build(out: Path | str, seed: int = 0, hidden: int = 64, layers: int = 2, sft_steps: int = 300) -> Path:
     """Write the tiny model (warm-started for ``sft_steps``) and its tokenizer to ``out`` (skipped when
     already built); returns ``out``."""
@@ -88,7 +96,7 @@ def build(out: Path | str, seed: int = 0, hidden: int = 64, layers: int = 2, sft
     out.mkdir(parents=True, exist_ok=True)
     build_tokenizer(out)
     tok = AutoTokenizer.from_pretrained(str(out))
-    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    eos, pad = _token_id(tok, "<|im_end|>"), _token_id(tok, "<|endoftext|>")
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
