@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -44,6 +45,9 @@ from watchdog.protocol.runinfo import RunInfo
 
 log = logging.getLogger(__name__)
 
+#: Where transformers writes ``checkpoint-N`` before the glue moves it to ``global_step_N`` (hidden:
+#: no reader of the checkpoint root lists it).
+HF_DIR = ".hf"
 #: Words of an exception (or its chain) that mean non-finite numbers reached the trainer.
 _NAN_MARKERS = ("probability tensor contains either", "returned nan values", "nan or inf", "non-finite")
 
@@ -225,12 +229,16 @@ def launch(run: TRLRun, run_dir: Path, command: list[str], callbacks: Sequence[A
             raise TRLConfigError(f"trainer.faults: {', '.join(bad)} not injectable in a TRL run "
                                  f"(kinds: {', '.join(FAULT_KINDS)})")
         resume = resume_point(run, root)
-        args = trl_args(run, root / ".hf")
+        args = trl_args(run, root / HF_DIR)
         data = dataset(run)
         tokenizer = AutoTokenizer.from_pretrained(run.model_path)
     except (ValueError, OSError) as exc:  # TRLConfigError, CheckpointError (an OSError), a bad model dir
         sys.stderr.write(f"config error: {exc}\n")
         return rundir.EXIT_USAGE
+    for stale in sorted((root / HF_DIR).glob("checkpoint-*")):
+        # transformers' save of a launch that died before the glue moved it: never vouched for, never resumed.
+        log.warning("removing %s: an unpublished save of an earlier launch", stale)
+        shutil.rmtree(stale, ignore_errors=True)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     run_id = RunInfo.read(run_dir).id or run_dir.name
