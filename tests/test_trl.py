@@ -74,6 +74,16 @@ class WriteControlAfter(TrainerCallback):
             write_control(self.run_dir, self.control)
 
 
+class OnDiskAtTrainBegin(TrainerCallback):
+    """Records which checkpoints exist when training starts (after the glue's resume handling)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.steps = root, None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.steps = [c.step for c in ckpt.list_checkpoints(self.root)]
+
+
 # -- settings ---------------------------------------------------------------------------------
 
 
@@ -214,9 +224,11 @@ def test_resume_applies_the_launch_lr_not_the_checkpoints_and_discards_the_aband
     first = _metrics(run_dir)
     root = run_dir / rundir.CHECKPOINTS
     back = str(ckpt.step_dir(root, 2))
+    seen = OnDiskAtTrainBegin(root)
     code = _run(run_dir, tiny_model, "actor_rollout_ref.actor.optim.lr=0.0002", "trainer.resume_mode=resume_path",
-                f"trainer.resume_from_path={back}", "trainer.max_actor_ckpt_to_keep=1", steps=6)
+                f"trainer.resume_from_path={back}", "trainer.max_actor_ckpt_to_keep=1", steps=6, callbacks=(seen,))
     assert code == 0
+    assert seen.steps == [2]  # the abandoned branch's checkpoint 4 was gone before the resumed run trained
     resumed = _metrics(run_dir)
     assert [resumed[s]["trl/learning_rate"] for s in (3, 4, 5, 6)] == [pytest.approx(0.0002)] * 4
     started = _events(run_dir, "started")[-1]
