@@ -112,8 +112,12 @@ def test_rloo_refuses_an_entropy_bonus_it_does_not_have(tiny_model: Path) -> Non
         parse_args(_args(tiny_model, "trainer.algorithm=rloo", "actor_rollout_ref.actor.entropy_coeff=0.01"))
 
 
-def test_an_unknown_trl_field_exits_2_before_training(tiny_model: Path, tmp_path: Path) -> None:
+def test_an_unknown_trl_field_or_a_missing_model_exits_2_before_training(tiny_model: Path, tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
     assert _run(tmp_path / "run", tiny_model, "trl.no_such_field=1") == rundir.EXIT_USAGE
+    assert _run(tmp_path / "run", tiny_model, f"actor_rollout_ref.model.path={tmp_path / 'nowhere'}") == rundir.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "trl.no_such_field" in err and "actor_rollout_ref.model.path" in err and "not a directory" in err
     assert not (tmp_path / "run" / rundir.METRICS).exists()
 
 

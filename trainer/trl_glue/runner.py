@@ -228,6 +228,9 @@ def launch(run: TRLRun, run_dir: Path, command: list[str], callbacks: Sequence[A
         if bad:
             raise TRLConfigError(f"trainer.faults: {', '.join(bad)} not injectable in a TRL run "
                                  f"(kinds: {', '.join(FAULT_KINDS)})")
+        if not Path(run.model_path).is_dir():
+            raise TRLConfigError(f"actor_rollout_ref.model.path={run.model_path}: not a directory (a local model "
+                                 "with its tokenizer; the glue downloads nothing)")
         resume = resume_point(run, root)
         args = trl_args(run, root / HF_DIR)
         data = dataset(run)
@@ -304,6 +307,11 @@ def main(
     """Train with TRL (GRPO or RLOO), obeying the run-directory protocol; KEY=VALUE in verl's names."""
     logging.basicConfig(level=os.environ.get("TRAINER_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        typer.echo("TRL is not installed: pip install 'ppo-watchdog[trl]' (TRL >= 1.16 needs Python >= 3.11)", err=True)
+        raise typer.Exit(rundir.EXIT_USAGE)
     overrides = list(ctx.args)
     bad = [a for a in overrides if a.startswith("-")]
     if bad:
