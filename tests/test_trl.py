@@ -289,12 +289,46 @@ def test_the_default_pack_judges_a_healthy_trl_run_without_a_rollback(tiny_model
 # -- under the watchdog (processes) -----------------------------------------------------------
 
 
-def _watchdog(tmp_path: Path, model: Path, *extra: str, steps: int) -> subprocess.CompletedProcess[str]:
+def _watchdog(tmp_path: Path, model: Path, *extra: str, steps: int, rules: Path | None = None
+              ) -> subprocess.CompletedProcess[str]:
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "watchdog", "run", "--run-dir", str(run_dir), "--state-dir", str(tmp_path / "state"),
-           "--tick", "0.3", "--no-report", "--", sys.executable, "-m", "trainer.trl_glue", "--run-dir", str(run_dir),
-           *_args(model, *extra, steps=steps)]
+           "--tick", "0.3", "--no-report", *(["--rules", str(rules)] if rules else []), "--", sys.executable, "-m",
+           "trainer.trl_glue", "--run-dir", str(run_dir), *_args(model, *extra, steps=steps)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=170, env={**os.environ, "TRAINER_LOG_LEVEL": "WARNING"})
+
+
+def _history(tmp_path: Path) -> list[dict[str, Any]]:
+    return json.loads(subprocess.run(
+        [sys.executable, "-m", "watchdog", "history", "run", "--json", "--state-dir", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=60, check=True).stdout)
+
+
+TIGHTEN = """version: 1
+rules:
+  - name: tighten
+    description: at step 2, halve the lr and the clip ratio (TRL takes the lr; clip has no effect at num_iterations 1)
+    expr: step >= 2
+    actions:
+      - set: {key: actor_rollout_ref.actor.optim.lr, scale: 0.5}
+      - set: {key: actor_rollout_ref.actor.clip_ratio, scale: 0.5}
+    cooldown: 1000
+    severity: warning
+"""
+
+
+@pytest.mark.slow
+def test_a_live_set_trl_refuses_in_part_says_which_key_and_why_in_history(tiny_model: Path, tmp_path: Path) -> None:
+    rules = tmp_path / "tighten.yaml"
+    rules.write_text(TIGHTEN)
+    proc = _watchdog(tmp_path, tiny_model, steps=8, rules=rules)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (decision,) = [h for h in _history(tmp_path) if h["rule"] == "tighten"]
+    assert decision["status"] == "applied"
+    assert "refused by the trainer: actor_rollout_ref.actor.clip_ratio=0.1" in decision["outcome"]
+    assert "num_iterations=1" in decision["outcome"] and LR not in decision["outcome"].split("refused")[1]
+    (applied,) = _events(tmp_path / "run", "applied")
+    assert _metrics(tmp_path / "run")[applied["step"] + 1]["trl/learning_rate"] == pytest.approx(0.00005)  # free: live
 
 
 @pytest.mark.slow
@@ -302,9 +336,7 @@ def test_watchdog_rolls_a_trl_run_back_after_a_nan_and_never_resumes_the_abandon
         tiny_model: Path, tmp_path: Path) -> None:
     proc = _watchdog(tmp_path, tiny_model, "trainer.faults=nan_weights@8", "trainer.save_freq=3", steps=12)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    history = json.loads(subprocess.run(
-        [sys.executable, "-m", "watchdog", "history", "run", "--json", "--state-dir", str(tmp_path / "state")],
-        capture_output=True, text=True, timeout=60, check=True).stdout)
+    history = _history(tmp_path)
     fired = [h for h in history if h["kind"] != "resolve"]
     assert [(h["rule"], h["status"]) for h in fired] == [("nan_or_inf", "applied")]
     run_dir = tmp_path / "run"
