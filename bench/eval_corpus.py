@@ -6,7 +6,8 @@
 Writes ``bench/results/eval_<corpus>[_<tag>].json`` (the whole ``watchdog eval --json``) and
 ``.md`` (the headline figures, then one row per log) for the real verl logs of
 ``../shared/testdata/verl-logs`` (priced as zero-patch verl), the embedded trainer's own runs of
-``bench/corpus`` and the synthetic fault injection of ``bench/corpus_injected`` (priced as embedded).
+``bench/corpus``, the synthetic fault injection of ``bench/corpus_injected`` and the TRL glue's runs
+of ``bench/corpus_trl`` (priced as embedded: live sets are free).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ RESULTS = ROOT / "bench" / "results"
 CORPORA = {"verl_logs": (LOGS / "labels.yaml", "verl"),
            "embedded_corpus": (ROOT / "bench" / "corpus" / "labels.yaml", "embedded"),
            # Synthetic fault injection (bench/make_injected.py): the classes the recorded corpora lack.
-           "injected_corpus": (ROOT / "bench" / "corpus_injected" / "labels.yaml", "embedded")}
+           "injected_corpus": (ROOT / "bench" / "corpus_injected" / "labels.yaml", "embedded"),
+           # TRL GRPO runs (bench/trl_stability.py): live sets are free there, as in the embedded trainer.
+           "trl_corpus": (ROOT / "bench" / "corpus_trl" / "labels.yaml", "embedded")}
 
 
 def table(doc: dict) -> str:

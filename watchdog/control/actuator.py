@@ -608,8 +608,11 @@ class Actuator:
             return
         self._drive_live_set(h, entry, now)
 
-    def confirm(self, h: RunHandle, version: int, step: int | None, command_ids: Sequence[str]) -> None:
-        """The trainer's ``applied`` event: confirm every sent entry carried by ``version``."""
+    def confirm(self, h: RunHandle, version: int, step: int | None, command_ids: Sequence[str],
+                refusals: Sequence[str] = ()) -> None:
+        """The trainer's ``applied`` event: confirm every sent entry carried by ``version``. ``refusals``:
+        the trainer's ``error`` messages about that version (a key it cannot change live, and why); a
+        live set whose key one names says so in its outcome (``watchdog history``)."""
         h.applied_commands.update(command_ids)
         self.store.mark_control_applied(h.run.run_id, version, step)
         for e in self.store.open_actions(h.run.run_id):
@@ -621,7 +624,9 @@ class Actuator:
             if cmd and cmd["id"] not in h.applied_commands:
                 continue
             if e.kind in (JournalKind.LIVE_SET, "command", JournalKind.RESUME):
-                self._finish(h, e, "done", outcome=f"applied v{version} at step {step}", applied_step=step)
+                refused = [m for m in refusals if any(k in m for k in (e.payload.get("set") or {}))]
+                outcome = f"applied v{version} at step {step}" + "".join(f"; refused by the trainer: {m}" for m in refused)
+                self._finish(h, e, "done", outcome=outcome, applied_step=step)
 
     # -- helpers ---------------------------------------------------------------------
 

@@ -271,6 +271,7 @@ class RunController:
         self._step_times: list[float] = []
         self._saw_finished = False
         self._saw_oom: dict[str, Any] | None = None
+        self._control_errors: dict[int, list[str]] = {}  # version -> the trainer's refusals, until its ``applied``
         self._events_since_eval = False
         # True from a rollback (or restart from a checkpoint) being decided until the metrics show
         # the trainer back on an earlier step: divergence rules keep firing on the abandoned steps
@@ -417,9 +418,14 @@ class RunController:
     def _handle_events(self, events: list[Event], now: float) -> None:
         for e in events:
             kind = e.get("kind")
-            if kind == "applied":
+            if kind == "error" and e.get("source") == "control" and isinstance(e.get("version"), int):
+                said = self._control_errors.setdefault(int(e["version"]), [])
+                if str(e.get("message", "")) not in said:  # a tick read again after a failure sees it twice
+                    said.append(str(e.get("message", "")))
+            elif kind == "applied":
                 ids = [c if isinstance(c, str) else c.get("id", "") for c in e.get("commands", [])]
-                self.actuator.confirm(self.h, int(e.get("version", 0)), e.get("step"), ids)
+                version = int(e.get("version", 0))
+                self.actuator.confirm(self.h, version, e.get("step"), ids, self._control_errors.pop(version, []))
             elif kind == JournalKind.ROLLBACK:
                 self._rewind_to = int(e.get("to_step") or 0)
                 self.store.close_bad_spans(self.run.run_id, int(e.get("from_step") or e.get("to_step") or 0))
