@@ -98,12 +98,13 @@ def _checked_overrides(items: list[str], option: str) -> list[str]:
     return list(items)
 
 
-def _prepare_mode(mode: str, cmd: list[str], rd: Path, run_metrics_port: int | None) -> None:
-    """Zero-patch mode writes run.json for verl (which writes none); exit 2 on a bad --mode."""
+def _check_mode(mode: str, cmd: list[str]) -> None:
+    """Exit 2 on a bad --mode (nothing written yet: zero-patch mode writes run.json for verl, which writes
+    none, in Watchdog.add_run, once the run directory is this watchdog's)."""
     from watchdog.backends import zero_patch as verl_mode
 
-    try:  # shared with the daemon (Watchdog.add_run), so both set a verl run up alike
-        resolved = verl_mode.prepare_run(rd, cmd, mode, metrics_port=run_metrics_port)
+    try:
+        resolved = verl_mode.resolve_mode(mode, cmd)
     except verl_mode.VerlModeError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
@@ -205,7 +206,7 @@ def run_cmd(
         cmd += _checked_overrides(sets or [], "--set")
         if src.kind == "prometheus" and not any(s.startswith("trainer.metrics_port=") for s in sets or []):
             cmd.append("trainer.metrics_port=-1")  # Prometheus must scrape it: any free port, in run.json
-    _prepare_mode(mode, cmd, rd, run_metrics_port)
+    _check_mode(mode, cmd)
     try:
         wd = build_watchdog(
             state_dir or state_dir_default(), rules, None,
@@ -221,7 +222,9 @@ def run_cmd(
         console.print(f"[red]{exc}[/red]")                   # that is a file, one another watchdog holds
         raise typer.Exit(2) from exc
     try:
-        ctl = wd.add_run(rd, command=cmd, ray_address=ray_address, source=src)
+        # Shared with the daemon: the run dir is taken, then set up for its mode, then registered.
+        ctl = wd.add_run(rd, command=cmd, ray_address=ray_address, source=src, mode=mode,
+                         run_metrics_port=run_metrics_port)
     except (OSError, ValueError) as exc:  # the run dir another watchdog or a live trainer holds; a bad run.json
         wd.close()
         console.print(f"[red]{exc}[/red]")

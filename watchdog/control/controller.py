@@ -338,16 +338,22 @@ class RunController:
                 self.window.append_record(rec)
             self.window.add_events(events)
             return
-        from watchdog.sources.ingest import dedup_records
+        from watchdog.sources.ingest import dedup_records, forward_only, record_from_json, rewind_targets
 
         run_dir = Path(self.run.run_dir)
         m_off = int(offsets.get("metrics", {}).get("offset", 0))
         e_off = int(offsets.get("events", {}).get("offset", 0))
-        recs = rundir.read_jsonl(run_dir / rundir.METRICS, until=m_off).records
-        for rec in dedup_records(r for r in recs if "step" in r):
+        chunk = rundir.read_jsonl(run_dir / rundir.METRICS, until=m_off)
+        events = rundir.events_of(rundir.read_jsonl(run_dir / rundir.EVENTS, until=e_off))
+        valid = [(rec, line) for rec, line in ((record_from_json(obj)[0], n) for obj, n in
+                                               zip(chunk.records, chunk.lines, strict=False)) if rec is not None]
+        # The lines the tailer ignored (a step below the last with nothing to explain it) stay ignored.
+        recs, _, _ = forward_only([r for r, _ in valid], [n for _, n in valid], chunk.path, None,
+                                  rewind_targets(events))
+        for rec in dedup_records(recs):
             self.window.append_record(rec)
         # Events in file order so their sequence numbers match what the engine state remembers.
-        self.window.add_events(rundir.events_of(rundir.read_jsonl(run_dir / rundir.EVENTS, until=e_off)))
+        self.window.add_events(events)
 
     # -- tick --------------------------------------------------------------------------
 
