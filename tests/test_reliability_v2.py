@@ -386,3 +386,124 @@ def test_status_on_a_zero_byte_state_writes_nothing_into_it(tmp_path: Path) -> N
         r = CliRunner().invoke(app, [*args, "--state-dir", str(tmp_path / "state")])
         assert "Traceback" not in r.output and "empty file" in r.output, r.output
         assert db.stat().st_size == 0, args
+
+
+# -- 6. every bad input a clean error, exit 2 ---------------------------------------------------------
+
+DEEP = "[" * 500 + "]" * 500
+
+
+def _daemon_cfg(tmp_path: Path, text: str | bytes) -> Path:
+    path = tmp_path / "daemon.yaml"
+    if isinstance(text, bytes):
+        path.write_bytes(text)
+    else:
+        path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda t: ["daemon", "--config", str(_daemon_cfg(t, "runs: " + DEEP))], "nested too deeply"),
+    (lambda t: ["daemon", "--config", str(_daemon_cfg(t, bytes(range(256)) * 4))], "not a text file"),
+    (lambda t: ["daemon", "--config", str(_daemon_cfg(t, yaml.safe_dump({"state_dir": str(_file(t))})))],
+     "not a directory"),
+    (lambda t: ["daemon", "--config", str(_daemon_cfg(t, yaml.safe_dump({"state_dir": str(t / "s"),
+                                                                       "metrics_port": _busy_port()})))],
+     "cannot serve /metrics"),
+    (lambda t: ["run", "--run-dir", str(t / "ünï"), "--state-dir", str(t / "s")],
+     "not a path the trainer can be given as trainer.run_dir"),
+    (lambda t: ["run", "--metrics-port", "99999", "--run-dir", str(t / "r"), "--state-dir", str(t / "s"), "--",
+                "true"], "metrics port 99999: cannot serve /metrics"),
+    (lambda t: ["run", "--metrics-port", str(_busy_port()), "--run-dir", str(t / "r"), "--state-dir", str(t / "s"),
+                "--", "true"], "cannot serve /metrics"),
+    (lambda t: ["dashboards", "export", str(_file(t) / "sub")], "cannot write the dashboards there"),
+    (lambda t: ["report", "r", "--out", str(_file(t) / "r.html"), "--state-dir", str(_state_with_a_run(t))],
+     "cannot be written"),
+], ids=["daemon-yaml-500-deep", "daemon-binary-config", "daemon-state-dir-a-file", "daemon-metrics-port-in-use",
+        "run-non-ascii-run-dir", "run-metrics-port-99999", "run-metrics-port-in-use", "dashboards-export-uncreatable",
+        "report-out-uncreatable"])
+def test_a_bad_input_is_a_clean_error_naming_it_and_exit_2(tmp_path: Path, make: Callable[[Path], list[str]],
+                                                           message: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    args = make(tmp_path)
+    r = CliRunner().invoke(app, args)
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2, (r.output, r.exc_info)
+    assert message in out and "Traceback" not in out, out
+    assert not (tmp_path / "ünï").exists()  # nothing was started for a run dir no launch could take
+
+
+_held: list[object] = []
+
+
+def _busy_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    _held.append(s)  # held until the test session ends
+    return int(s.getsockname()[1])
+
+
+def _file(tmp_path: Path) -> Path:
+    path = tmp_path / "a-file"
+    path.write_text("not a directory")
+    return path
+
+
+def _state_with_a_run(tmp_path: Path) -> Path:
+    from watchdog.control.store import RunRecord
+
+    run = tmp_path / "r"
+    run.mkdir()
+    _healthy_then_nan(run)
+    store = Store(tmp_path / "s")
+    store.upsert_run(RunRecord("r", str(run)))
+    store.close()
+    return tmp_path / "s"
+
+
+def test_yaml_nested_500_deep_is_a_rule_file_error_not_a_recursion_error(tmp_path: Path) -> None:
+    from watchdog.core.rulefile import RuleFileError, load_rules
+    from watchdog.core.ruletest import run_rule_tests
+
+    path = tmp_path / "deep.yaml"
+    path.write_text("version: 1\nrules: " + DEEP + "\n")
+    with pytest.raises(RuleFileError, match="nested too deeply"):
+        load_rules(path)
+    results = run_rule_tests([path])
+    assert results and not any(r.passed for r in results)
+    assert "nested too deeply" in " ".join(f for r in results for f in r.failures)
+
+
+def test_rules_test_bounds_an_input_series(tmp_path: Path) -> None:
+    from watchdog.core.ruletest import SeriesError, parse_series
+
+    with pytest.raises(SeriesError, match="'0x999999999999' makes the series longer than 100,000 steps"):
+        parse_series("1 2 0x999999999999")
+    assert len(parse_series("0x99999")) == 100_000
+    rules = _rules(tmp_path)
+    test = tmp_path / "t.yaml"
+    test.write_text(yaml.safe_dump({"rule_files": [str(rules)], "tests": [
+        {"name": "huge", "input_series": {"kl": "0x999999999999"}},
+        {"name": "far event", "input_series": {"kl": "0"}, "events": [{"step": 10**12, "kind": "oom"}]}]}))
+    r = CliRunner().invoke(app, ["rules", "test", str(test)])
+    assert r.exit_code != 0 and "longer than 100,000 steps" in r.output and "event step must be" in r.output, r.output
+    assert "Traceback" not in r.output
+
+
+def test_deeply_nested_json_in_run_json_control_json_and_jsonl_is_an_error_naming_the_file(tmp_path: Path) -> None:
+    from watchdog.protocol.control import ControlError, read_control
+    from watchdog.protocol.runinfo import RunInfoError
+
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / rundir.RUN_JSON).write_text(deep)
+    with pytest.raises(RunInfoError, match="nested too deeply"):
+        RunInfo.read(tmp_path)
+    (tmp_path / rundir.CONTROL).write_text(deep)
+    with pytest.raises(ControlError, match="nested too deeply"):
+        read_control(tmp_path)
+    (tmp_path / rundir.METRICS).write_text(deep + "\n" + json.dumps({"step": 1, "data": {}}) + "\n")
+    chunk = rundir.read_jsonl(tmp_path / rundir.METRICS)
+    assert [r["step"] for r in chunk.records] == [1] and "metrics.jsonl:1: JSON nested too deeply" in chunk.errors[0]

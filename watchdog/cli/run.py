@@ -525,4 +525,7 @@ def report_cmd(
     except (StoreError, ReportError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(1) from exc
+    except OSError as exc:  # --out in a directory that cannot be created or written
+        console.print(f"[red]--out {out}: cannot be written ({exc.strerror or exc})[/red]")
+        raise typer.Exit(2) from exc
     console.print(f"report written: {path}")

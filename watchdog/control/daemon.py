@@ -131,9 +131,16 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
     """Parse the daemon YAML (safe_load); unknown keys are errors naming the file and key."""
     path = Path(path)
     try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError as exc:
+        raise DaemonConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise DaemonConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8): not a daemon "
+                                "config") from exc
+    except yaml.YAMLError as exc:
         raise DaemonConfigError(f"{path}: {exc}") from exc
+    except RecursionError as exc:  # PyYAML recurses once per nesting level
+        raise DaemonConfigError(f"{path}: YAML nested too deeply (hundreds of levels): not a daemon config") from exc
     if not isinstance(doc, dict):
         raise DaemonConfigError(f"{path}: top level must be a mapping")
     _check_fields(path, "", doc, DaemonConfig)
