@@ -15,7 +15,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -198,7 +197,7 @@ def test_a_daemon_stopped_by_sigterm_says_which_trainers_it_leaves_and_status_sh
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=60)[0]
         assert proc.returncode == 0, out
-        assert f"1 trainer(s) left running UNSUPERVISED" in out and f"pid {pid}" in out, out
+        assert "1 trainer(s) left running UNSUPERVISED" in out and f"pid {pid}" in out, out
         assert _alive(pid)  # left for the next daemon to adopt
         r = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path / "state")], env={"COLUMNS": "300"})
         assert r.exit_code == 0 and f"UNSUPERVISED: a trainer (pid {pid} on host" in " ".join(r.output.split())
