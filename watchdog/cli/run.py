@@ -62,15 +62,20 @@ def _logging(verbose: bool) -> None:
 
 def _crash_hook() -> Any:
     """Test seam: WATCHDOG_TEST_CRASH_AT=PHASE (one of actuator.CRASH_POINTS, e.g. control_written)
-    makes the watchdog SIGKILL itself right after that phase of an action (a real kill -9 mid-action)."""
+    makes the watchdog SIGKILL itself right after that phase of an action (a real kill -9 mid-action);
+    with WATCHDOG_TEST_CRASH_SIGNAL=TERM it sends itself SIGTERM there instead (a stop mid-action), once."""
     at = os.environ.get("WATCHDOG_TEST_CRASH_AT")
     if not at:
         return None
+    sig = signal.SIGTERM if os.environ.get("WATCHDOG_TEST_CRASH_SIGNAL", "KILL").upper() == "TERM" else signal.SIGKILL
+    sent: list[str] = []
 
     def hook(phase: str) -> None:
-        if phase == at:
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if phase == at and not sent:
+            sent.append(phase)
+            if sig == signal.SIGKILL:
+                logging.shutdown()
+            os.kill(os.getpid(), sig)
 
     return hook
 
