@@ -144,6 +144,32 @@ def test_a_run_whose_watchdog_died_is_never_given_a_second_trainer(
     assert sum(ln == "ready" for ln in (run / "trainer.log").read_text().splitlines()) == 1
 
 
+@pytest.mark.slow
+def test_two_watchdogs_racing_on_one_run_dir_give_it_one_watchdog_and_one_trainer(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    procs = [subprocess.Popen(_run_cmd(tmp_path, run, tmp_path / f"state{i}"), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    try:
+        _wait(lambda: any(p.poll() is not None for p in procs), "one of the two to be refused", timeout=120)
+        loser = next(p for p in procs if p.poll() is not None)
+        winner = next(p for p in procs if p is not loser)
+        out = loser.communicate()[0]
+        assert loser.returncode == 2, out
+        assert f"the run is held by a watchdog (pid {winner.pid} on host" in " ".join(out.split()), out
+        _wait(lambda: (run / "trainer.log").exists() and "ready" in (run / "trainer.log").read_text(),
+              "the winner's trainer to start", proc=winner)
+        winner.send_signal(signal.SIGTERM)
+        assert winner.wait(60) == 143
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert sum(ln == "ready" for ln in (run / "trainer.log").read_text().splitlines()) == 1
+    states = [tmp_path / f"state{i}" for i in range(2) if (tmp_path / f"state{i}" / "watchdog.db").exists()]
+    assert sum(Store(s, read_only=True).run_for_dir(run) is not None for s in states) == 1  # the loser recorded nothing
+
+
 def test_a_daemon_refuses_a_state_another_watchdog_holds(tmp_path: Path) -> None:
     cfg = tmp_path / "daemon.yaml"
     cfg.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"), "rules": [str(_rules(tmp_path))]}))
