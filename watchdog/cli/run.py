@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -117,7 +118,23 @@ def _check_mode(mode: str, cmd: list[str]) -> None:
         console.print("zero-patch mode: verl changes nothing live; every change is a restart with resume")
 
 
+def _restoring_signals(fn: Any) -> Any:
+    """The stop-signal handlers a command installs are put back as they were when it returns (a CLI test
+    runner, or anything else calling the command in process, keeps its own)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+    return wrapper
+
+
 @run_app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@_restoring_signals
 def run_cmd(
     command: Annotated[list[str] | None, typer.Argument(help="Trainer command after `--` (default: the "
                                                         "embedded trainer).")] = None,
@@ -336,6 +353,7 @@ def _interrupted(wd: Any, ctl: Any, signum: int = signal.SIGINT) -> None:
 
 
 @run_app.command("daemon")
+@_restoring_signals
 def daemon_cmd(
     config: Annotated[Path, typer.Option("--config", help="Daemon YAML: runs, rules, state_dir, tick_s, "
                                          "metrics_port, webhook_url, controller, actuator.")],
