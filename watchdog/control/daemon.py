@@ -593,6 +593,8 @@ def prepare_daemon(cfg: DaemonConfig, exclusive: bool = True) -> Watchdog:
     on either is refused). A run that cannot be watched (a garbled run.json, a directory another
     watchdog holds) is said and alerted once and tried again later; the others are watched.
     """
+    if exclusive:
+        _raise_fd_limit(len(cfg.runs) + 256)
     wd = build_watchdog(cfg.state_dir, cfg.rules, cfg.webhook_url, cfg.controller, cfg.actuator,
                         cfg.metrics_port, cfg.metrics_addr, grafana_url=cfg.grafana_url,
                         webhook_url_file=cfg.webhook_url_file, exclusive=exclusive)
@@ -606,6 +608,23 @@ def prepare_daemon(cfg: DaemonConfig, exclusive: bool = True) -> Watchdog:
         except Exception as exc:  # one bad run never blinds the daemon to the others
             wd.mark_unwatched(str(Path(spec.run_dir).resolve()), exc, retry=add)
     return wd
+
+
+def _raise_fd_limit(needed: int) -> None:
+    """Each watched run holds one descriptor (its run-directory lock): lift the soft limit on open files
+    towards the hard one when a large config needs it (1,024 is a common default)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < needed:
+            target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            if target < needed:
+                log.warning("open files limited to %d (hard limit): %d runs need about %d", target, needed - 256,
+                            needed)
+    except (ImportError, ValueError, OSError) as exc:  # no resource module (not POSIX), or not allowed
+        log.warning("cannot raise the open-files limit for %d runs: %s", needed - 256, exc)
 
 
 def _add_spec(wd: Watchdog, cfg: DaemonConfig, spec: RunSpec) -> RunController:
