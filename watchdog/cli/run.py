@@ -307,7 +307,7 @@ class _Stop:
 
 
 #: How each stop signal is named on the console (the exit code is 128 + its number: 130, 143, 129).
-STOP_SIGNALS = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+STOP_SIGNALS: dict[int, str] = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
@@ -386,11 +386,11 @@ def daemon_cmd(
         raise typer.Exit(2) from exc
     # A daemon that stops leaves its trainers running for the next daemon to adopt (a deploy, a reboot
     # of the watchdog's host): said here, and `watchdog status` says it of each run until then.
-    left = [c for c in wd.controllers.values() if c.h.proc is not None and c.h.proc.alive()]
+    left = [(c.run, c.h.proc.pid) for c in wd.controllers.values() if c.h.proc is not None and c.h.proc.alive()]
     name = STOP_SIGNALS.get(stop.signals[0], "a signal") if stop.signals else "request"
     console.print(f"watchdog daemon stopped by {name}; {len(left)} trainer(s) left running UNSUPERVISED until a "
                   f"daemon or `watchdog run` adopts them" + "".join(
-                      f"\n  {c.run.run_id}: pid {c.h.proc.pid} in {c.run.run_dir}" for c in left))
+                      f"\n  {run.run_id}: pid {pid} in {run.run_dir}" for run, pid in left))
 
 
 @run_app.command("status")
@@ -440,7 +440,7 @@ def status_cmd(
         t.add_row(*(", ".join(map(str, v)) if isinstance(v := row[c], list) else str(v) for c in cols))
     console.print(t)
     for row in rows:
-        if row["supervised"].startswith("UNSUPERVISED"):
+        if str(row["supervised"]).startswith("UNSUPERVISED"):
             console.print(f"[red]{row['run']}: {row['supervised']}[/red]")
 
 
