@@ -21,7 +21,13 @@ def export(
     directory: Annotated[Path, typer.Argument(help="Directory to write the dashboard JSON files into.")],
 ) -> None:
     """Write every dashboard as JSON (fixed uids) into DIRECTORY."""
-    for path in dashboards.export(directory):
+    try:
+        written = dashboards.export(directory)
+    except OSError as exc:
+        typer.echo(f"error: {directory}: cannot write the dashboards there "
+                   f"({exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''})", err=True)
+        raise typer.Exit(2) from None
+    for path in written:
         typer.echo(str(path))
 
 

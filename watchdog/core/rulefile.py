@@ -286,6 +286,9 @@ class YamlReader:
             self.errors.append(RuleError(self.file, line, col, f"YAML syntax error: {exc.problem or exc}"))
         except yaml.YAMLError as exc:
             self.errors.append(RuleError(self.file, 1, 1, f"YAML error: {exc}"))
+        except RecursionError:  # PyYAML's scanner and composer recurse once per nesting level
+            self.errors.append(RuleError(self.file, 1, 1, "YAML nested too deeply (hundreds of levels): "
+                                                          "not a rule file"))
         return None
 
     def mapping(
