@@ -1,11 +1,12 @@
 # make run: the main job (the watchdog supervising the embedded PPO trainer).
+# make run-verl: the watchdog supervising an unmodified verl (python -m verl.trainer.main_ppo) on CPU.
 # make test: everything CI runs. Both create .venv and install what they need.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean deps constraints versions
+.PHONY: run run-verl test lint bench clean deps constraints versions
 
 # The tested set of versions: every package of the test environment pinned, so a release of any
 # dependency cannot turn `make test` red by surprise. pyproject.toml keeps ranges (a user's
@@ -53,6 +54,17 @@ DEMO := --faults "kl_collapse@8:0.1,lr_spike@8:x3,oom@30,lr_spike@59:x30" --on-e
 run: $(STAMP)
 	$(BIN)/watchdog run $(DEMO) $(RUN_ARGS)
 
+# verl's own PPO trainer (GAE, critic, KL in the reward) on CPU through trainer/verl_cpu's plugin, under
+# `watchdog run --mode verl`, with injected faults: a NaN loss (rollback), an OOM budget (smaller micro
+# batch), and the demo overlay's tuning set (lr by relaunch). Tiny local assets, no hub. 5-8 min on
+# 2 cores. RUN_VERL_ARGS adds options (e.g. --run-dir DIR).
+VERL_ASSETS := .verl_cpu_assets
+$(VERL_ASSETS)/.built: $(STAMP) trainer/verl_cpu/assets.py
+	$(BIN)/python -m trainer.verl_cpu.assets $(VERL_ASSETS)
+	touch $@
+run-verl: $(STAMP) $(VERL_ASSETS)/.built
+	$(BIN)/python -m trainer.verl_cpu.demo --assets $(VERL_ASSETS) $(RUN_VERL_ARGS)
+
 test: $(STAMP) deps
 	$(BIN)/lint-imports
 	$(BIN)/pytest -q
@@ -65,4 +77,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_rules.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build *.egg-info $(VERL_ASSETS)

@@ -511,6 +511,36 @@ def test_sigusr1_waits_until_the_relaunched_trainer_has_written_its_own_pid(tmp_
         act.stop(h)
 
 
+def test_a_live_changes_sigusr1_wakes_the_trainer_and_not_the_ray_processes_of_its_group(tmp_path):
+    # Found with verl's in-process glue on CPU: the trainer handles SIGUSR1, but its local ray.init()
+    # put Ray's raylet and workers in its process group, and a group-wide SIGUSR1 (default action:
+    # death) killed the run at the first live change.
+    import psutil
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    code = ("import signal, subprocess, sys, time, pathlib\n"
+            f"out = pathlib.Path({str(out)!r})\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+            "signal.signal(signal.SIGUSR1, lambda *a: (out / 'woken').write_text('1'))\n"
+            "(out / 'child.pid').write_text(str(child.pid))\n"
+            "time.sleep(60)\n")
+    store, act, h = _actuator_rig(tmp_path, run, [sys.executable, "-c", code])
+    try:
+        act.launch(h, None, time.time())
+        pidfile = out / "child.pid"
+        _wait_for_log(pidfile, lambda text: bool(text))
+        child_pid = int(pidfile.read_text())
+        RunInfo(id="run", live_keys=[KL], pid=h.proc.pid).write(run)
+        act.drive(h, store.get_action(store.add_action("run", "live_set", {"rule": "r", "set": {KL: 0.2}})), time.time())
+        assert _wait_for_log(out / "woken", lambda text: bool(text)) == "1" and h.proc.alive()
+        time.sleep(0.3)
+        # The group's other process (Ray's, in a verl run) is alive: not gone, not a zombie of the signal.
+        assert psutil.Process(child_pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    finally:
+        act.stop(h)
+
+
 def test_a_divergence_that_recurs_after_its_rollback_suspects_the_checkpoint_it_went_back_to(tmp_path: Path) -> None:
     """lr x30 at step 75, detected at 77: the checkpoint of step 75 already holds the spiked update.
     The first rollback goes there (nothing says otherwise yet); when the same rule fires again

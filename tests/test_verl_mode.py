@@ -426,6 +426,60 @@ def test_the_relaunch_of_a_verl_command_adds_logger_env_resume_and_carries_kl(tm
     assert rundir.read_jsonl(run / rundir.METRICS).records == [{"step": 7, "data": {"critic/kl_coeff": 0.0013}}]
 
 
+def test_a_stopped_attempts_steps_and_saves_past_the_relaunch_checkpoint_are_set_aside(tmp_path: Path) -> None:
+    # Found on real verl on CPU: verl's driver trains on while Ray shuts down, so an attempt stopped for a
+    # relaunch from global_step_4 logged steps 5-6 and saved global_step_6 after the decision; relayed as
+    # the run's own, its NaN at step 5 rolled the healthy relaunch back to step 2.
+    from watchdog.control.actuator import restart_command
+
+    run = tmp_path / "run"
+    verl_mode.init_run(run, SEED_COMMAND)
+    glue = _glue(run)
+    cmd, env = glue.prepare_launch(restart_command(SEED_COMMAND, {}, None), {}, None)
+    glue.launched(101, cmd, None)
+    ckpts = run / "checkpoints"
+    for step in (2, 4, 6):
+        (ckpts / f"global_step_{step}").mkdir(parents=True)
+    log1 = Path(env["VERL_FILE_LOGGER_PATH"])
+    log1.write_text("".join(json.dumps({"step": s, "data": {"actor/lr": 1e-3}}) + "\n" for s in (1, 2, 3, 4)))
+    glue.poll(None)
+    # Between the relaunch decision (resume from step 4) and its death, attempt 1 writes steps 5 and 6
+    # (step 5 with a NaN loss) and saves global_step_6.
+    with log1.open("a") as f:
+        for s, loss in ((5, float("nan")), (6, 0.1)):
+            f.write(json.dumps({"step": s, "data": {"actor/pg_loss": loss}}) + "\n")
+    (ckpts / rundir.LATEST_MARKER).write_text("6")
+    resume = str(ckpts / "global_step_4")
+    cmd2, env2 = glue.prepare_launch(restart_command(SEED_COMMAND, {}, resume), {}, resume)
+    glue.launched(102, cmd2, resume)
+    Path(env2["VERL_FILE_LOGGER_PATH"]).write_text(json.dumps({"step": 5, "data": {"actor/pg_loss": 0.2}}) + "\n")
+    glue.poll(None)
+    steps = [(r["step"], r["data"].get("actor/pg_loss")) for r in rundir.read_jsonl(run / rundir.METRICS).records]
+    assert steps == [(1, None), (2, None), (3, None), (4, None), (5, 0.2)]  # one timeline: the relaunch's step 5
+    kept = rundir.read_jsonl(run / "verl" / verl_mode.ABANDONED_FILE).records
+    assert [(r["attempt"], r["step"]) for r in kept] == [(1, 5), (1, 6)]
+    assert sorted(p.name for p in ckpts.iterdir() if p.name.startswith("global_step_")) == ["global_step_2",
+                                                                                          "global_step_4"]
+    assert (ckpts / "abandoned-attempt-1" / "global_step_6").is_dir()
+    assert (ckpts / rundir.LATEST_MARKER).read_text() == "4"
+
+
+def test_verls_async_save_is_said_at_start_to_leave_no_checkpoint_to_roll_back_to(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # verl 0.9.1's v1 trainer writes no latest_checkpointed_iteration.txt under async_save
+    # (trainer/ppo/v1/trainer_base.py:1011-1019): the run starts, and nothing it saves will count.
+    run = tmp_path / "run"
+    verl_mode.init_run(run, [*SEED_COMMAND, "actor_rollout_ref.actor.checkpoint.async_save=true"])
+    with caplog.at_level("WARNING"):
+        _glue(run)
+    assert "async_save=true" in caplog.text and "no rollback" in caplog.text
+    caplog.clear()
+    verl_mode.init_run(tmp_path / "plain", SEED_COMMAND)
+    with caplog.at_level("WARNING"):
+        _glue(tmp_path / "plain")
+    assert "async_save" not in caplog.text
+
+
 def test_a_user_checkpoint_dir_is_kept_and_searched(tmp_path: Path) -> None:
     cmd = [*SEED_COMMAND, "trainer.default_local_dir=ckpts/qwen"]
     info = verl_mode.init_run(tmp_path / "run", cmd, cwd=tmp_path)

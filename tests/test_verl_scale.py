@@ -88,7 +88,7 @@ class _NoProcess:
     def alive(self) -> bool:
         return False
 
-    def signal(self, sig: int) -> bool:
+    def signal(self, sig: int, group: bool = True) -> bool:
         return False
 
     def stop(self, grace: float = 10.0) -> int | None:

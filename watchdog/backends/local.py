@@ -65,8 +65,8 @@ class TrainerProcess(Protocol):
         """True while the process runs."""
         ...
 
-    def signal(self, sig: int) -> bool:
-        """Send a signal to the process group; False when it has already gone."""
+    def signal(self, sig: int, group: bool = True) -> bool:
+        """Send a signal to the process group (``group=False``: to the process alone); False when it has gone."""
         ...
 
     def stop(self, grace: float = 10.0) -> int | None:
@@ -256,12 +256,15 @@ class LocalProcess:
             return False
         return True
 
-    def signal(self, sig: int) -> bool:
+    def signal(self, sig: int, group: bool = True) -> bool:
         if not self.alive():
             return False
         try:
             # The child leads its own session, so its pgid is its pid; an attached pid may not
             # lead a group, so fall back to the pid itself.
+            if not group:
+                os.kill(self._pid, sig)
+                return True
             try:
                 os.killpg(self._pid, sig)
             except ProcessLookupError:

@@ -286,7 +286,7 @@ class RayJobProcess:
         # declared dead would be resubmitted next to itself once the head answers again.
         return not self._terminal if self.status() is not None else True
 
-    def signal(self, sig: int) -> bool:
+    def signal(self, sig: int, group: bool = True) -> bool:
         """A Ray Job cannot be signalled; False so callers rely on control.json at the next step."""
         return False
 

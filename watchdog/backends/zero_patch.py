@@ -79,10 +79,13 @@ KL_CTRL_DEFAULTS = {"algorithm.kl_ctrl.type": "fixed", "algorithm.kl_ctrl.target
 #: Steps of KL history kept (a rollback further back than this falls back to the last logged coefficient).
 KL_HISTORY = 2048
 MICRO_KEY = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+ASYNC_SAVE_KEY = "actor_rollout_ref.actor.checkpoint.async_save"
 #: Loggers the glue needs: ``file`` for the metrics, ``console`` for a readable trainer.log.
 NEEDED_LOGGERS = ("console", "file")
 GLUE_DIR = "verl"
 STATE_FILE = "glue.json"
+#: Metric lines of stopped attempts past their successor's resume step (``verl/abandoned.jsonl``).
+ABANDONED_FILE = "abandoned.jsonl"
 RESUME_DIR = "resume"
 LOG_NAME = "trainer.log"
 #: verl's defaults for the world size (ppo_trainer.yaml: trainer.n_gpus_per_node, trainer.nnodes).
@@ -211,6 +214,9 @@ class GlueState:
     """Checkpoint steps already recorded as ``checkpoint`` events."""
     exit: dict[str, Any] | None = None
     """Classification of the current attempt's end (``attempt``, ``kind``, ...), once known."""
+    resumed_from: dict[str, int] = field(default_factory=dict)
+    """Per attempt (as a string): the step it resumed from (0: a fresh start). A stopped attempt's lines
+    past the step its successor resumed from are a timeline the watchdog left (:meth:`VerlGlue._relay`)."""
 
     @classmethod
     def load(cls, path: Path) -> GlueState:
@@ -323,6 +329,12 @@ class VerlGlue:
         """verl's own checkpoint pruning the command sets (empty: none)."""
         if self.prunes:
             log.warning("%s: %s", run_id, pruning_notice(self.prunes, self.ckpt_dir))
+        if str(self.config.get(ASYNC_SAVE_KEY, "")).strip().lower() in ("true", "1"):
+            # verl 0.9.1's v1 trainer skips its marker under async save (trainer/ppo/v1/trainer_base.py:1011-1019),
+            # and a global_step_N counts only at or below the marker.
+            log.warning("%s: %s=true: verl writes no %s then, so no checkpoint of this run will count as "
+                        "complete: no rollback, and every restart starts from scratch", run_id, ASYNC_SAVE_KEY,
+                        rundir.LATEST_MARKER)
         self.state = GlueState.load(self.dir / STATE_FILE)
         self.exporter: Any = None
         port = info.run_metrics_port
@@ -383,7 +395,19 @@ class VerlGlue:
         if ov_f != s.kl_override:
             s.kl_override, s.kl_override_attempt = ov_f, s.attempt + 1
         cmd = zero_patch_command(command, self.ckpt_dir, kl)
+        resume_step = _step_of(resume_path)
+        if s.attempt >= 1 and resume_step is not None:
+            # The stopped attempt kept training while Ray shut down: what it saved past the step this
+            # launch resumes from is not this run's timeline any more (kept under abandoned-attempt-N/).
+            moved = ckpt.set_aside_newer(self.ckpt_dir, resume_step, f"attempt-{s.attempt}")
+            if moved:
+                log.warning("%s: attempt %d saved %s past the step-%d checkpoint this launch resumes from; "
+                            "set aside under %s", self.run_id, s.attempt, ", ".join(p.name for p in moved),
+                            resume_step, moved[0].parent)
+                gone = {_step_of(str(p)) for p in moved}
+                s.announced = [x for x in s.announced if x not in gone]
         s.attempt += 1
+        s.resumed_from[str(s.attempt)] = resume_step or 0
         s.exit = None
         log_path = self.run_dir / LOG_NAME
         s.log_offset = log_path.stat().st_size if log_path.exists() else 0
@@ -485,7 +509,16 @@ class VerlGlue:
             chunk = rundir.read_jsonl(path, s.relay_offset)
             for err in chunk.errors:
                 log.warning("%s: skipped %s", self.run_id, err)
+            # Lines a stopped attempt wrote past the step its successor resumed from (verl trains on while
+            # Ray shuts down) belong to a timeline the watchdog left: kept apart, not in the run's history.
+            cutoff = s.resumed_from.get(str(s.relay_attempt + 1)) if s.relay_attempt < s.attempt else None
             for rec in chunk.records:
+                step = rec.get("step") if isinstance(rec, dict) else None
+                if cutoff is not None and isinstance(step, (int, float)) and step > cutoff:
+                    rundir.append_jsonl(self.dir / ABANDONED_FILE, {"attempt": s.relay_attempt, **rec})
+                    log.info("%s: step %s of stopped attempt %d is past the step-%d relaunch: kept in %s",
+                             self.run_id, step, s.relay_attempt, cutoff, ABANDONED_FILE)
+                    continue
                 self._relay_record(rec)
             if chunk.offset != s.relay_offset:
                 s.relay_offset, changed = chunk.offset, True

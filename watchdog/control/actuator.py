@@ -320,7 +320,10 @@ class Actuator:
             return
         if self.config.signal_live and h.proc is not None and h.proc.alive():
             try:
-                h.proc.signal(signal.SIGUSR1)
+                # The trainer process alone: under a local ray.init() its group also holds Ray's raylet,
+                # GCS and workers, whose default action on SIGUSR1 is death (found with verl's in-process
+                # glue on CPU: the first live change killed the run).
+                h.proc.signal(signal.SIGUSR1, group=False)
             except OSError as exc:
                 log.warning("%s: SIGUSR1 failed: %s", h.run.run_id, exc)
 

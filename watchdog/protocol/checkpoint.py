@@ -413,6 +413,36 @@ def set_aside(root: Path | str, label: str) -> Path | None:
     return dest
 
 
+def set_aside_newer(root: Path | str, step: int, label: str) -> list[Path]:
+    """Move every ``global_step_N`` with N > ``step`` into ``root/abandoned-<label>/`` and point verl's
+    marker at ``step`` (when that checkpoint is there); returns the moved folders' new paths.
+
+    For a relaunch from ``step`` of a trainer that cannot be stopped between two steps: verl's
+    driver keeps training while Ray shuts down, so the stopped attempt may save checkpoints past the
+    one the relaunch resumes from (measured: two steps at 2.4 s a step). They belong to a timeline
+    the watchdog left; kept for a human, out of reach of any later resume or known-good choice, and
+    the marker no longer vouches for a same-numbered save the relaunch has not finished.
+    """
+    root = Path(root)
+    newer = [p for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and int(m.group(1)) > step] \
+        if root.is_dir() else []
+    moved: list[Path] = []
+    if newer:
+        dest = root / f"abandoned-{label}"
+        dest.mkdir(parents=True, exist_ok=True)
+        for p in sorted(newer):
+            target = dest / p.name
+            if target.exists():
+                shutil.rmtree(target, ignore_errors=True)
+            p.rename(target)
+            moved.append(target)
+    if step_dir(root, step).is_dir() and (moved or (root / rundir.LATEST_MARKER).exists()):
+        rundir.atomic_write_bytes(root / rundir.LATEST_MARKER, f"{int(step)}".encode())
+    if moved:
+        _fsync_dir(root)
+    return moved
+
+
 # -- verl's own layout (no manifest) ----------------------------------------------------
 #
 # A checkpoint written by verl itself (``RayPPOTrainer._save_checkpoint`` and its FSDP

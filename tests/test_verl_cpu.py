@@ -1,0 +1,77 @@
+"""trainer/verl_cpu's plugin against the installed verl: every fix finds what it patches, and a verl
+that no longer has it is refused loudly, naming the file and the version (no verl run here: see
+tests/test_verl_e2e.py for that)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl")
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROBE = """
+import json, verl
+from verl.plugin.platform.platform_manager import get_platform
+from verl.workers.rollout.base import _ROLLOUT_REGISTRY, get_rollout_class
+from verl.workers.rollout.replica import get_rollout_replica_class
+import verl.utils.model as model
+import verl.models.transformers.monkey_patch as mp
+import verl.workers.engine.fsdp.transformer_impl as impl
+from verl.workers.engine_workers import ActorRolloutRefWorker
+from verl.utils.device import get_device_name, get_nccl_backend, get_torch_device
+p = get_platform()
+print(json.dumps({
+    "device": get_device_name(), "backend": get_nccl_backend(), "resource": p.ray_resource_name(),
+    "rollout": get_rollout_class("hf", "async").__name__, "replica": get_rollout_replica_class("hf").__name__,
+    "valuehead": model.load_valuehead_model.__module__, "trl_check": mp.is_trl_available.__module__,
+    "offload": impl.CPUOffloadPolicy.__module__, "injection": hasattr(ActorRolloutRefWorker.update_actor, "__wrapped__"),
+    "empty_cache": get_torch_device().empty_cache() is None,
+}))
+"""
+
+
+def test_the_plugin_loaded_by_verl_registers_the_cpu_platform_the_hf_rollout_and_every_fix() -> None:
+    from trainer.verl_cpu import overrides
+
+    env = overrides.verl_env()
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["device"] == "cpu" and got["backend"] == "gloo" and got["resource"] == "GPU"
+    assert got["rollout"] == "HFServerAdapter" and got["replica"] == "HFReplica"
+    plugin = "trainer.verl_cpu.plugin"
+    assert got["valuehead"] == got["trl_check"] == got["offload"] == plugin
+    assert got["injection"] and got["empty_cache"]
+
+
+def test_a_verl_without_what_a_fix_patches_is_refused_naming_the_file_and_the_version() -> None:
+    from trainer.verl_cpu import plugin
+
+    for patch, where in ((plugin._patch_valuehead, "verl/utils/model.py"),
+                         (plugin._patch_offload_policy, "transformer_impl.py"),
+                         (plugin._register_rollout, "verl/workers/rollout/base.py"),
+                         (plugin._patch_injection, "verl/workers/engine_workers.py")):
+        with pytest.raises(plugin.VerlPatchError) as err:
+            patch(types.SimpleNamespace())
+        assert where in str(err.value) and plugin.TESTED_VERL in str(err.value)
+
+
+def test_the_oom_budget_and_one_shot_faults_read_their_environment(tmp_path: Path, monkeypatch) -> None:
+    from trainer.verl_cpu import plugin
+
+    monkeypatch.setenv(plugin.INJECT_OOM_ENV, "8:1")
+    assert plugin.oom_budget() == (8, 1)
+    monkeypatch.setenv(plugin.INJECT_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(plugin.INJECT_ROLLOUT_ENV, "4")
+    assert not plugin.rollout_should_fail(3)
+    assert plugin.rollout_should_fail(4) and not plugin.rollout_should_fail(4)  # once: a marker in the dir
+    assert os.listdir(tmp_path) == ["rollout.step4.fired"]
