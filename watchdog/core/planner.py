@@ -485,11 +485,11 @@ def plan_decision(decision: Decision, ctx: PlanContext) -> list[Planned]:
                                            "from": old}))
     elif sets:
         live = {k: v for k, v in sets.items() if k in ctx.live_keys}
-        restart = [k for k in sets if k not in ctx.live_keys]
-        if restart:
+        by_relaunch = [k for k in sets if k not in ctx.live_keys]
+        if by_relaunch:
             out.insert(0, Planned("restart", {**base, "set": sets, "from": old, "resume": "latest",
                                               "urgent": bool(getattr(decision, "urgent", False)),
-                                              "reason": f"{rule}: {', '.join(restart)} need a restart"}))
+                                              "reason": f"{rule}: {', '.join(by_relaunch)} need a restart"}))
         else:
             out.insert(0, Planned("live_set", {**base, "set": live, "from": old}))
     return out
