@@ -21,7 +21,12 @@ def export(
     directory: Annotated[Path, typer.Argument(help="Directory to write the dashboard JSON files into.")],
 ) -> None:
     """Write every dashboard as JSON (fixed uids) into DIRECTORY."""
-    for path in dashboards.export(directory):
+    try:
+        paths = dashboards.export(directory)
+    except OSError as exc:  # a directory that cannot be made or written: bad input, exit 2
+        typer.echo(f"error: {exc.filename or directory}: cannot be written ({exc.strerror or exc})", err=True)
+        raise typer.Exit(2) from None
+    for path in paths:
         typer.echo(str(path))
 
 
@@ -46,8 +51,8 @@ def push(
     client = grafana.Grafana(url, token)
     try:
         uids = grafana.push_all(client, folder_uid=folder_uid)
-    except grafana.GrafanaError as exc:
+    except grafana.GrafanaError as exc:  # refused (a wrong token) or unreachable: a setting to fix, exit 2
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None
     for uid in uids:
         typer.echo(f"pushed {uid} to {grafana.redact_url(url)}")

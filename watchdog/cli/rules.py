@@ -1,8 +1,9 @@
 """`watchdog rules ...`, `watchdog replay` and `watchdog eval`: rule packs and recorded runs.
 
-Exit codes: 0 success; 1 the thing checked failed (a rule file is invalid, a rule test
-failed); 2 usage or input errors (missing file, unreadable log, rules that do not load).
-Messages for a person go to stderr; ``--json`` output alone goes to stdout.
+Exit codes (the convention of every command, see watchdog.cli): 0 success; 1 the thing judged
+failed (a rule test, a labelled run of ``eval``); 2 bad input or usage (a missing file, an
+unreadable log, a rule file that does not load, ``rules check`` finding errors). Messages for a
+person go to stderr; ``--json`` output alone goes to stdout.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def rules_list(
 def rules_check(
     files: Annotated[list[Path], typer.Argument(help="Rule files or directories to validate.")],
 ) -> None:
-    """Validate rule files: every error is printed as file:line:col; exit 1 when any."""
+    """Validate rule files: every error is printed as file:line:col; exit 2 when any (bad input)."""
     from watchdog.core.rulefile import RuleFileError, load_rules
 
     paths = _expand(files)
@@ -188,7 +189,7 @@ def rules_check(
         for err in exc.errors:
             typer.echo(str(err), err=True)
         typer.echo(f"FAILED: {len(exc.errors)} error(s) in {len(paths)} file(s)", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None
     except OSError as exc:
         _fail(f"{getattr(exc, 'filename', '') or ''}: {exc.strerror or exc}")
     typer.echo(f"OK: {len(_rules_of(ruleset))} rules in {len(paths)} file(s)")

@@ -14,9 +14,11 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from watchdog.backends.local import SupervisorError
+from watchdog.control.controller import DONE_PHASES, RULE_CONFIG
 from watchdog.control.daemon import (
     DaemonConfigError,
     build_watchdog,
@@ -236,6 +238,9 @@ def run_cmd(
                     if j.kind == JournalKind.STOP and j.status == ActionStatus.DONE), "")
     if verdict:
         console.print(f"[red]verdict: {verdict}[/red]")
+    refused = next((d for d in decisions if d["rule"] == RULE_CONFIG), None)
+    if refused is not None:  # the cause, where the user looks (it is also in trainer.log and `history`)
+        console.print(f"[red]{escape(refused['message'])}[/red]")
     if report:
         try:
             from watchdog.observe.report import restart_spans, write_report
@@ -246,7 +251,8 @@ def run_cmd(
         except Exception as exc:  # a failed report must not hide the run's outcome
             console.print(f"[yellow]report not written: {exc}[/yellow]")
     console.print(f"history: watchdog history {run.run_id} --json")
-    raise typer.Exit(0 if run.phase == Phase.FINISHED else 1)
+    # 2: the trainer refused its configuration (bad input, as a bad option would be); 1: the run failed.
+    raise typer.Exit(0 if run.phase == Phase.FINISHED else 2 if refused is not None else 1)
 
 
 def _interrupted(wd: Any, ctl: Any) -> None:
@@ -295,10 +301,10 @@ def status_cmd(
     """Runs with their phase, step, restarts, control version and open actions."""
     try:
         store = Store(state_dir or state_dir_default(), create=False, busy_timeout_s=5.0)
-    except NoState as exc:
-        console.print(f"no runs in {exc.path}: no watchdog state there yet "
-                      "(give --state-dir or set $WATCHDOG_STATE_DIR to look elsewhere)")
-        raise typer.Exit(0) from exc
+    except NoState as exc:  # exit 2 as `history` does: a state directory that is not there is bad input
+        console.print(f"[red]no runs in {exc.path}: no watchdog state there "
+                      "(give --state-dir or set $WATCHDOG_STATE_DIR to look elsewhere)[/red]")
+        raise typer.Exit(2) from exc
     except StoreError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
@@ -306,7 +312,7 @@ def status_cmd(
         runs = [store.require_run(run)] if run else store.list_runs()
     except StoreError as exc:
         console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from exc
+        raise typer.Exit(2) from exc
     rows = []
     for r in runs:
         engine = (store.load_engine_state(r.run_id) or {}).get("engine", {})
@@ -378,7 +384,7 @@ def history_cmd(
     store = _store(state_dir)
     if run and store.get_run(run) is None:
         console.print(f"[red]{store.path}: no run {run!r}[/red]")
-        raise typer.Exit(1)
+        raise typer.Exit(2)
     decisions = [d for d in store.decisions(run) if all_decisions or shown_in_history(d)]
     if as_json:
         typer.echo(json.dumps(_history_rows(decisions), indent=2, sort_keys=True))
@@ -394,7 +400,11 @@ def resume_cmd(run: Annotated[str, typer.Argument(help="Run id.")], state_dir: S
         r = store.require_run(run)
     except StoreError as exc:
         console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from exc
+        raise typer.Exit(2) from exc
+    if r.phase in DONE_PHASES:  # nothing watches it any more: a queued resume would never be sent
+        console.print(f"[red]run {run} has {r.phase}: there is nothing to resume (start it again with "
+                      f"`watchdog run --run-dir {r.run_dir}`)[/red]")
+        raise typer.Exit(2)
     aid = store.add_action(run, "resume", {"rule": "human:resume", "requested_phase": r.phase})
     console.print(f"resume of {run} queued (journal {aid}); the watchdog applies it at its next tick")
 
@@ -413,7 +423,7 @@ def report_cmd(
         r = store.require_run(run)
         decisions = store.decisions(run)
         path = write_report(r.run_dir, decisions, out, restart_spans(decisions))
-    except (StoreError, ReportError) as exc:
+    except (StoreError, ReportError) as exc:  # no such run, nothing to plot, not .png/.html: bad input
         console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from exc
+        raise typer.Exit(2) from exc
     console.print(f"report written: {path}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -63,6 +64,8 @@ RULE_CRASH = "watchdog:crash"
 RULE_HANG = "watchdog:hang"
 RULE_BUDGET = "watchdog:budget"
 RULE_LIVE_TIMEOUT = "watchdog:live_timeout"
+#: The trainer refused its configuration (exit 2 / verl's config error): given up at once, ``watchdog run`` exits 2.
+RULE_CONFIG = "watchdog:config"
 
 @dataclass
 class ControllerConfig:
@@ -815,9 +818,13 @@ class RunController:
             elif how == "oom":
                 self._on_oom(code)
             elif how == "usage":
-                # A rejected config fails the same way every time: say why instead of retrying.
-                self._give_up(RULE_CRASH, f"trainer rejected its configuration (exit {code}): "
-                                          f"{log_tail(Path(self.run.run_dir) / self.actuator.config.log_name)}")
+                # A rejected config fails the same way every time: say why (the trainer's own error
+                # line, where the user looks: console, history, webhook) instead of retrying.
+                why = error_line(Path(self.run.run_dir) / self.actuator.config.log_name)
+                log.error("%s: the trainer rejected its configuration (exit %s): %s; given up, nothing to retry",
+                          self.run.run_id, code, why)
+                self._give_up(RULE_CONFIG, f"the trainer rejected its configuration (exit {code}): {why}",
+                              {"exit_code": code, "error": why})
             else:
                 self._on_crash(RULE_CRASH, f"trainer exited with code {code}", {"exit_code": code})
             return
@@ -887,9 +894,11 @@ class RunController:
         """The trainer runs but did not apply a control version in time: restart with the overrides."""
         return self._on_crash(RULE_LIVE_TIMEOUT, message, {"control_version": entry.control_version}, resume="latest")
 
-    def _give_up(self, rule: str, message: str) -> None:
+    def _give_up(self, rule: str, message: str, inputs: dict[str, Any] | None = None) -> None:
         with self.store.transaction():
-            did = self._own_decision(RULE_BUDGET, f"{rule}: {message}", {}, kind="escalate")
+            # A refused configuration is its own rule (``watchdog run`` exits 2 on it); the rest are budgets.
+            did = self._own_decision(rule if rule == RULE_CONFIG else RULE_BUDGET, f"{rule}: {message}",
+                                     inputs or {}, kind="escalate")
             self.store.add_action(self.run.run_id, "notify", {
                 "rule": rule, "severity": "critical", "summary": f"{rule}: run given up, a human is needed",
                 "description": message,
@@ -911,6 +920,21 @@ def log_tail(path: Path, lines: int = 3, max_chars: int = 600) -> str:
         return f"(nothing in the log at {path})"
     tail = [ln.strip() for ln in text.splitlines() if ln.strip()][-lines:]
     return " | ".join(tail)[-max_chars:]
+
+
+#: How a trainer says it refused its configuration (the embedded trainer, verl's Hydra and its config checks).
+_ERROR_LINE = re.compile(r"^(?:config error|Error|[A-Za-z_.]*(?:Error|Exception))\b.*", re.M)
+
+
+def error_line(path: Path, max_chars: int = 400) -> str:
+    """The trainer's own error line from the end of its log (``config error: ...``, ``ValueError: ...``),
+    else its last lines: what a human needs to see to fix a refused configuration."""
+    text = read_tail(path, size=8192)
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if _ERROR_LINE.match(ln):
+            return ln[:max_chars]
+    return log_tail(path, max_chars=max_chars)
 
 
 def open_entries(store: Store, run_id: str) -> int:

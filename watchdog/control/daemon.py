@@ -24,7 +24,7 @@ import yaml
 
 from watchdog.backends.local import Backend, LocalBackend, SupervisorError
 from watchdog.backends.zero_patch import MODE_VERL, MODES, VerlModeError, prepare_run, resolve_mode
-from watchdog.control.actuator import Actuator, ActuatorConfig, Notifier, resolve_webhook_url
+from watchdog.control.actuator import Actuator, ActuatorConfig, Notifier, resolve_webhook_url, webhook_target
 from watchdog.control.controller import ControllerConfig, EngineRules, RulesEngine, RunController
 from watchdog.control.store import Phase, RunRecord, Store
 from watchdog.core.planner import ON_ESCALATE
@@ -168,6 +168,13 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
         if spec.on_escalate is not None and spec.on_escalate not in ON_ESCALATE:
             raise DaemonConfigError(f"{path}: runs[{i}].on_escalate must be one of {', '.join(ON_ESCALATE)}, "
                                     f"got {spec.on_escalate!r}")
+    if cfg.webhook_url:
+        try:
+            webhook_target(cfg.webhook_url)
+        except ValueError as exc:
+            raise DaemonConfigError(f"{path}: webhook_url: {exc}") from exc
+    if not cfg.runs:  # a daemon that watches nothing is a config mistake, not a quiet success
+        raise DaemonConfigError(f"{path}: no runs to watch: list run directories under 'runs:'")
     return cfg
 
 
