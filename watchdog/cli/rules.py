@@ -406,9 +406,11 @@ def replay_cmd(
         out = replay.replay(res.records, ruleset, events=events, config=config)
     except ValueError as exc:
         _fail(f"replay failed: {exc}")
-    from watchdog.core.engine import describe_blind
+    from watchdog.core.engine import describe_blind, evidence_text
 
     for line in describe_blind(out.blind):
+        typer.echo(f"warning: {line}", err=True)
+    for line in out.ignored:
         typer.echo(f"warning: {line}", err=True)
     blind = {r for names in out.blind.values() for r in names}
     for name, err in out.unhealthy.items():
@@ -426,7 +428,7 @@ def replay_cmd(
     for d in out.decisions:
         if d.kind == DecisionKind.RESOLVE and not show_resolve:
             continue
-        inputs = ", ".join(f"{k}={_fmt_num(v)}" for k, v in list(d.inputs.items())[:4])
+        inputs = evidence_text(d.inputs)
         acts = []
         for a in d.actions:
             text = str(a.get("text", a.get("kind", "?")))

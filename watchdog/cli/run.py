@@ -27,6 +27,7 @@ from watchdog.control.daemon import (
     state_dir_default,
 )
 from watchdog.control.store import NoState, Phase, Store, StoreError
+from watchdog.core.engine import evidence_text
 from watchdog.core.pricing import cost_text
 from watchdog.core.vocabulary import ActionStatus, JournalKind, RuleStatus
 from watchdog.protocol import hydra
@@ -355,7 +356,7 @@ def _print_history(decisions: list[dict[str, Any]], title: str) -> None:
     for col in ("step", "rule", "kind", "inputs", "actions", "status", "cost", "outcome"):
         t.add_column(col, overflow="fold")
     for d in decisions:
-        inputs = ", ".join(f"{k}={_fmt(v)}" for k, v in list(d["inputs"].items())[:4])
+        inputs = evidence_text(d["inputs"])  # the measured values first, the $param thresholds after
         actions = "; ".join(str(a.get("kind", a)) if isinstance(a, dict) else str(a) for a in d["actions"])
         actions = actions or ", ".join(j["kind"] for j in d["journal"]) or "-"
         t.add_row(str(d["step"]), d["rule"], d["kind"], inputs, actions, d["status"], cost_text(d["journal"]),
@@ -367,10 +368,6 @@ def shown_in_history(d: dict[str, Any]) -> bool:
     """Decisions ``watchdog history`` lists without --all: not resolves, not no-ops (a dropped or
     covered set is shown: what was not done, and why, is part of the record)."""
     return d["kind"] != "resolve" and d["outcome"] not in ("no action", "resolved")
-
-
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
 @run_app.command("history")

@@ -40,13 +40,14 @@ from watchdog.core.planner import (
     ON_ESCALATE,
     PlanContext,
     Planned,
+    config_value,
     oom_remedy,
     plan_decision,
 )
 from watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
 from watchdog.core.vocabulary import OPEN_ACTION_STATUSES, ActionStatus, DecisionKind, JournalKind
 from watchdog.protocol import catalog, rundir
-from watchdog.protocol.events import Event
+from watchdog.protocol.events import Event, outside_message, past_the_end
 from watchdog.protocol.runinfo import RunInfo
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,8 @@ RULE_BUDGET = "watchdog:budget"
 RULE_LIVE_TIMEOUT = "watchdog:live_timeout"
 #: The trainer refused its configuration (exit 2 / verl's config error): given up at once, ``watchdog run`` exits 2.
 RULE_CONFIG = "watchdog:config"
+#: A control.json version the watchdog never wrote (by hand, a script) was applied by the trainer.
+RULE_FOREIGN_CONTROL = "watchdog:foreign_control"
 
 @dataclass
 class ControllerConfig:
@@ -422,7 +425,10 @@ class RunController:
             kind = e.get("kind")
             if kind == "applied":
                 ids = [c if isinstance(c, str) else c.get("id", "") for c in e.get("commands", [])]
-                self.actuator.confirm(self.h, int(e.get("version", 0)), e.get("step"), ids)
+                version = int(e.get("version", 0))
+                if version > self.run.control_version and not self._wrote_control(version):
+                    self._foreign_control(e, version, ids)
+                self.actuator.confirm(self.h, version, e.get("step"), ids)
             elif kind == JournalKind.ROLLBACK:
                 self._rewind_to = int(e.get("to_step") or 0)
                 self.store.close_bad_spans(self.run.run_id, int(e.get("from_step") or e.get("to_step") or 0))
@@ -446,6 +452,37 @@ class RunController:
                 self._started_ts = float(e.get("ts") or now)
                 if self._rewind_pending:
                     self._rewind_to = int(e.get("resumed_from") or e.get("step") or 0)
+
+    def _wrote_control(self, version: int) -> bool:
+        return any(v["version"] == version for v in self.store.control_versions(self.run.run_id))
+
+    def _foreign_control(self, e: Event, version: int, command_ids: Sequence[str]) -> None:
+        """A version the watchdog never wrote was applied: said at once (console, history, webhook) with
+        the values it changed, and adopted as the run's desired state. The trainer runs with those
+        values, so the rules' next sets start from them and the watchdog's next version keeps them
+        (a relaunch too) rather than silently undoing a human's change (RELIABILITY.md)."""
+        applied = e.get("applied") if isinstance(e.get("applied"), Mapping) else {}
+        changed = {k: v for k, v in applied.items() if self.run.overrides.get(k) != v}
+        cfg = run_config(self.run.run_dir)
+        was = {k: self.run.overrides.get(k, config_value(cfg, k)) for k in changed}
+        said = ", ".join(f"{k} {was[k]!r} -> {v!r}" if was[k] is not None else f"{k} -> {v!r}"
+                         for k, v in changed.items()) or "no override"
+        cmds = f"; commands {', '.join(command_ids)}" if command_ids else ""
+        message = (f"control.json version {version}, applied at step {e.get('step')}, was not written by the "
+                   f"watchdog: it changed {said}{cmds}. The watchdog adopts these values: its next sets start "
+                   f"from them")
+        log.warning("%s: %s", self.run.run_id, message)
+        overrides = {**self.run.overrides, **applied}
+        with self.store.transaction():
+            did = self.store.add_decision(self.run.run_id, e.get("step") or self.run.last_step or 0,
+                                          RULE_FOREIGN_CONTROL, "fire", [], {**changed, "version": version},
+                                          "warning", message)
+            self.store.add_action(self.run.run_id, "notify", {
+                "rule": RULE_FOREIGN_CONTROL, "severity": "warning",
+                "summary": f"control.json version {version} was not written by the watchdog",
+                "description": message}, decision_id=did)
+            self.store.update_run(self.run.run_id, overrides=overrides)
+        self.run.overrides = overrides
 
     def _evaluate(self, records: list[dict[str, Any]], events: list[Event], now: float,
                   result: TickResult) -> list[Any]:
@@ -475,10 +512,16 @@ class RunController:
                 self._launch_seen = self.run.launched_ts
             self._events_since_eval = False
             decisions += self._run_engine(step, result)
+        alive = self.h.proc is not None and self.h.proc.alive()
+        if pending and not alive and self.run.last_step is not None:
+            # The run has ended: an event past its last step (a hand-edited line, another run's) is said
+            # and never acted on, not taken for something that happened at the last step.
+            pending, outside = past_the_end(pending, self.run.last_step)
+            for e in outside:
+                log.warning("%s: %s", self.run.run_id, outside_message(e, self.run.last_step))
         if pending:
             self.window.add_events(pending)
             self._events_since_eval = True
-        alive = self.h.proc is not None and self.h.proc.alive()
         if self._events_since_eval and not alive and self.run.last_step is not None:
             # The trainer ended after events no metric line followed (an OOM mid-step): let the
             # rules see them now, at the step the trainer was in.
