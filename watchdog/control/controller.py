@@ -513,7 +513,10 @@ class RunController:
             self._events_since_eval = False
             decisions += self._run_engine(step, result)
         alive = self.h.proc is not None and self.h.proc.alive()
-        if pending and not alive and self.run.last_step is not None:
+        # Only a trainer seen to end, read from its files: a Prometheus source samples steps (its last
+        # step may lag), and a run the watchdog did not start has no process to see end.
+        ended = self.h.proc is not None and not alive and not callable(getattr(self.tailer, "replay", None))
+        if pending and ended and self.run.last_step is not None:
             # The run has ended: an event past its last step (a hand-edited line, another run's) is said
             # and never acted on, not taken for something that happened at the last step.
             pending, outside = past_the_end(pending, self.run.last_step)
