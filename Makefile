@@ -5,16 +5,38 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean deps
+.PHONY: run test lint bench clean deps constraints versions
 
-$(STAMP): pyproject.toml
+# The tested set of versions: every package of the test environment pinned, so a release of any
+# dependency cannot turn `make test` red by surprise. pyproject.toml keeps ranges (a user's
+# environment is not pinned); `make constraints` re-resolves them today, on purpose.
+CONSTRAINTS := constraints.txt
+EXTRAS := trainer,verl,ray,test
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch first and pinned: the CPU build on this machine's disk, not a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -c $(CONSTRAINTS) torch==2.13.0
 	# The watchdog and every extra: the embedded trainer, the in-process verl glue, Ray, the tests.
-	$(BIN)/pip install -q -e '.[trainer,verl,ray,test]'
+	$(BIN)/pip install -q -c $(CONSTRAINTS) -e '.[$(EXTRAS)]'
 	touch $(STAMP)
+
+# Refresh constraints.txt: resolve pyproject.toml's ranges afresh in a throwaway venv and pin the result.
+constraints:
+	rm -rf .venv-resolve && $(PY) -m venv .venv-resolve
+	.venv-resolve/bin/pip install -q --upgrade pip
+	.venv-resolve/bin/pip install -q torch==2.13.0
+	.venv-resolve/bin/pip install -q '.[$(EXTRAS)]'
+	{ echo "# The tested set: written by \`make constraints\` on $$(date -u +%F); pyproject.toml keeps ranges."; \
+	  .venv-resolve/bin/pip freeze --exclude-editable | grep -v '^ppo-watchdog' | sed 's/+cpu$$//'; } > $(CONSTRAINTS)
+	rm -rf .venv-resolve
+	@echo "constraints.txt refreshed; run make test before committing it"
+
+# What the test environment resolved to (printed by .ci/run before the tests).
+versions: $(STAMP)
+	@$(BIN)/python -c "from importlib.metadata import version as v; \
+	  print('resolved:', ', '.join(f'{p} {v(p)}' for p in ('torch', 'verl', 'ray', 'transformers', 'prometheus-client')))"
 
 deps:
 	@command -v promtool >/dev/null 2>&1 && command -v amtool >/dev/null 2>&1 || { \

@@ -10,8 +10,11 @@ micro batch, resuming from its checkpoint, until it finishes.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -223,6 +226,22 @@ class RayHead:
     """Job server (dashboard) URL."""
     temp_dir: Path
     """Ray's --temp-dir (and the cwd of the head)."""
+    token_file: Path | None
+    """The file holding the cluster's auth token (None: token authentication off)."""
+    log: Path
+    """What ``ray start`` printed."""
+
+    def token(self) -> str:
+        assert self.token_file is not None
+        return self.token_file.read_text().strip()
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token()}"} if self.token_file else {}
+
+
+#: Ray's token variables: removed from every environment a test hands on, so a token on this
+#: machine (a ~/.ray/auth_token left by some local ray.init()) never decides a test.
+RAY_TOKEN_ENV = ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE")
 
 
 def _descendants(pid: int) -> list[int]:
@@ -242,24 +261,30 @@ def _kill_pids(pids: list[int]) -> None:
             pass
 
 
-def _wait_for_job_server(address: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 120.0) -> None:
+def _wait_for_job_server(head: RayHead, proc: subprocess.Popen[bytes], timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
+    request = urllib.request.Request(f"{head.address}/api/version", headers=head.headers())
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(f"ray start exited with {proc.returncode}:\n{log.read_text()[-4000:]}")
+            raise AssertionError(f"ray start exited with {proc.returncode}:\n{head.log.read_text()[-4000:]}")
         try:
-            with urllib.request.urlopen(f"{address}/api/version", timeout=2) as resp:
+            with urllib.request.urlopen(request, timeout=2) as resp:
                 if resp.status == 200 and "ray_version" in json.loads(resp.read()):
                     return
         except (OSError, ValueError):
             pass
         time.sleep(0.5)
-    raise AssertionError(f"Ray job server at {address} not up within {timeout:.0f}s:\n{log.read_text()[-4000:]}")
+    raise AssertionError(f"Ray job server at {head.address} not up within {timeout:.0f}s:\n"
+                         f"{head.log.read_text()[-4000:]}")
 
 
-@pytest.fixture(scope="module")
-def ray_head(trainer_env: dict[str, str]) -> Iterator[RayHead]:
-    """``ray start --head --block`` on 127.0.0.1; stopped (and every process it started killed) afterwards."""
+@contextlib.contextmanager
+def _ray_head(trainer_env: dict[str, str], auth: bool) -> Iterator[RayHead]:
+    """``ray start --head --block`` on 127.0.0.1; stopped (and every process it started killed) afterwards.
+
+    ``auth``: the way today's Ray starts by default: ``RAY_AUTH_MODE`` unset and a token where Ray
+    looks (here ``$RAY_AUTH_TOKEN_PATH``, a file of the test's own), so the head turns token
+    authentication on by itself. Without: ``RAY_AUTH_MODE=disabled``, the opt-out Ray names."""
     missing = _missing_ray_default_extras()
     if missing:
         pytest.skip(f"Ray's job server needs ray[default]; missing {', '.join(missing)} "
@@ -276,16 +301,23 @@ def ray_head(trainer_env: dict[str, str]) -> Iterator[RayHead]:
         "--num-cpus", "1", "--include-dashboard", "true", "--disable-usage-stats", "--temp-dir", str(temp_dir),
     ]
     # The jobs inherit the head's environment: the session's SFT cache, one thread, quiet logs.
-    env = {k: v for k, v in trainer_env.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env = {k: v for k, v in trainer_env.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", *RAY_TOKEN_ENV)}
     env["RAY_USAGE_STATS_ENABLED"] = "0"
-    log = temp_dir / "ray-start.log"
-    with open(log, "wb") as out:
+    token_file = None
+    if auth:
+        token_file = temp_dir / "auth_token"
+        token_file.write_text(secrets.token_hex(32))
+        token_file.chmod(0o600)
+        env["RAY_AUTH_TOKEN_PATH"] = str(token_file)
+    else:
+        env["RAY_AUTH_MODE"] = "disabled"
+    head = RayHead(f"http://127.0.0.1:{dashboard}", temp_dir, token_file, temp_dir / "ray-start.log")
+    with open(head.log, "wb") as out:
         proc = subprocess.Popen(cmd, cwd=temp_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-    address = f"http://127.0.0.1:{dashboard}"
     try:
-        _wait_for_job_server(address, proc, log)
-        yield RayHead(address, temp_dir)
+        _wait_for_job_server(head, proc)
+        yield head
     finally:
         # Jobs run in sessions of their own: collect every descendant before the parents go.
         started = _descendants(proc.pid)
@@ -299,16 +331,49 @@ def ray_head(trainer_env: dict[str, str]) -> Iterator[RayHead]:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.fixture(scope="module")
+def ray_head(trainer_env: dict[str, str]) -> Iterator[RayHead]:
+    """A head as today's Ray starts one by default: token authentication on."""
+    with _ray_head(trainer_env, auth=True) as head:
+        yield head
+
+
+@pytest.fixture
+def open_ray_head(trainer_env: dict[str, str]) -> Iterator[RayHead]:
+    """A head with token authentication turned off (``RAY_AUTH_MODE=disabled``)."""
+    with _ray_head(trainer_env, auth=False) as head:
+        yield head
+
+
+@pytest.fixture
+def no_ray_token(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This process with no Ray token anywhere Ray looks (an empty HOME); returns that HOME."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for name in (*RAY_TOKEN_ENV, "RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        monkeypatch.delenv(name, raising=False)
+    return home
+
+
 def _client(head: RayHead):
     from ray.job_submission import JobSubmissionClient
 
-    return JobSubmissionClient(head.address)
+    return JobSubmissionClient(head.address, headers=head.headers() or None)
 
 
-def test_a_job_is_attached_by_id_stopped_through_the_head_and_its_log_copied_once(ray_head, tmp_path, monkeypatch):
+def _backend(head: RayHead, run_id: str, **kwargs) -> RayJobBackend:
+    """The backend for ``run_id`` on ``head``, its token read from the head's token file."""
+    return RayJobBackend(head.address, run_id, token_file=head.token_file, **kwargs)
+
+
+@pytest.mark.parametrize("head", ["ray_head", "open_ray_head"], ids=["token-auth", "auth-off"])
+def test_a_job_is_attached_by_id_stopped_through_the_head_and_its_log_copied_once(head, request, tmp_path,
+                                                                                  monkeypatch):
+    ray_head = request.getfixturevalue(head)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     log_path = tmp_path / "trainer.log"
-    backend = RayJobBackend(ray_head.address, "attach-me", stop_wait_s=2, log_interval_s=0)
+    backend = _backend(ray_head, "attach-me", stop_wait_s=2, log_interval_s=0)
     code = "import time; print('hello from', 'the job', flush=True); time.sleep(120)"
     proc = backend.start([sys.executable, "-c", code], env={"WD_X": "1"}, log_path=log_path)
     assert proc.job_id == "attach-me-1" and proc.pid is None
@@ -320,7 +385,7 @@ def test_a_job_is_attached_by_id_stopped_through_the_head_and_its_log_copied_onc
     # A restarted watchdog (the first one's log stream gone with it): a new backend attaches by
     # submission id and carries on with the same log.
     proc.close()
-    again = RayJobBackend(ray_head.address, "attach-me", stop_wait_s=2, log_interval_s=0)
+    again = _backend(ray_head, "attach-me", stop_wait_s=2, log_interval_s=0)
     adopted = again.attach_job(proc.job_id, log_path)
     assert adopted.alive()
     assert adopted.stop(grace=5) == rundir.EXIT_STOPPED
@@ -331,8 +396,151 @@ def test_a_job_is_attached_by_id_stopped_through_the_head_and_its_log_copied_onc
     assert text.count(LOG_HEADER.format(job_id=proc.job_id)) == 1
     assert text.count("hello from the job") == 1  # the re-attached copy did not repeat it
     # The next launch of the run continues the numbering from what the cluster holds.
-    held = [j.submission_id for j in RayJobBackend(ray_head.address, "attach-me").run_jobs()]
+    held = [j.submission_id for j in _backend(ray_head, "attach-me").run_jobs()]
     assert held == ["attach-me-1"] and next_attempt("attach-me", held) == 2
+
+
+def test_the_test_head_has_token_authentication_on_as_todays_ray_starts_by_default(ray_head):
+    import urllib.error
+
+    assert "Token authentication is enabled for this Ray cluster" in ray_head.log.read_text()
+    for headers, code in (({}, 401), ({"Authorization": "Bearer not-the-token"}, 403)):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(f"{ray_head.address}/api/version", headers=headers),
+                                   timeout=10)
+        assert refused.value.code == code
+
+
+def test_the_token_comes_from_the_named_file_else_from_where_ray_looks_in_rays_order(tmp_path):
+    from watchdog.backends.ray_jobs import RayAuthError, find_token
+
+    named, by_path = tmp_path / "named", tmp_path / "by-path"
+    named.write_text("tok-named\n")
+    by_path.write_text("  tok-path  ")
+    env = {"RAY_AUTH_TOKEN": "tok-env", "RAY_AUTH_TOKEN_PATH": str(by_path), "HOME": str(tmp_path)}
+    assert find_token(named, env).value == "tok-named"  # a named file wins over anything Ray would find
+    assert find_token(None, env).value == "tok-env"
+    assert find_token(None, {**env, "RAY_AUTH_TOKEN": ""}).value == "tok-path"
+    token = find_token(None, {"HOME": str(tmp_path)})
+    assert token.value is None and token.headers() == {}
+    assert token.looked == ("$RAY_AUTH_TOKEN: unset", "$RAY_AUTH_TOKEN_PATH: unset",
+                            f"~/.ray/auth_token ({tmp_path}/.ray/auth_token): No such file or directory")
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("tok-home")
+    assert find_token(None, {"HOME": str(tmp_path)}).value == "tok-home"
+    found = find_token(None, {"RAY_AUTH_TOKEN_PATH": str(by_path)})
+    assert found.headers() == {"Authorization": "Bearer tok-path"} and "tok-path" not in repr(found)
+    for bad, why in ((tmp_path / "missing", "No such file"), (tmp_path, "Is a directory")):
+        with pytest.raises(RayAuthError, match=f"Ray token file {bad}: cannot be used .*{why}"):
+            find_token(bad, env)
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(RayAuthError, match="empty"):
+        find_token(tmp_path / "empty", env)
+
+
+def _run_against(head: RayHead, tmp_path: Path, *extra: str):
+    from watchdog import cli
+
+    return CliRunner().invoke(cli.app, [
+        "run", "--ray-address", head.address, "--run-dir", str(tmp_path / "run"), "--state-dir",
+        str(tmp_path / "state"), "--no-report", *extra, "--", sys.executable, "-c", "pass",
+    ])
+
+
+def test_watchdog_run_without_the_token_exits_2_naming_the_address_and_every_place_it_looked(
+    ray_head, tmp_path, no_ray_token,
+):
+    result = _run_against(ray_head, tmp_path)
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert f"Ray job server at {ray_head.address} asks for a token" in said and "no token was found" in said
+    for where in ("$RAY_AUTH_TOKEN: unset", "$RAY_AUTH_TOKEN_PATH: unset",
+                  f"~/.ray/auth_token ({no_ray_token}/.ray/auth_token): No such file", "--ray-token-file"):
+        assert where in said, said
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "run").exists() and not (tmp_path / "state").exists()
+
+
+def test_watchdog_run_with_a_wrong_token_exits_2_and_never_shows_either_token(ray_head, tmp_path, no_ray_token):
+    wrong = tmp_path / "wrong_token"
+    wrong.write_text(secrets.token_hex(32))
+    result = _run_against(ray_head, tmp_path, "--ray-token-file", str(wrong))
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert f"Ray job server at {ray_head.address} rejected the token" in said
+    assert f"the token from --ray-token-file {wrong} was sent" in said
+    assert wrong.read_text() not in result.output and ray_head.token() not in result.output
+    missing = _run_against(ray_head, tmp_path, "--ray-token-file", str(tmp_path / "nope"))
+    assert missing.exit_code == 2 and f"Ray token file {tmp_path / 'nope'}: cannot be used" in " ".join(
+        missing.output.split())
+
+
+def test_the_token_is_found_where_ray_itself_looks(ray_head, tmp_path, no_ray_token, monkeypatch):
+    import ray
+
+    from watchdog.backends.ray_jobs import check_job_server
+
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(ray_head.token_file))
+    assert check_job_server(ray_head.address) == ray.__version__
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH")
+    (no_ray_token / ".ray").mkdir()
+    shutil.copy(ray_head.token_file, no_ray_token / ".ray" / "auth_token")
+    assert check_job_server(ray_head.address) == ray.__version__
+
+
+def test_the_daemon_retries_a_refused_token_each_tick_and_launches_once_the_token_file_is_there(
+    ray_head, tmp_path, no_ray_token, caplog,
+):
+    from watchdog.control.daemon import load_daemon_config, prepare_daemon
+
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(QUIET_RULE)
+    token_file = tmp_path / "secrets" / "ray_token"  # e.g. a Kubernetes secret not mounted yet
+    config = tmp_path / "daemon.yaml"
+    config.write_text(json.dumps({
+        "state_dir": str(tmp_path / "state"), "rules": [str(rules)],
+        "runs": [{"run_dir": str(tmp_path / "run"), "ray_address": ray_head.address,
+                  "ray_token_file": str(token_file),
+                  "restart_command": [sys.executable, "-c", "import time; time.sleep(60)"]}],
+    }))
+    wd = prepare_daemon(load_daemon_config(config))
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert wd.tick() is False and wd.tick() is False  # neither raised
+        assert f"Ray token file {token_file}: cannot be used" in caplog.text
+        assert wd.store.require_run("run").phase == "new" and wd.store.require_run("run").job_id is None
+        token_file.parent.mkdir()
+        token_file.write_text("not-the-token")
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            wd.tick()
+        assert f"Ray job server at {ray_head.address} rejected the token" in caplog.text
+        assert "not-the-token" not in caplog.text and wd.store.require_run("run").job_id is None
+        shutil.copy(ray_head.token_file, token_file)
+        wd.tick()
+        run = wd.store.require_run("run")
+        assert run.phase == "running" and run.job_id == "run-1"
+        assert ray_head.token() not in caplog.text
+    finally:
+        proc = wd.controllers["run"].h.proc
+        if proc is not None:
+            proc.stop(grace=2)
+        wd.close()
+        wd.store.close()
+
+
+def _processes_showing(secret: str) -> list[str]:
+    """Every process on this machine whose command line holds ``secret`` (pid: argv)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            data = cmdline.read_bytes()
+        except OSError:  # ended meanwhile, or not ours to read
+            continue
+        if secret.encode() in data:
+            argv = data.replace(b"\0", b" ").decode(errors="replace")
+            found.append(f"{cmdline.parent.name}: {argv}")
+    return found
 
 
 @pytest.mark.slow
@@ -346,16 +554,32 @@ def test_oom_in_a_ray_job_is_resubmitted_with_a_smaller_micro_batch_and_finishes
     # applied by the first job through control.json alone (a Ray job takes no SIGUSR1).
     faults = ",".join([*(f"hang@{s}:0.8" for s in range(1, 6)), "oom@6"])
     trainer = tiny_trainer_args(run_dir, "trainer.save_freq=2", hydra.format_override("trainer.faults", faults), steps=8)
-    env = {k: v for k, v in trainer_env.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    # The token only from the file named on the command line: nothing of Ray's in the environment,
+    # and a HOME without ~/.ray/auth_token.
+    env = {k: v for k, v in trainer_env.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", *RAY_TOKEN_ENV)}
+    env["HOME"] = str(tmp_path)
     cmd = [sys.executable, "-m", "watchdog", "run", "--ray-address", ray_head.address, "--run-dir", str(run_dir),
            "--state-dir", str(state), "--rules", str(rules), "--tick", "0.3", "--stop-grace", "5", "--no-report",
-           "--", *trainer]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+           "--ray-token-file", str(ray_head.token_file), "--verbose", "--", *trainer]
+    out, err = tmp_path / "watchdog.out", tmp_path / "watchdog.err"
+    with open(out, "w") as o, open(err, "w") as e:
+        watchdog = subprocess.Popen(cmd, stdout=o, stderr=e, text=True, env=env)
+        try:
+            # While the watchdog and its first job run, no process on the machine shows the token.
+            deadline = time.monotonic() + 120
+            while not rundir.iter_events(run_dir, ["started"]):
+                assert watchdog.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
+                time.sleep(0.2)
+            assert _processes_showing(ray_head.token()) == []
+            watchdog.wait(timeout=300)
+        finally:
+            if watchdog.poll() is None:
+                watchdog.kill()
+    assert watchdog.returncode == 0, out.read_text() + err.read_text()
 
     # Two jobs on the cluster: the first died of the OOM with the trainer's own exit code, the
     # second ran the smaller micro batch (8 - 1 = 7 does not divide the mini batch of 8: 4).
-    jobs = RayJobBackend(ray_head.address, "run").run_jobs()
+    jobs = _backend(ray_head, "run").run_jobs()
     assert [j.submission_id for j in jobs] == ["run-1", "run-2"]
     first, second = jobs
     assert str(first.status.value) == "FAILED" and first.driver_exit_code == rundir.EXIT_OOM
@@ -387,6 +611,19 @@ def test_oom_in_a_ray_job_is_resubmitted_with_a_smaller_micro_batch_and_finishes
     log = (run_dir / "trainer.log").read_text()
     for job in ("run-1", "run-2"):
         assert LOG_HEADER.format(job_id=job) in log and f"Running entrypoint for job {job}" in log
+
+    # The token is a secret: not in the watchdog's console or log, its state, the run directory,
+    # `watchdog history`, or what the jobs were given.
+    token = ray_head.token().encode()
+    history = subprocess.run([sys.executable, "-m", "watchdog", "history", "--state-dir", str(state), "--json"],
+                             capture_output=True, env=env, timeout=60)
+    assert history.returncode == 0 and b"watchdog:oom" in history.stdout
+    assert token not in history.stdout + history.stderr
+    files = [out, err, *(p for d in (run_dir, state) for p in d.rglob("*") if p.is_file())]
+    assert state / "watchdog.db" in files and run_dir / "trainer.log" in files
+    assert [str(p) for p in files if token in p.read_bytes()] == []
+    for job in jobs:
+        assert ray_head.token() not in json.dumps(job.runtime_env) + json.dumps(job.metadata) + job.entrypoint
 
 
 # -- the log copy, the job id in run.json, adoption by the daemon --------------------------------
@@ -433,7 +670,7 @@ def test_a_running_jobs_log_is_copied_as_it_grows_once_each_line_across_a_watchd
             "for batch in range(3):\n"
             "    while batch and not os.path.exists(sys.argv[1] + '-' + str(batch)): time.sleep(0.05)\n"
             "    for i in range(10): print(f'line {batch * 10 + i:02d}', flush=True)\n")
-    backend = RayJobBackend(ray_head.address, "tail-me", stop_wait_s=2, log_interval_s=0)
+    backend = _backend(ray_head, "tail-me", stop_wait_s=2, log_interval_s=0)
     whole_log_fetches: list[str] = []
     real_job_logs = backend.job_logs
     backend.job_logs = lambda job_id: whole_log_fetches.append(job_id) or real_job_logs(job_id)  # type: ignore[method-assign]
@@ -446,7 +683,7 @@ def test_a_running_jobs_log_is_copied_as_it_grows_once_each_line_across_a_watchd
     assert "line 10" not in text()  # the job is still waiting: the copy follows it while it runs
     proc.close()  # the watchdog goes away; the job carries on and prints its 2nd batch meanwhile
     gate.with_name("gate-1").touch()
-    again = RayJobBackend(ray_head.address, "tail-me", stop_wait_s=2, log_interval_s=0)
+    again = _backend(ray_head, "tail-me", stop_wait_s=2, log_interval_s=0)
     again.job_logs = lambda job_id: whole_log_fetches.append(job_id) or real_job_logs(job_id)  # type: ignore[method-assign]
     adopted = again.attach_job(proc.job_id, log_path)
     _wait_for("the second batch in trainer.log", lambda: "line 19" in text(), adopted)
@@ -468,7 +705,7 @@ def embedded_job(ray_head, tmp_path_factory, tiny_trainer_args):
     """The embedded trainer submitted as a Ray job (hanging at step 2 until stopped), once run.json is written."""
     run_dir = tmp_path_factory.mktemp("adopt") / "adopted"
     command = tiny_trainer_args(run_dir, "trainer.faults=hang@2:300", steps=4)
-    backend = RayJobBackend(ray_head.address, run_dir.name, stop_wait_s=2)
+    backend = _backend(ray_head, run_dir.name, stop_wait_s=2)
     proc = backend.start(command, log_path=run_dir / "trainer.log")
     try:
         _wait_for("run.json", lambda: RunInfo.read(run_dir).pid is not None, proc, timeout=120)
@@ -496,7 +733,8 @@ def test_the_daemon_adopts_the_running_ray_job_run_json_names_instead_of_submitt
     config = tmp_path / "daemon.yaml"
     config.write_text(json.dumps({
         "state_dir": str(tmp_path / "state"), "rules": [str(rules)],
-        "runs": [{"run_dir": str(run_dir), "restart_command": command, "ray_address": ray_head.address}],
+        "runs": [{"run_dir": str(run_dir), "restart_command": command, "ray_address": ray_head.address,
+                  "ray_token_file": str(ray_head.token_file)}],
     }))
     wd = prepare_daemon(load_daemon_config(config))
     try:
@@ -511,7 +749,7 @@ def test_the_daemon_adopts_the_running_ray_job_run_json_names_instead_of_submitt
         wd.close()
         wd.store.close()
     assert {j.submission_id for j in _client(ray_head).list_jobs()} == jobs_before  # no second job
-    assert [j.submission_id for j in RayJobBackend(ray_head.address, run_dir.name).run_jobs()] == [proc.job_id]
+    assert [j.submission_id for j in _backend(ray_head, run_dir.name).run_jobs()] == [proc.job_id]
 
 
 def test_the_submission_id_is_read_from_the_job_config_ray_gives_the_entrypoint():

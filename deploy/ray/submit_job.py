@@ -13,6 +13,8 @@ Two ways, both against a Ray cluster whose nodes share the run directory (NFS, a
        python deploy/ray/submit_job.py --address http://127.0.0.1:8265 --run-dir /srv/runs/demo
 
 The address is Ray's dashboard (job submission) address; keep it on 127.0.0.1 or a private network.
+A cluster with token authentication (current Ray's default) needs its token: --token-file FILE, else
+where Ray looks ($RAY_AUTH_TOKEN, $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), as the watchdog does.
 """
 
 from __future__ import annotations
@@ -43,13 +45,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-dir", required=True, help="Run directory on storage every node shares.")
     parser.add_argument("--metrics-port", type=int, default=9400, help="Trainer /metrics port (0: off).")
     parser.add_argument("--submission-id", default=None, help="Ray submission id (default: Ray picks one).")
+    parser.add_argument("--token-file", default=None, help="File holding the cluster's auth token "
+                        "(default: where Ray looks).")
     parser.add_argument("overrides", nargs="*", help="Trainer overrides, key=value (verl's Hydra keys).")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
 
     from ray.job_submission import JobSubmissionClient  # heavy; only when submitting
 
-    client = JobSubmissionClient(args.address)
+    from watchdog.backends.ray_jobs import find_token
+
+    client = JobSubmissionClient(args.address, headers=find_token(args.token_file).headers() or None)
     job_id = client.submit_job(
         entrypoint=entrypoint(args.run_dir, args.metrics_port, args.overrides),
         submission_id=args.submission_id,

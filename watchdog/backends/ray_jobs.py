@@ -29,6 +29,17 @@ dashboard address, ``http://HEAD:8265``) and hands out handles with the same pro
 
 A job server that cannot be reached raises :class:`~watchdog.backends.local.BackendUnavailable`
 naming the address: the actuator keeps the action open and tries again at the next tick.
+
+Token authentication (on by default since Ray 2.5x whenever the head finds a token): the job
+server answers 401 without ``Authorization: Bearer <token>`` and 403 with a wrong one. Ray's own
+client sends the header only when *its* process runs with ``RAY_AUTH_MODE=token``, so the
+watchdog finds the token itself (:func:`find_token`: a file the user names, else where Ray looks:
+``$RAY_AUTH_TOKEN``, ``$RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``) and hands it to the client
+as that header. The token is a secret: it is held in memory only, never logged, never written to
+the journal or run.json, never put in an argv or an environment, and never given to a submitted
+job (the head's own nodes hold the cluster's token; a job's ``ray.init()`` gets it from them). A
+401 or 403 is a :class:`RayAuthError` naming the address and every place the watchdog looked; it
+is re-read at the next connection, so a token file put right is picked up without a restart.
 """
 
 from __future__ import annotations
@@ -42,6 +53,7 @@ import shlex
 import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +80,17 @@ OOM_MARKERS = (
 _ADDRESS_ENV = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 _UNSAFE_ID = re.compile(r"[^A-Za-z0-9._-]+")
 LOG_HEADER = "==> ray job {job_id} <=="
+#: Where Ray itself looks for the cluster's token, in its order (ray._raylet.AuthenticationTokenLoader).
+TOKEN_ENV = "RAY_AUTH_TOKEN"
+TOKEN_PATH_ENV = "RAY_AUTH_TOKEN_PATH"
+DEFAULT_TOKEN_PATH = "~/.ray/auth_token"
+
+
+class RayAuthError(BackendUnavailable):
+    """The job server refused the watchdog's request (401: no token; 403: a wrong one).
+
+    A :class:`BackendUnavailable`: the daemon keeps the action and tries again at the next tick
+    (the token file may be fixed meanwhile); ``watchdog run`` exits 2 with the message."""
 
 
 # -- pure helpers ---------------------------------------------------------------------
@@ -131,6 +154,68 @@ def check_address_env(address: str, environ: Mapping[str, str] | None = None) ->
             )
         if value:
             return  # the first one set is the one Ray uses
+
+
+@dataclass(frozen=True)
+class RayToken:
+    """The cluster token the watchdog found (or not), and where it looked."""
+
+    value: str | None = field(repr=False)
+    """The token itself: never logged, never repr'd."""
+    looked: tuple[str, ...]
+    """Each place looked, in order, with what was there (``$RAY_AUTH_TOKEN: unset``, ...)."""
+    source: str | None = None
+    """The place the token came from."""
+
+    def headers(self) -> dict[str, str]:
+        """The HTTP header Ray's job server reads the token from (none without a token)."""
+        return {"Authorization": f"Bearer {self.value}"} if self.value else {}
+
+    def where(self) -> str:
+        """The places looked, for an error message."""
+        return "; ".join(self.looked)
+
+
+def _read_token_file(path: Path) -> str:
+    """The token in ``path`` (whitespace stripped); raises OSError or ValueError saying why not."""
+    text = path.expanduser().read_text(encoding="utf-8", errors="strict").strip()
+    if not text:
+        raise ValueError("empty")
+    if any(c.isspace() for c in text):
+        raise ValueError("more than one word")
+    return text
+
+
+def find_token(token_file: Path | str | None = None, environ: Mapping[str, str] | None = None) -> RayToken:
+    """The cluster's token: from ``token_file`` when one is named (``--ray-token-file``, the daemon's
+    ``ray_token_file``), else from where Ray itself looks. A named file that cannot be read is an
+    error (:class:`RayAuthError` naming it), never a silent fallback."""
+    if token_file is not None:
+        path = Path(token_file).expanduser()
+        try:
+            return RayToken(_read_token_file(path), (f"--ray-token-file {path}",), f"--ray-token-file {path}")
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise RayAuthError(f"Ray token file {path}: cannot be used ({why})") from exc
+    env = os.environ if environ is None else environ
+    looked: list[str] = []
+    if env.get(TOKEN_ENV, "").strip():
+        return RayToken(env[TOKEN_ENV].strip(), (f"${TOKEN_ENV}",), f"${TOKEN_ENV}")
+    looked.append(f"${TOKEN_ENV}: unset")
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    default = str(home / DEFAULT_TOKEN_PATH.removeprefix("~/"))
+    for name, raw in ((f"${TOKEN_PATH_ENV}", env.get(TOKEN_PATH_ENV)), (DEFAULT_TOKEN_PATH, default)):
+        if not raw:
+            looked.append(f"{name}: unset")
+            continue
+        path = Path(raw).expanduser()
+        label = name if name == str(path) else f"{name} ({path})"
+        try:
+            return RayToken(_read_token_file(path), (*looked, label), label)
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            looked.append(f"{label}: {why}")
+    return RayToken(None, tuple(looked))
 
 
 # -- the handle -----------------------------------------------------------------------
@@ -409,6 +494,7 @@ class RayJobBackend:
     def __init__(
         self, address: str, run_id: str, stop_wait_s: float = 15.0, log_interval_s: float = 5.0,
         status_ttl_s: float = 0.5, client: Any = None, log_final_wait_s: float = 10.0,
+        token_file: Path | str | None = None,
     ) -> None:
         """``address``: the job server (Ray dashboard), e.g. ``http://127.0.0.1:8265``.
         ``run_id``: the run whose jobs these are (submission ids derive from it).
@@ -418,7 +504,9 @@ class RayJobBackend:
         ``status_ttl_s``: a job status is reused this long (one tick asks several times).
         ``client``: an already connected JobSubmissionClient (default: connect on first use).
         ``log_final_wait_s``: at a job's end, how long its log stream may take to reach the log's
-        end (Ray's job manager needs a second or two) before the rest is fetched whole."""
+        end (Ray's job manager needs a second or two) before the rest is fetched whole.
+        ``token_file``: the cluster's token (default: where Ray looks, :func:`find_token`); read at
+        each connection, never kept anywhere but the client's headers."""
         if not address:
             raise SupervisorError("empty Ray address")
         self.address = address
@@ -427,7 +515,10 @@ class RayJobBackend:
         self.log_interval_s = log_interval_s
         self.status_ttl_s = status_ttl_s
         self.log_final_wait_s = log_final_wait_s
+        self.token_file = token_file
         self._client = client
+        self._token: RayToken | None = None
+        self._auth_errors: tuple[type[BaseException], ...] = ()
         self._attempt: int | None = None
 
     # -- the job server ---------------------------------------------------------------
@@ -437,20 +528,43 @@ class RayJobBackend:
         if self._client is None:
             check_address_env(self.address)
             try:
+                from ray.exceptions import AuthenticationError
                 from ray.job_submission import JobSubmissionClient
             except ImportError as exc:
                 raise SupervisorError(f"the Ray backend needs ray[default]: {exc}") from exc
-            try:
-                self._client = JobSubmissionClient(self.address)
-            except (OSError, RuntimeError) as exc:  # ConnectionError, requests' errors, a server error
-                raise BackendUnavailable(f"Ray job server at {self.address} is not reachable: {exc}") from exc
+            self._auth_errors = (AuthenticationError,)
+            self._token = find_token(self.token_file)  # each connection: a fixed token file is picked up
+            self._client = self._call(
+                "connection", JobSubmissionClient, self.address, headers=self._token.headers() or None,
+                unreachable="is not reachable",
+            )
         return self._client
 
-    def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def _call(self, what: str, fn: Any, *args: Any, unreachable: str = "", **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except self._auth_errors as exc:
+            self._client = None  # the next call reads the token again
+            raise self._auth_error(str(exc)) from None  # Ray's message repeats no token, but keep it short
         except OSError as exc:  # requests.ConnectionError and friends are OSErrors
-            raise BackendUnavailable(f"Ray job server at {self.address}: {what} failed: {exc}") from exc
+            raise BackendUnavailable(f"Ray job server at {self.address} {unreachable or what + ' failed'}: "
+                                     f"{exc}") from exc
+        except RuntimeError as exc:
+            if unreachable:  # a server error while connecting
+                raise BackendUnavailable(f"Ray job server at {self.address} {unreachable}: {exc}") from exc
+            raise
+
+    def _auth_error(self, message: str) -> RayAuthError:
+        """A 401/403 as an error naming the address and every place the token was looked for."""
+        token = self._token or RayToken(None, ())
+        refused = "rejected the token" if "403" in message or "Forbidden" in message else "asks for a token"
+        found = f"the token from {token.source} was sent" if token.value else "no token was found"
+        return RayAuthError(
+            f"Ray job server at {self.address} {refused} (token authentication is on; {found}). "
+            f"Looked in: {token.where() or 'nowhere'}. Give the cluster's token with --ray-token-file FILE "
+            f"(daemon: ray_token_file), ${TOKEN_PATH_ENV} or ${TOKEN_ENV}; `ray get-auth-token` on the head "
+            "prints it."
+        )
 
     def job_info(self, job_id: str) -> Any | None:
         """Ray's JobDetails of a job, or None when the server does not know it."""
@@ -556,10 +670,10 @@ class RayJobBackend:
         return RayJobProcess(self, job_id, log_path)
 
 
-def check_job_server(address: str) -> str:
-    """Connect to the job server now (``watchdog run`` refuses to start without one); its Ray version."""
-    client = RayJobBackend(address, "check").connect()
-    try:
-        return str(client.get_version())
-    except (OSError, RuntimeError) as exc:
-        raise BackendUnavailable(f"Ray job server at {address} is not reachable: {exc}") from exc
+def check_job_server(address: str, token_file: Path | str | None = None) -> str:
+    """Connect to the job server now (``watchdog run`` refuses to start without one); its Ray version.
+
+    Raises :class:`RayAuthError` when the server refuses the token (or the lack of one)."""
+    client = RayJobBackend(address, "check", token_file=token_file).connect()
+    # The client checked the cluster's Ray version while connecting (its get_version() is the job API's).
+    return str(getattr(client, "_server_ray_version", None) or "unknown")

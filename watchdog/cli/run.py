@@ -76,12 +76,13 @@ def _crash_hook() -> Any:
     return hook
 
 
-def _check_ray(address: str) -> None:
-    """Exit 2 naming the address when its Ray job server does not answer (before anything is written)."""
+def _check_ray(address: str, token_file: Path | None) -> None:
+    """Exit 2 naming the address when its Ray job server does not answer or refuses the token (before
+    anything is written)."""
     from watchdog.backends.ray_jobs import check_job_server
 
     try:
-        version = check_job_server(address)
+        version = check_job_server(address, token_file)
     except SupervisorError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
@@ -140,6 +141,11 @@ def run_cmd(
         "--ray-address", envvar="RAY_ADDRESS", show_envvar=True,
         help="Ray job server (http://HEAD:8265): run the trainer there as a Ray Job, resubmitted for "
              "restarts. The run directory must be a path the head shares.")] = None,
+    ray_token_file: Annotated[Path | None, typer.Option(
+        "--ray-token-file", help="A file holding the Ray cluster's auth token (token authentication, on by "
+                                 "default in current Ray). Default: where Ray looks ($RAY_AUTH_TOKEN, "
+                                 "$RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token). Never argv: a token there is "
+                                 "readable by every user of the machine.")] = None,
     source: Annotated[str, typer.Option("--source", help="Where the rules read the run's metrics: files "
                                         "(run_dir/metrics.jsonl), prometheus (Prometheus's HTTP API, aligned "
                                         "to steps by ppo_global_step; events still from events.jsonl) or "
@@ -180,7 +186,10 @@ def run_cmd(
         console.print(f"[red]--tick must be a positive number of seconds, got {tick!r}[/red]")
         raise typer.Exit(2)
     if ray_address:
-        _check_ray(ray_address)
+        _check_ray(ray_address, ray_token_file)
+    elif ray_token_file is not None:
+        console.print("[red]--ray-token-file is for a Ray cluster: give --ray-address too[/red]")
+        raise typer.Exit(2)
     try:
         src = source_config(source, prometheus_url, file_sd_dir)
     except ValueError as exc:
@@ -219,7 +228,7 @@ def run_cmd(
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
     try:
-        ctl = wd.add_run(rd, command=cmd, ray_address=ray_address, source=src)
+        ctl = wd.add_run(rd, command=cmd, ray_address=ray_address, ray_token_file=ray_token_file, source=src)
     except SupervisorError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc

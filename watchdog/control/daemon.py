@@ -59,6 +59,9 @@ class RunSpec:
     """Command that relaunches the trainer; without it the run gets live actions only."""
     ray_address: str | None = None
     """Ray job server (``http://HEAD:8265``): the restart command runs there as a Ray Job."""
+    ray_token_file: str | None = None
+    """A file holding that cluster's auth token (default: where Ray looks: $RAY_AUTH_TOKEN,
+    $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token). Read at each connection; the token goes nowhere else."""
     source: str | None = None
     """Where this run's metrics are read from: files | prometheus (default: the daemon's ``source``)."""
     prometheus_url: str | None = None
@@ -168,6 +171,8 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
         if spec.on_escalate is not None and spec.on_escalate not in ON_ESCALATE:
             raise DaemonConfigError(f"{path}: runs[{i}].on_escalate must be one of {', '.join(ON_ESCALATE)}, "
                                     f"got {spec.on_escalate!r}")
+        if spec.ray_token_file is not None and not spec.ray_address:
+            raise DaemonConfigError(f"{path}: runs[{i}].ray_token_file is for a Ray cluster: give ray_address too")
     if cfg.webhook_url:
         try:
             webhook_target(cfg.webhook_url)
@@ -259,12 +264,14 @@ class Watchdog:
 
     def add_run(self, run_dir: Path | str, run_id: str | None = None, command: Sequence[str] | None = None,
                 managed: bool = True, ray_address: str | None = None,
-                source: SourceConfig | None = None, mode: str | None = None,
+                ray_token_file: Path | str | None = None, source: SourceConfig | None = None,
+                mode: str | None = None,
                 run_metrics_port: int | None = None, retry_ended: bool = True,
                 on_escalate: str | None = None) -> RunController:
         """Register (or take back from the store) a run and build its controller.
 
         ``ray_address``: launch the trainer as Ray Jobs on that cluster instead of as a local process.
+        ``ray_token_file``: that cluster's auth token (default: where Ray looks).
         ``source``: where its metrics are read from (default: its files).
         ``mode``: auto | embedded | verl: the run directory is set up for it first
         (:func:`~watchdog.backends.zero_patch.prepare_run`, as ``watchdog run`` does), and the controller
@@ -296,7 +303,8 @@ class Watchdog:
         if ray_address:
             from watchdog.backends.ray_jobs import RayJobBackend
 
-            backend = RayJobBackend(ray_address, run_id, stop_wait_s=self.actuator.config.stop_grace_s)
+            backend = RayJobBackend(ray_address, run_id, stop_wait_s=self.actuator.config.stop_grace_s,
+                                    token_file=ray_token_file)
         if existing is None:
             self.store.upsert_run(RunRecord(run_id, str(run_dir), list(command or []), managed=managed,
                                             phase=Phase.NEW if (managed and command) else Phase.DETACHED))
@@ -461,7 +469,8 @@ def prepare_daemon(cfg: DaemonConfig) -> Watchdog:
     for spec in cfg.runs:
         cmd = spec.restart_command
         ctl = wd.add_run(spec.run_dir, spec.id, cmd, managed=bool(cmd), ray_address=spec.ray_address,
-                         source=cfg.source_for(spec), mode=spec.mode, run_metrics_port=spec.run_metrics_port,
+                         ray_token_file=spec.ray_token_file, source=cfg.source_for(spec), mode=spec.mode,
+                         run_metrics_port=spec.run_metrics_port,
                          retry_ended=False, on_escalate=spec.on_escalate)
         if cmd and ctl.run.phase == Phase.NEW and spec.ray_address:
             # run.json's pid is a process on the Ray head, not one this machine can watch: its job id.
