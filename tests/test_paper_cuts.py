@@ -34,9 +34,9 @@ KL = "actor/reward_kl_penalty"
 RULE_FOREIGN_CONTROL = "watchdog:foreign_control"  # watchdog.control.controller.RULE_FOREIGN_CONTROL
 
 
-def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "watchdog", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "watchdog", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def _steps(run: Path, values: list[float], start: int = 1) -> None:
@@ -97,8 +97,6 @@ def _case(tmp_path: Path, state: Path, name: str) -> tuple[list[str], int]:
     """The argv of one command in one situation and the exit code the convention gives it."""
     bad = tmp_path / "bad.yaml"
     bad.write_text(BROKEN_RULES)
-    empty = tmp_path / "daemon.yaml"
-    empty.write_text(f"state_dir: {tmp_path / 'dstate'}\nruns: []\n")
     a_file = tmp_path / "a_file"
     a_file.write_text("")
     s = ["--state-dir", str(state)]
@@ -112,7 +110,6 @@ def _case(tmp_path: Path, state: Path, name: str) -> tuple[list[str], int]:
         "replay of no such log": (["replay", str(tmp_path / "nosuch.log")], 2),
         "eval of no such labels file": (["eval", str(tmp_path / "labels.yaml")], 2),
         "run with a bad option": (["run", "--tick", "0", "--run-dir", str(tmp_path / "r")], 2),
-        "daemon with no runs": (["daemon", "--config", str(empty)], 2),
         "status of a state dir that is not there": (["status", "--state-dir", str(tmp_path / "nonexistent" / "x")], 2),
         "status of no such run": (["status", "nosuch", *s], 2),
         "status of all runs": (["status", *s], 0),
@@ -131,7 +128,7 @@ def _case(tmp_path: Path, state: Path, name: str) -> tuple[list[str], int]:
 @pytest.mark.parametrize("name", [
     "rules list of a bad file", "rules check of a bad file", "rules check of the default pack",
     "rules test of no such file", "rules explain of no such rule", "rules calibrate of no such log",
-    "replay of no such log", "eval of no such labels file", "run with a bad option", "daemon with no runs",
+    "replay of no such log", "eval of no such labels file", "run with a bad option",
     "status of a state dir that is not there", "status of no such run", "status of all runs",
     "history of no such run", "history of a run", "resume of no such run", "resume of a finished run",
     "resume of a paused run", "report of no such run", "report as .txt", "dashboards export into a file",
@@ -142,6 +139,13 @@ def test_every_command_exits_0_ok_1_judged_failed_2_bad_input(tmp_path: Path, st
     r = CliRunner().invoke(app, argv, env={"WATCHDOG_RULES": None})
     assert r.exit_code == code, f"{name}: exit {r.exit_code}\n{r.output}"
     assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)  # no traceback
+
+
+def test_a_daemon_config_with_no_runs_is_refused_with_exit_2_not_run_watching_nothing(tmp_path: Path) -> None:
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text(f"state_dir: {tmp_path / 'state'}\nruns: []\n")
+    proc = _cli("daemon", "--config", str(cfg), timeout=60)  # a daemon watching nothing would never return
+    assert proc.returncode == 2 and f"{cfg}: no runs to watch" in proc.stdout + proc.stderr
 
 
 def test_resume_of_a_finished_run_is_refused_and_queues_nothing(state_with_runs: Path) -> None:
@@ -327,24 +331,27 @@ def test_a_webhook_url_with_user_and_password_is_sent_as_basic_auth_never_logged
 
 
 @pytest.mark.parametrize("url", ["ftp://hooks.example/x", "file:///etc/passwd", "hooks.example/x", "http:///x"])
-def test_a_webhook_url_that_is_not_http_or_https_is_refused_at_start_with_exit_2(
-        tmp_path: Path, url: str) -> None:
+def test_a_webhook_url_that_is_not_http_or_https_is_refused_at_start_naming_where_it_came_from(
+        tmp_path: Path, url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WATCHDOG_WEBHOOK_URL", url)
     with pytest.raises(ValueError, match="WATCHDOG_WEBHOOK_URL") as err:
-        os.environ["WATCHDOG_WEBHOOK_URL"] = url
-        try:
-            resolve_webhook_url()
-        finally:
-            del os.environ["WATCHDOG_WEBHOOK_URL"]
+        resolve_webhook_url()
     assert url not in str(err.value)  # a secret is never repeated
+    monkeypatch.delenv("WATCHDOG_WEBHOOK_URL")
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text(f"state_dir: {tmp_path / 'd'}\nwebhook_url: '{url}'\nruns: [{tmp_path / 'r'}]\n")
+    proc = _cli("daemon", "--config", str(cfg), timeout=60)  # accepted, it would watch until stopped
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and f"{cfg}: webhook_url:" in out and url not in out, out
+
+
+def test_watchdog_run_with_an_ftp_webhook_url_exits_2_before_a_trainer_starts(tmp_path: Path) -> None:
+    url = "ftp://hooks.example/x"
     proc = _cli("run", "--run-dir", str(tmp_path / "run"), "--state-dir", str(tmp_path / "state"), "--no-report",
                 env={"WATCHDOG_WEBHOOK_URL": url})
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "http:// or https://" in proc.stdout + proc.stderr or "no host name" in proc.stdout + proc.stderr
+    assert "http:// or https://" in proc.stdout + proc.stderr and url not in proc.stdout + proc.stderr
     assert not (tmp_path / "run" / rundir.RUN_JSON).exists()  # refused before a trainer started
-    cfg = tmp_path / "daemon.yaml"
-    cfg.write_text(f"state_dir: {tmp_path / 'd'}\nwebhook_url: '{url}'\nruns: [{tmp_path / 'r'}]\n")
-    r = CliRunner().invoke(app, ["daemon", "--config", str(cfg)])
-    assert r.exit_code == 2 and "webhook_url" in r.output and url not in r.output
 
 
 # -- 8. the evidence first ------------------------------------------------------------------------

@@ -248,7 +248,9 @@ def run_cmd(
                     if j.kind == JournalKind.STOP and j.status == ActionStatus.DONE), "")
     if verdict:
         console.print(f"[red]verdict: {verdict}[/red]")
-    refused = next((d for d in decisions if d["rule"] == RULE_CONFIG), None)
+    # The newest give-up, when it was a refused configuration (not one of an earlier attempt in this run dir).
+    given_up = next((d for d in reversed(decisions) if d["kind"] == "escalate"), None)
+    refused = given_up if given_up and given_up["rule"] == RULE_CONFIG and run.phase == Phase.FAILED else None
     if refused is not None:  # the cause, where the user looks (it is also in trainer.log and `history`)
         console.print(f"[red]{escape(refused['message'])}[/red]")
     if report:
