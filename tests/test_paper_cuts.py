@@ -237,6 +237,40 @@ def test_a_nan_event_past_the_runs_end_and_an_unknown_kind_are_said_and_never_ac
     assert [d["rule"] for d in json.loads(r.stdout)] == ["nan_event"]
 
 
+ENDS_WITH_A_FAR_NAN = textwrap.dedent('''
+    """Stands in for a trainer: three steps, then a nan event at step 500 (another run's line), then ends."""
+    import json, sys, time
+    from watchdog.protocol import rundir
+
+    run_dir = sys.argv[1]
+    rundir.append_event(run_dir, "started", 0)
+    for step in (1, 2, 3):
+        rundir.append_metrics(run_dir, step, {"actor/reward_kl_penalty": 0.01})
+    with open(f"{run_dir}/events.jsonl", "a") as f:
+        f.write(json.dumps({"ts": time.time(), "step": 500, "kind": "nan"}) + "\\n")
+    rundir.append_event(run_dir, "finished", 3)
+''')
+
+
+def test_a_live_run_never_acts_on_an_event_past_its_last_step_and_says_so(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    import time
+
+    (tmp_path / "trainer.py").write_text(ENDS_WITH_A_FAR_NAN)
+    run = tmp_path / "run"
+    wd = build_watchdog(tmp_path / "state", [_rules(tmp_path, NAN_EVENT_RULE)])
+    ctl = wd.add_run(run, command=[sys.executable, str(tmp_path / "trainer.py"), str(run)])
+    deadline = time.monotonic() + 60
+    with caplog.at_level(logging.WARNING):
+        while ctl.run.phase != Phase.FINISHED and time.monotonic() < deadline:
+            wd.tick()
+            time.sleep(0.1)
+    assert ctl.run.phase == Phase.FINISHED
+    assert [d["rule"] for d in wd.store.decisions(ctl.run.run_id)] == []  # the nan at step 500 was not acted on
+    assert "events.jsonl:2: a 'nan' event at step 500, past the run's last step 3" in caplog.text
+    wd.close()
+
+
 # -- 6. a control.json version the watchdog never wrote -------------------------------------------
 
 LR_RULE = """\

@@ -47,7 +47,7 @@ from watchdog.core.planner import (
 from watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
 from watchdog.core.vocabulary import OPEN_ACTION_STATUSES, ActionStatus, DecisionKind, JournalKind
 from watchdog.protocol import catalog, rundir
-from watchdog.protocol.events import Event, outside_message, past_the_end
+from watchdog.protocol.events import STEP_SLACK, Event, outside_message, past_the_end
 from watchdog.protocol.runinfo import RunInfo
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ def _finite(v: Any) -> bool:
 
 #: What a tick changes besides the engine state and read positions, put back when it fails.
 _TICK_FIELDS = ("_rewind_pending", "_rewind_to", "_step_times", "_last_checkpoint", "_saw_finished", "_saw_oom",
-                "_events_since_eval", "_launch_seen", "_started_ts", "latest")
+                "_events_since_eval", "_launch_seen", "_started_ts", "latest", "_held")
 _TICK_RUN_FIELDS = ("last_step", "last_progress_ts", "last_evaluated_step")
 
 
@@ -278,6 +278,8 @@ class RunController:
         self._saw_finished = False
         self._saw_oom: dict[str, Any] | None = None
         self._events_since_eval = False
+        self._held: list[Event] = []
+        """Events past the run's last step, delivered once it gets there (never, when it ends first)."""
         # True from a rollback (or restart from a checkpoint) being decided until the metrics show
         # the trainer back on an earlier step: divergence rules keep firing on the abandoned steps
         # meanwhile, and those fires are the same divergence, not a new one.
@@ -486,7 +488,8 @@ class RunController:
 
     def _evaluate(self, records: list[dict[str, Any]], events: list[Event], now: float,
                   result: TickResult) -> list[Any]:
-        pending = sorted(events, key=lambda e: int(e["step"]) if isinstance(e.get("step"), int) else -1)
+        pending = sorted([*self._held, *events], key=lambda e: int(e["step"]) if isinstance(e.get("step"), int) else -1)
+        self._held = []
         decisions: list[Any] = []
         for rec in records:
             step = int(rec["step"])
@@ -513,22 +516,26 @@ class RunController:
             self._events_since_eval = False
             decisions += self._run_engine(step, result)
         alive = self.h.proc is not None and self.h.proc.alive()
-        # Only a trainer seen to end, read from its files: a Prometheus source samples steps (its last
-        # step may lag), and a run the watchdog did not start has no process to see end.
-        ended = self.h.proc is not None and not alive and not callable(getattr(self.tailer, "replay", None))
-        if pending and ended and self.run.last_step is not None:
-            # The run has ended: an event past its last step (a hand-edited line, another run's) is said
-            # and never acted on, not taken for something that happened at the last step.
+        # Read from files, every step is seen (a Prometheus source samples steps: its last step may lag).
+        files = not callable(getattr(self.tailer, "replay", None))
+        if pending and files and self.run.last_step is not None:
+            # An event past the run's last step (a hand-edited line, another run's) is not taken for
+            # something that happened at the last step: it waits until the run gets there, and once
+            # the trainer has ended (it never will) it is said and never acted on.
             pending, outside = past_the_end(pending, self.run.last_step)
-            for e in outside:
-                log.warning("%s: %s", self.run.run_id, outside_message(e, self.run.last_step))
+            if self.h.proc is not None and not alive:
+                for e in outside:
+                    log.warning("%s: %s", self.run.run_id, outside_message(e, self.run.last_step))
+            else:
+                self._held = outside
         if pending:
             self.window.add_events(pending)
             self._events_since_eval = True
         if self._events_since_eval and not alive and self.run.last_step is not None:
             # The trainer ended after events no metric line followed (an OOM mid-step): let the
             # rules see them now, at the step the trainer was in.
-            step = max([self.run.last_step] + [e["step"] for e in events if isinstance(e.get("step"), int)])
+            steps = [e.step for e in events if e.step is not None]
+            step = max([self.run.last_step] + [s for s in steps if not files or s <= self.run.last_step + STEP_SLACK])
             self._events_since_eval = False
             decisions += self._run_engine(step, result)
         return decisions
