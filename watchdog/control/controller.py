@@ -984,9 +984,11 @@ def error_line(path: Path, max_chars: int = 400) -> str:
     else its last lines: what a human needs to see to fix a refused configuration."""
     text = read_tail(path, size=8192)
     lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
-    for ln in reversed(lines):
-        if _ERROR_LINE.match(ln):
-            return ln[:max_chars]
+    for i in range(len(lines) - 1, -1, -1):
+        if _ERROR_LINE.match(lines[i]):
+            # "config error: 2 config errors:" is followed by one line per error: keep them with it.
+            said = " | ".join(lines[i:i + 6]) if lines[i].endswith(":") else lines[i]
+            return said[:max_chars]
     return log_tail(path, max_chars=max_chars)
 
 
