@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # dependency cannot turn `make test` red by surprise. pyproject.toml keeps ranges (a user's
 # environment is not pinned); `make constraints` re-resolves them today, on purpose.
 CONSTRAINTS := constraints.txt
-EXTRAS := trainer,verl,ray,test
+EXTRAS := trainer,verl,ray,trl,test
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)

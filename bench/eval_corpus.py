@@ -1,11 +1,13 @@
 """The default pack judged on the labelled corpora: `watchdog eval`, tables committed.
 
-    .venv/bin/python bench/eval_corpus.py                      # both corpora, ~30 s
+    .venv/bin/python bench/eval_corpus.py                      # the three corpora, ~40 s
     .venv/bin/python bench/eval_corpus.py --rules OLD.yaml --tag before
 
 Writes ``bench/results/eval_<corpus>[_<tag>].json`` (the whole ``watchdog eval --json``) and
-``.md`` (one row per log) for the real verl logs of ``../shared/testdata/verl-logs`` (priced as
-zero-patch verl) and the embedded trainer's own runs of ``bench/corpus`` (priced as embedded).
+``.md`` (the headline figures, then one row per log) for the real verl logs of
+``../shared/testdata/verl-logs`` (priced as zero-patch verl), the embedded trainer's own runs of
+``bench/corpus``, the synthetic fault injection of ``bench/corpus_injected`` and the TRL glue's runs
+of ``bench/corpus_trl`` (priced as embedded: live sets are free).
 """
 
 from __future__ import annotations
@@ -22,25 +24,53 @@ sys.path.insert(0, str(ROOT / "tests"))
 from verl_logs import LOGS  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
-CORPORA = {"verl_logs": (LOGS / "labels.yaml", "verl"), "embedded_corpus": (ROOT / "bench" / "corpus" / "labels.yaml",
-                                                                            "embedded")}
+CORPORA = {"verl_logs": (LOGS / "labels.yaml", "verl"),
+           "embedded_corpus": (ROOT / "bench" / "corpus" / "labels.yaml", "embedded"),
+           # Synthetic fault injection (bench/make_injected.py): the classes the recorded corpora lack.
+           "injected_corpus": (ROOT / "bench" / "corpus_injected" / "labels.yaml", "embedded"),
+           # TRL GRPO runs (bench/trl_stability.py): live sets are free there, as in the embedded trainer.
+           "trl_corpus": (ROOT / "bench" / "corpus_trl" / "labels.yaml", "embedded")}
 
 
 def table(doc: dict) -> str:
-    rows = ["| log | verdict | result | first false action | detected (delay) | rollbacks / pauses / alerts | "
-            "sets per 100 steps | zero-patch relaunches (allowed) | deferred / merged / dropped | KL read |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| log | verdict | result | first false action | detected (delay) | first warning (lead) | "
+            "rollbacks / restarts / pauses / alerts | sets per 100 steps | sets that changed nothing | "
+            "zero-patch relaunches (allowed) | deferred / merged / dropped | KL read |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for x in doc["logs"]:
         ff = f"{x['first_false']['kind']} {x['first_false']['rule']} @{x['first_false']['step']}" if x["first_false"] else "-"
         det = (f"{x['detected']['kind']} {x['detected']['rule']} @{x['detected']['step']} ({x['delay']:+d})"
                if x["detected"] else "-")
         res = "fragment" if x["verdict"] == "fragment" else ("PASS" if x["passed"] else "**FAIL**")
         zp = x["zero_patch"]
-        rows.append(f"| {Path(x['file']).stem} | {x['verdict']} | {res} | {ff} | {det} | "
-                    f"{x['rollbacks']} / {x['pauses']} / {x['alerts']} | {x['sets_per_100_steps']:.1f} | "
+        warned = x.get("warned")
+        warn = f"{warned['kind']} {warned['rule']} @{warned['step']} ({x['lead']:+d})" if warned else "-"
+        noop = x.get("noop_sets", _noop(x))
+        rows.append(f"| {Path(x['file']).stem} | {x['verdict']} | {res} | {ff} | {det} | {warn} | "
+                    f"{x['rollbacks']} / {x.get('restarts', 0)} / {x['pauses']} / {x['alerts']} | "
+                    f"{x['sets_per_100_steps']:.1f} | {noop} | "
                     f"{zp['relaunches']} ({x['relaunch_allowance']}) | {zp['deferred']} / {zp['merged']} / "
                     f"{zp['dropped']} | {x['kl_source'] or '-'} |")
     return "\n".join(rows)
+
+
+def _noop(x: dict) -> int:
+    """Sets whose ``from`` equals their ``to`` in a log's actions (for JSON of a watchdog without the count)."""
+    return sum(1 for a in x.get("actions", []) if a.get("kind") == "set" and a.get("from") == a.get("to"))
+
+
+def headline(doc: dict) -> str:
+    """The corpus's headline figures as a small table."""
+    h = doc.get("headline")
+    if not h:
+        return ""
+    lead = "-" if h["lead_median"] is None else f"{h['lead_median']:g} / {h['lead_worst']:+d}"
+    return ("| failures detected | lead time, median / worst (steps before onset) | false rollbacks+pauses "
+            "per 1000 healthy steps | zero-patch relaunches per 100 healthy-run steps | sets that changed nothing |\n"
+            "|---|---|---|---|---|\n"
+            f"| {h['detected']}/{h['failures']} | {lead} | {h['false_per_1000_healthy_steps']} "
+            f"({h['false_actions']} in {h['healthy_steps']}) | {h['relaunches_per_100_healthy_steps']} | "
+            f"{h['noop_sets']} |\n\n")
 
 
 def main() -> None:
@@ -63,7 +93,8 @@ def main() -> None:
         stem.with_suffix(".md").write_text(
             f"# `{shown}`\n\n{doc['summary']}\n\nPacks: {', '.join(Path(r).name for r in doc['rules'])}; "
             f"checkpoint every {doc['config']['save_freq']} steps, relaunch start-up {doc['config']['startup_s']:.0f} s, "
-            f"tuning relaunches at most one per {doc['config']['relaunch_every']} steps.\n\n{table(doc)}\n")
+            f"tuning relaunches at most one per {doc['config']['relaunch_every']} steps.\n\n{headline(doc)}"
+            f"{table(doc)}\n")
         print(f"{name}: {doc['summary']} -> {stem}.md")
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/faults.py             # 3 rounds, ~25 min on 2 cores
     .venv/bin/python bench/faults.py --rounds 1
+    .venv/bin/python bench/faults.py --rounds 1 --only SIGTERM --only racing   # some cells only
 
 A cell is a test that makes one fault on purpose through the real code path and checks the
 promise it threatens (tests/test_fault_matrix.py and the tests named below). Each round runs
@@ -61,13 +62,32 @@ CELLS = [
     ("bad event line beside a NaN",
      "tests/test_reliability.py::test_a_bad_event_line_is_skipped_and_the_nan_beside_it_still_decided",
      "no silent loss of supervision"),
+    # issue 20
+    ("two watchdogs racing on one run dir",
+     "tests/test_reliability_v2.py::test_two_watchdogs_racing_on_one_run_dir_give_it_one_watchdog_and_one_trainer",
+     "one watchdog per run"),
+    *[(f"SIGTERM watchdog: {kind} after {phase}",
+       f"tests/test_fault_matrix.py::test_a_watchdog_sigtermed_mid_action_stops_cleanly_then_a_rerun_acts_exactly_once"
+       f"[{kind}@{phase}]", "SIGTERM is a clean stop")
+      for kind, phases in (("live_set", ("decided", "control_written", "signalled")),
+                           ("rollback", ("decided", "control_written", "signalled")),
+                           ("restart", ("decided", "stopped", "launched")))
+      for phase in phases],
+    ("a pid reused by an unrelated process",
+     "tests/test_reliability_v2.py::test_a_pid_reused_by_another_process_is_not_the_trainer", "a pid is an identity"),
+    ("an unrelated pid in run.json",
+     "tests/test_reliability_v2.py::test_an_unrelated_pid_in_run_json_is_never_adopted_signalled_or_killed",
+     "a pid is an identity"),
+    ("a garbled run.json beside 10 healthy runs in one daemon",
+     "tests/test_reliability_v2.py::test_a_daemon_with_ten_healthy_runs_and_one_garbled_watches_all_ten",
+     "bad run, not bad daemon"),
 ]
 
 
-def _round(junit: Path) -> dict[str, tuple[bool, str]]:
+def _round(junit: Path, cells: list[tuple[str, str, str]]) -> dict[str, tuple[bool, str]]:
     env = {**os.environ, "WATCHDOG_FAULT_MATRIX": "1"}
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                    *[node for _, node, _ in CELLS]], cwd=ROOT, env=env, capture_output=True, text=True)
+                    *[node for _, node, _ in cells]], cwd=ROOT, env=env, capture_output=True, text=True)
     out: dict[str, tuple[bool, str]] = {}
     for case in ET.parse(junit).getroot().iter("testcase"):
         file = case.get("classname", "").replace(".", "/") + ".py"
@@ -83,29 +103,38 @@ def _round(junit: Path) -> dict[str, tuple[bool, str]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3, help="times each cell runs")
+    ap.add_argument("--only", action="append", default=[], metavar="TEXT",
+                    help="run only the cells whose name or promise holds TEXT (repeatable); results go to "
+                         "faults-subset.json/.md, leaving the full matrix's files as they are")
     args = ap.parse_args()
+    chosen = [c for c in CELLS if not args.only or any(t in c[0] or t in c[2] for t in args.only)]
+    if not chosen:
+        ap.error(f"no cell matches {args.only}")
     runs: dict[str, list[tuple[bool, str]]] = defaultdict(list)
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as d:
         for i in range(args.rounds):
-            got = _round(Path(d) / f"round{i}.xml")
-            for _, node, _ in CELLS:
+            got = _round(Path(d) / f"round{i}.xml", chosen)
+            for _, node, _ in chosen:
                 runs[node].append(got.get(node, (False, "not run")))
-            print(f"round {i + 1}/{args.rounds}: {sum(ok for ok, _ in got.values())}/{len(CELLS)} cells held", flush=True)
+            print(f"round {i + 1}/{args.rounds}: {sum(ok for ok, _ in got.values())}/{len(chosen)} cells held",
+                  flush=True)
     cells = [{"cell": name, "test": node, "promise": promise, "runs": len(runs[node]),
               "held": sum(ok for ok, _ in runs[node]), "failures": sorted({m for ok, m in runs[node] if not ok})}
-             for name, node, promise in CELLS]
-    result = {"command": f"python bench/faults.py --rounds {args.rounds}", "rounds": args.rounds,
+             for name, node, promise in chosen]
+    only = "".join(f" --only {t!r}" for t in args.only)
+    result = {"command": f"python bench/faults.py --rounds {args.rounds}{only}", "rounds": args.rounds,
               "wall_s": round(time.monotonic() - t0, 1), "cells": cells,
               "held": sum(c["held"] for c in cells), "runs": sum(c["runs"] for c in cells)}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "faults.json").write_text(json.dumps(result, indent=2) + "\n")
+    name = "faults-subset" if args.only else "faults"
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
     rows = [f"| {c['cell']} | {c['promise']} | {c['held']}/{c['runs']} | {'; '.join(c['failures'])[:120]} |"
             for c in cells]
-    (RESULTS / "faults.md").write_text(
+    (RESULTS / f"{name}.md").write_text(
         f"# `{result['command']}`\n\n{result['held']} of {result['runs']} cell runs held their promise "
         f"({result['wall_s']} s).\n\n| cell | promise | held | failures |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
-    print(f"{result['held']}/{result['runs']} held -> {RESULTS / 'faults.md'}")
+    print(f"{result['held']}/{result['runs']} held -> {RESULTS / (name + '.md')}")
     return 0 if result["held"] == result["runs"] else 1
 
 

@@ -42,6 +42,11 @@ RUNS: dict[str, tuple[list[str], dict[str, object]]] = {
                         {"verdict": "failure", "onset": 2, "deadline": 6, "expect": "rollback"}),
     "kl_collapse_lr_3x": (["algorithm.kl_ctrl.kl_coef=0.00001", "actor_rollout_ref.actor.optim.lr=0.0006"],
                           {"verdict": "failure", "onset": 3, "deadline": 10, "expect": "rollback"}),
+    # Issue 21: dead after living. Onset 2: the score is 0 for every response and KL 6.9 from step 2;
+    # deadline 8: a human watching would have stopped it within a few steps of that (the old pack
+    # only alerted, at step 11).
+    "lr_50x_dead_seed5": (["actor_rollout_ref.actor.optim.lr=0.01", "trainer.seed=5"],
+                          {"verdict": "failure", "onset": 2, "deadline": 8, "expect": "rollback"}),
 }
 NOTES = {
     "default_seed1": ("the embedded trainer's default config (lr 2e-4, kl_coef 0.1, entropy_coeff 0.05): "
@@ -54,6 +59,8 @@ NOTES = {
     "lr_20x_collapse": "lr 4e-3 (20x) from the start: KL 2.9 at step 2, the score 0 from step 2, validation 0",
     "kl_collapse_lr_3x": ("kl_coef 1e-5 and lr 3x: no KL anchor, KL ~1 by step 3, entropy 0.36 -> 3.3 by step 30 "
                           "(near uniform), train score 0.11 -> 0.04; greedy validation stays near its SFT start"),
+    "lr_50x_dead_seed5": ("lr 1e-2 (50x) from the start: learning at step 1 (score 0.17, validation 0.26 at step 0), "
+                          "then one score 0 for every response, KL ~7-10, answers of 1 token from step 8, validation 0"),
 }
 
 

@@ -530,3 +530,58 @@ def test_a_divergence_that_recurs_after_its_rollback_suspects_the_checkpoint_it_
     assert ctl._recurring_start("nan", 77, 76) == 76  # another cause
     spans = [BadSpan("kl_explosion", 75, None, 0.0, None)]
     assert choose_known_good([SimpleNamespace(step=s, complete=True) for s in (70, 75)], spans).step == 70
+
+
+KL_CAPPED_RULE = """
+  - name: kl_high
+    description: raise kl_coef x1.2, capped at 0.02
+    expr: kl > 0.1
+    actions:
+      - set: {key: algorithm.kl_ctrl.kl_coef, scale: 1.2, max: 0.02}
+    cooldown: 1000
+    budget: {max: 5, window: 200, escalate: [notify]}
+"""
+
+
+def test_a_live_set_that_would_change_nothing_is_never_sent_and_the_rules_escalation_alerts(tmp_path, webhook):
+    # Issue 21, item 6: the trainer runs at kl_coef 0.1; a raise capped at 0.02 cannot move it.
+    url, received = webhook
+    wd = _setup(tmp_path, KL_CAPPED_RULE, webhook_url=url)
+    run_dir = tmp_path / "run"
+    ctl = wd.add_run(run_dir, command=[sys.executable, str(tmp_path / "fake_trainer.py"),
+                                       f"trainer.run_dir={run_dir}", f"{KL}=0.1", "steps=6"])
+    _drive(wd, lambda: ctl.run.phase == "finished" and not wd.store.open_actions("run"))
+    journal = wd.store.journal("run")
+    assert [j.kind for j in journal] == ["notify"] and journal[0].payload.get("exhausted") is True
+    assert not rundir.iter_events(run_dir, ["applied"])  # no control.json change 0.1 -> 0.1 was written
+    (post,) = received
+    assert "remedy exhausted" in post["body"]["alerts"][0]["annotations"]["summary"]
+
+
+ROLLOUTS_FAIL_RULE = """
+  - name: rollouts_fail
+    description: the rollout machinery failed (here, steered by the KL)
+    expr: kl > 0.1
+    actions:
+      - restart: {reason: "rollouts fail: a fresh rollout engine"}
+    cooldown: 3
+    repeat: true
+    urgent: true
+    budget: {max: 1, window: 200, escalate: [{stop: {reason: "rollouts keep failing after a restart"}}]}
+"""
+
+
+def test_a_restart_action_relaunches_the_trainer_from_its_latest_checkpoint_then_stops_naming_the_cause(tmp_path):
+    # Issue 21, item 1: a failed rollout machinery is restarted, never rolled back, within a budget.
+    wd = _setup(tmp_path, ROLLOUTS_FAIL_RULE, actuator={"stop_grace_s": 2})
+    run_dir = tmp_path / "run"
+    ctl = wd.add_run(run_dir, command=[sys.executable, str(tmp_path / "fake_trainer.py"),
+                                       f"trainer.run_dir={run_dir}", "steps=200"])
+    _drive(wd, lambda: ctl.run.phase == "stopped" and not wd.store.open_actions("run"), timeout=60)
+    kinds = [j.kind for j in wd.store.journal("run")]
+    assert "rollback" not in kinds and kinds.count("restart") == 1 and "stop" in kinds
+    (restart,) = [j for j in wd.store.journal("run") if j.kind == "restart"]
+    assert restart.payload["resume"] == "latest" and restart.payload["fresh_engine"] is True
+    assert len(rundir.iter_events(run_dir, ["started"])) == 2
+    (stop,) = [j for j in wd.store.journal("run") if j.kind == "stop"]
+    assert "rollouts keep failing after a restart" in stop.payload["verdict"]

@@ -21,6 +21,7 @@ from watchdog.protocol import rundir
 ROOT = Path(__file__).resolve().parents[1]
 LABELS = LOGS / "labels.yaml"
 CORPUS = ROOT / "bench" / "corpus" / "labels.yaml"
+INJECTED = ROOT / "bench" / "corpus_injected" / "labels.yaml"
 
 #: A pack with one rule of each consequence, on a metric the tests steer by hand.
 PACK = textwrap.dedent("""\
@@ -174,6 +175,45 @@ def test_the_default_pack_passes_the_embedded_trainers_own_labelled_corpus() -> 
     assert {x["verdict"] for x in doc["logs"]} == {"healthy", "failure"}
 
 
+#: What CI holds the default pack to on every labelled corpus (issue 21): every failure caught on
+#: time, no false rollback or pause, at most one zero-patch relaunch per 100 healthy steps, and not
+#: one set that would change nothing.
+CORPORA = [pytest.param(LABELS, "verl", marks=needs_logs, id="verl-logs"),
+           pytest.param(CORPUS, "embedded", id="embedded"),
+           pytest.param(INJECTED, "embedded", id="injected")]
+
+
+@pytest.mark.parametrize(("labels", "mode"), CORPORA)
+def test_the_headline_figures_of_each_corpus_hold_the_default_pack_to_its_promises(labels: Path, mode: str) -> None:
+    r = CliRunner().invoke(app, ["eval", str(labels), "--mode", mode, "--json"])
+    h = json.loads(r.stdout)["headline"]
+    assert h["failures"] >= 1 and h["detection_rate"] == 1.0, h
+    assert h["false_actions"] == 0 and h["false_per_1000_healthy_steps"] == 0.0, h
+    assert h["relaunches_per_100_healthy_steps"] <= 1.0, h
+    assert h["noop_sets"] == 0, h
+    assert h["lead_median"] is not None and h["lead_worst"] is not None, h
+
+
+def test_the_headline_counts_detections_lead_time_false_actions_and_changes_that_change_nothing(tmp_path: Path) -> None:
+    _log(tmp_path / "sick.jsonl", {12: -1.0, 8: 9.0}, 30)       # an alert at 8, a rollback at 12; onset 10
+    _log(tmp_path / "well.jsonl", {5: -1.0}, 40)                 # a false rollback in 40 healthy steps
+    labels = tmp_path / "labels.yaml"
+    labels.write_text("version: 1\nlogs:\n  - {file: sick.jsonl, verdict: failure, onset: 10, deadline: 15}\n"
+                      "  - {file: well.jsonl, verdict: healthy}\n")
+    res = ev.evaluate_corpus(ev.load_labels(labels), load_rules([_pack(tmp_path)]), ev.EvalConfig())
+    h = res.headline()
+    assert (h["failures"], h["detected"], h["detection_rate"]) == (1, 1, 1.0)
+    assert (h["lead_median"], h["lead_worst"]) == (2, 2)          # warned at 8, two steps before the onset
+    assert h["false_actions"] == 1 and h["healthy_steps"] == 40 + 7   # the failure's steps 1-7 count as healthy
+    assert h["false_per_1000_healthy_steps"] == pytest.approx(1000 / 47, abs=0.01)
+    assert h["noop_sets"] == 0 and "sets that changed nothing 0" in res.headline_text()
+
+
+def test_an_infrastructure_failure_answered_by_a_policy_rollback_fails_its_label(tmp_path: Path) -> None:
+    s = _score(tmp_path, "verdict: failure\nonset: 10\ndeadline: 15\nexpect: restart\n", {12: -1.0})
+    assert not s.passed and "rollout machinery" in s.reason and s.rollbacks == 1
+
+
 # -- the KL signal of each verl configuration ---------------------------------------------------
 
 KL_RULE = textwrap.dedent("""\
@@ -233,3 +273,51 @@ def test_the_live_controller_warns_about_blind_rules_once(tmp_path: Path, caplog
     lines = [r.getMessage() for r in caplog.records if "no KL to the reference" in r.getMessage()]
     assert len(lines) == 1 and "actor_rollout_ref.actor.use_kl_loss=True" in lines[0]
     wd.close()
+
+
+# -- judgment v3 on the synthetic fault injection (issue 21) -------------------------------------
+
+
+@pytest.fixture(scope="module")
+def injected() -> dict[str, dict]:
+    r = CliRunner().invoke(app, ["eval", str(INJECTED), "--mode", "embedded", "--json"])
+    return {x["file"]: x for x in json.loads(r.stdout)["logs"]}
+
+
+def test_a_run_that_died_after_learning_is_rolled_back_by_the_dead_after_learning_rule(injected) -> None:
+    x = injected["dead_after_learning_at_30"]
+    assert x["passed"] and x["detected"]["rule"] == "dead_after_learning" and x["detected"]["kind"] == "rollback"
+
+
+def test_a_run_dead_from_its_first_step_is_only_alerted(injected) -> None:
+    x = injected["dead_from_start"]
+    assert x["passed"] and x["rollbacks"] == 0 and x["pauses"] == 0 and x["alerts"] >= 1
+
+
+def test_a_run_broken_before_the_watchdog_saw_it_is_alerted_and_never_rolled_back(injected) -> None:
+    x = injected["broken_before_watching"]
+    assert x["passed"] and x["rollbacks"] == 0 and x["detected"]["kind"] == "notify"
+
+
+def test_truncation_is_an_alert_naming_the_setting_to_raise(injected) -> None:
+    x = injected["truncation_from_30"]
+    hits = [a for a in x["actions"] if a["rule"] == "truncation" and a["kind"] == "notify"]
+    assert x["passed"] and hits and "data.max_response_length" in hits[0]["detail"]
+    assert hits[0]["step"] <= 45
+
+
+def test_a_growing_gradient_norm_warns_steps_before_the_collapse_and_eval_reports_the_lead(injected) -> None:
+    x = injected["grad_growth_then_collapse_at_50"]
+    assert x["passed"] and x["warned"]["rule"] == "grad_norm_growth" and x["lead"] >= 5
+
+
+def test_a_rising_train_rollout_mismatch_warns_before_the_collapse(injected) -> None:
+    x = injected["mismatch_rising_then_collapse_at_50"]
+    assert x["passed"] and x["warned"]["rule"] == "mismatch_rising" and x["lead"] >= 3
+
+
+def test_failing_rollouts_restart_the_trainer_and_never_roll_back_and_a_blip_does_nothing(injected) -> None:
+    x = injected["infra_rollout_failure_at_40"]
+    assert x["passed"] and x["restarts"] >= 1 and x["rollbacks"] == 0
+    blip = injected["infra_rollout_blip_healthy"]
+    assert blip["passed"] and blip["restarts"] == 0 and blip["rollbacks"] == 0

@@ -87,6 +87,54 @@ def test_a_watchdog_killed_mid_action_then_rerun_acts_exactly_once(tmp_path: Pat
     assert all(j["status"] == "done" for j in journal), journal
 
 
+# -- SIGTERM mid-action (issue 20) -----------------------------------------------------------------
+
+#: The SIGTERM cell of each kind ``make test`` runs.
+TERM_IN_SUITE = {("restart", "stopped")}
+TERM_CELLS = [pytest.param(kind, phase, marks=[] if FULL_MATRIX or (kind, phase) in TERM_IN_SUITE else
+                           pytest.mark.skip(reason="the full matrix runs in bench/faults.py (WATCHDOG_FAULT_MATRIX=1)"),
+                           id=f"{kind}@{phase}")
+              for kind, (_, _, _, phases) in KINDS.items() for phase in phases]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("kind", "phase"), TERM_CELLS)
+def test_a_watchdog_sigtermed_mid_action_stops_cleanly_then_a_rerun_acts_exactly_once(
+        tmp_path: Path, kind: str, phase: str) -> None:
+    rules_text, faults, steps, _ = KINDS[kind]
+    rules = _rules(tmp_path, rules_text)
+    first = _watchdog(tmp_path, rules, steps=steps, faults=faults, extra=["--verbose"],
+                      env={"WATCHDOG_TEST_CRASH_AT": phase, "WATCHDOG_TEST_CRASH_SIGNAL": "TERM"})
+    out = first.stdout + first.stderr
+    # A clean stop (SIGTERM is not desertion): the action in flight finished, the trainer stopped, the run recorded.
+    assert first.returncode == 128 + signal.SIGTERM, out
+    assert "stopped by SIGTERM" in out and "Traceback" not in out, out
+    state = Store(tmp_path / "state")
+    run = state.require_run("run")
+    assert run.phase == "stopped"
+    pid = run.pid
+    state.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)  # never left training unsupervised
+    second = _watchdog(tmp_path, rules, steps=steps, faults=faults, extra=["--verbose"])
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert _events(tmp_path, "finished"), "the run did not end"
+    versions = [e["version"] for e in _events(tmp_path, "applied") if e.get("version")]
+    assert len(versions) == len(set(versions)), f"a control version applied twice: {versions}"
+    rule = {"live_set": "kl_high", "rollback": "nan_rollback", "restart": "oom"}[kind]
+    decisions = [h for h in _history(tmp_path) if h["rule"] == rule]
+    assert len(decisions) == 1 and decisions[0]["status"] == "applied", decisions
+    journal = decisions[0]["journal"]
+    assert all(j["status"] == "done" for j in journal), journal
+    history = _history(tmp_path)
+    if kind == "restart":  # the OOM's one relaunch (the controller's own decision), not one per watchdog
+        relaunches = [j for h in history if h["rule"] == "watchdog:oom" for j in h["journal"] if j["kind"] == "restart"]
+        assert len(relaunches) == 1 and relaunches[0]["status"] == "done", relaunches
+    if kind == "rollback":  # rolled back once: in process, or by a restart from the known-good checkpoint
+        by_restart = [j for j in journal if j["kind"] == "restart"]
+        assert len(_events(tmp_path, "rollback")) + len(by_restart) == 1, (journal, _events(tmp_path, "rollback"))
+
+
 # -- disk full ------------------------------------------------------------------------------
 
 

@@ -353,3 +353,78 @@ def test_a_daemon_config_is_loaded_or_refused_naming_the_file(text: str) -> None
             _tally("daemon config", "refused")
         else:
             _tally("daemon config", "accepted")
+
+
+# -- a live run's timeline and a daemon's runs (issue 20) -------------------------------------------
+
+
+@FUZZ
+@given(st.lists(st.one_of(st.tuples(st.just("line"), st.integers(0, 60)),
+                          st.tuples(st.sampled_from(["started", "rollback"]), st.integers(0, 60))),
+                min_size=1, max_size=40))
+def test_a_tailed_run_steps_only_go_forward_unless_an_event_explains_the_rewind(
+        items: list[tuple[str, int]]) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        tailer = ingest.RunTailer(d)
+        kept: list[int] = []
+        explained: list[int] = []  # targets of the started/rollback events written so far
+        written = 0
+        for what, step in items:
+            if what == "line":
+                rundir.append_metrics(d, step, {"actor/reward_kl_penalty": 0.1})
+                written += 1
+            elif what == "rollback":
+                rundir.append_event(d, "rollback", step, to_step=step, from_step=step + 1)
+                explained.append(step)
+            else:
+                rundir.append_event(d, "started", step, resumed_from=step, attempt=1)
+                explained.append(step)
+            before = len(tailer.issues)
+            records, _ = tailer.poll()
+            for rec in records:
+                step_now = rec["step"]
+                if kept and step_now < kept[-1]:
+                    # a rewind: explained by an event whose target is this step or the one before
+                    assert any(t <= step_now <= t + 1 for t in explained), (kept, step_now, explained)
+                kept.append(step_now)
+            for issue in tailer.issues[before:]:
+                line = int(issue.split("metrics.jsonl:", 1)[1].split(":", 1)[0])
+                assert 1 <= line <= written and "no started or rollback event explains it" in issue, issue
+        _tally("live timeline", "refused" if tailer.issues else "accepted")
+
+
+@settings(max_examples=max(10, EXAMPLES // 10), deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.lists(st.one_of(mutated(VALID_RUN), json_values.map(_dumps), st.binary(max_size=40).map(
+    lambda b: b.decode("latin-1"))), min_size=1, max_size=3))
+def test_a_daemon_watches_its_healthy_run_whatever_the_other_runs_files_hold(texts: list[str]) -> None:
+    from watchdog.control.daemon import prepare_daemon
+
+    with tempfile.TemporaryDirectory() as d:
+        root = Path(d)
+        healthy = root / "healthy"
+        healthy.mkdir()
+        for step, v in ((1, 0.01), (2, float("nan"))):
+            rundir.append_metrics(healthy, step, {"actor/reward_kl_penalty": v})
+        dirs = [str(healthy)]
+        for i, text in enumerate(texts):
+            run = root / f"r{i}"
+            run.mkdir()
+            (run / rundir.RUN_JSON).write_text(text, encoding="utf-8")
+            rundir.append_metrics(run, 1, {"actor/reward_kl_penalty": 0.01})
+            dirs.append(str(run))
+        rules = root / "rules.yaml"
+        rules.write_text("version: 1\nrules:\n  - name: nan\n    description: a NaN\n    expr: nonfinite()\n"
+                         "    actions: [notify]\n")
+        cfg = root / "daemon.yaml"
+        cfg.write_text(yaml.safe_dump({"state_dir": str(root / "state"), "rules": [str(rules)], "runs": dirs}))
+        wd = prepare_daemon(load_daemon_config(cfg))
+        try:
+            wd.tick()
+            wd.tick()
+            assert "healthy" in wd.controllers and not wd.unwatched.get(str(healthy))
+            assert [x["step"] for x in wd.store.decisions("healthy")] == [2]
+            assert len(wd.controllers) + len(wd.unwatched) == len(dirs)
+        finally:
+            wd.close()
+        _tally("daemon beside bad runs", "refused" if wd.unwatched else "accepted")

@@ -235,7 +235,12 @@ def test_tailing_in_any_chunks_gives_the_same_timeline_as_reading_whole(
             f.write(blob[written:cut])
         written = max(written, cut)
         history = _replace_steps(history, t.poll()[0])
-    assert history == ingest.read_records(path)
+    # A live run's steps only go forward within an attempt: a line below the last step with no started or
+    # rollback event to explain it is ignored (issue 20); the whole file read without those lines is the same.
+    forward, _, _ = ingest.forward_only(records, range(1, len(records) + 1), path, None, [])
+    whole = tmp_path_factory.mktemp("whole") / rundir.METRICS
+    whole.write_text("".join(json.dumps(r) + "\n" for r in forward))
+    assert history == ingest.read_records(whole)
 
 
 def _replace_steps(history: list[dict], records: list[dict]) -> list[dict]:

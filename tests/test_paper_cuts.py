@@ -145,7 +145,7 @@ def test_a_daemon_config_with_no_runs_is_refused_with_exit_2_not_run_watching_no
     cfg = tmp_path / "daemon.yaml"
     cfg.write_text(f"state_dir: {tmp_path / 'state'}\nruns: []\n")
     proc = _cli("daemon", "--config", str(cfg), timeout=60)  # a daemon watching nothing would never return
-    assert proc.returncode == 2 and f"{cfg}: no runs to watch" in proc.stdout + proc.stderr
+    assert proc.returncode == 2 and f"{cfg}: no runs to watch" in " ".join((proc.stdout + proc.stderr).split())
 
 
 def test_resume_of_a_finished_run_is_refused_and_queues_nothing(state_with_runs: Path) -> None:
@@ -375,7 +375,7 @@ def test_a_webhook_url_that_is_not_http_or_https_is_refused_at_start_naming_wher
     cfg = tmp_path / "daemon.yaml"
     cfg.write_text(f"state_dir: {tmp_path / 'd'}\nwebhook_url: '{url}'\nruns: [{tmp_path / 'r'}]\n")
     proc = _cli("daemon", "--config", str(cfg), timeout=60)  # accepted, it would watch until stopped
-    out = proc.stdout + proc.stderr
+    out = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 2 and f"{cfg}: webhook_url:" in out and url not in out, out
 
 

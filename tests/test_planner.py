@@ -88,14 +88,20 @@ def test_a_pause_for_a_human_follows_the_runs_escalation_policy(policy, kinds):
 
 def test_a_growing_remedy_reaches_its_bound_in_the_expected_number_of_rollbacks():
     # lr 2e-3 (10x too high), halved and compounding: x0.5, x0.25, x0.125 -> 1e-3, 2.5e-4, 3.125e-5, then
-    # the floor 5e-5 holds it: three rollbacks reach the bound, a fourth changes nothing.
+    # the floor 5e-5 holds it: three rollbacks reach the bound, and a fourth would change nothing, so
+    # the remedy is exhausted and the rule's escalation goes instead (here: a pause for a human).
     grow = SetAction(LR, "scale", 0.5, min=5e-5, grow=True)
     lr, seen = 2e-3, []
-    for repeat in (1, 2, 3, 4):
+    for repeat in (1, 2, 3):
         (p,) = plan_decision(_decision(actions=[RollbackAction(), grow], repeat=repeat), _ctx({LR: lr}))
         lr = p.payload["set"][LR]
         seen.append(lr)
-    assert seen == pytest.approx([1e-3, 2.5e-4, 5e-5, 5e-5])
+    assert seen == pytest.approx([1e-3, 2.5e-4, 5e-5])
+    d = Decision("r", 10, "fire", [RollbackAction(), grow], {}, "critical", "m", repeat=4,
+                 escalate=[PauseAction("nothing gentler left"), NotifyAction()])
+    planned = plan_decision(d, _ctx({LR: lr}))
+    assert [p.kind for p in planned] == ["command", "notify", "notify"]
+    assert planned[0].payload["command"]["kind"] == "pause" and planned[0].payload["exhausted"] is True
 
 
 def test_kl_coef_means_the_kl_loss_coefficient_when_the_run_logs_the_kl_loss():
@@ -205,3 +211,103 @@ def test_a_decisions_cost_says_live_deferred_merged_dropped_or_what_the_relaunch
     assert cost_text([dropped]) == "dropped"
     assert cost_text([ran]) == "relaunch 251 s measured, 2 steps again after waiting for a checkpoint"
     assert cost_text([{"payload": {}, "status": "done", "result": {}}]) == "-"
+
+
+# -- no remedy that changes nothing (issue 21, item 6) ------------------------------------------
+
+
+def test_a_raise_of_kl_coef_already_past_its_cap_is_not_sent_and_the_rules_escalation_runs_instead():
+    # kl_high raises kl_coef x1.2 capped at 0.02; the embedded trainer runs at 0.1: 0.1 -> 0.1 is no change.
+    d = Decision("kl_high", 30, "fire", [SetAction("kl_coef", "scale", 1.2, max=0.02)], {}, "warning", "m",
+                 escalate=[NotifyAction("kl_coef cannot go higher")])
+    planned = plan_decision(d, _ctx(latest={"kl_coef": 0.1}))
+    assert [p.kind for p in planned] == ["notify"]
+    assert planned[0].payload["exhausted"] is True and "cannot go higher" in planned[0].payload["summary"]
+    assert not any(p.payload.get("set") for p in planned)
+
+
+def test_of_a_remedy_only_the_sets_that_move_their_key_are_sent():
+    d = _decision(actions=[RollbackAction(skip_batches=2), SetAction(KL, "scale", 2.0, max=0.05, grow=True),
+                           SetAction(LR, "scale", 0.5, min=1e-8, grow=True)])
+    (p,) = plan_decision(d, _ctx({LR: 2e-4}, {"kl_coef": 0.1}))
+    assert p.kind == "rollback" and p.payload["set"] == {LR: pytest.approx(1e-4)}
+    assert KL not in p.payload["from"]
+
+
+def test_a_lowering_remedy_at_its_floor_escalates_and_a_notify_only_budget_never_pauses():
+    d = Decision("reward_stall", 40, "fire", [SetAction(LR, "scale", 0.9, min=1e-7)], {}, "info", "m",
+                 escalate=[NotifyAction()])
+    planned = plan_decision(d, _ctx({LR: 1e-7}))
+    assert [p.kind for p in planned] == ["notify"]
+
+
+def test_a_rule_without_a_budget_that_cannot_move_its_key_only_tells_a_human():
+    from watchdog.core.engine import run_series
+    from watchdog.core.rulefile import parse_rules
+
+    rules, errors = parse_rules(
+        "version: 1\nrules:\n  - name: up\n    description: raise kl_coef\n    expr: kl > 0.1\n"
+        "    actions:\n      - set: {key: kl_coef, scale: 1.2, max: 0.02}\n")
+    assert not errors
+    recs = [{"step": 1, "data": {"actor/reward_kl_penalty": 0.2, "actor/reward_kl_penalty_coeff": 0.1}}]
+    (d,) = [d for sr in run_series(rules, recs) for d in sr.decisions]
+    planned = plan_decision(d, _ctx(latest={"kl_coef": 0.1}))
+    assert [p.kind for p in planned] == ["notify"] and "remedy exhausted" in planned[0].payload["summary"]
+
+
+# -- verl's adaptive KL controller (issue 21, item 7) -------------------------------------------
+
+ADAPTIVE = {"algorithm": {"kl_ctrl": {"type": "adaptive", "kl_coef": 0.001, "target_kl": 0.1, "horizon": 10000}}}
+
+
+def test_with_an_adaptive_kl_controller_a_tuning_rule_never_sets_kl_coef():
+    d = _decision(actions=[SetAction("kl_coef", "scale", 1.2, max=0.02)])
+    assert plan_decision(d, _ctx(latest={"kl_coef": 0.004}, config=ADAPTIVE)) == []
+    # The same set on a fixed controller is made.
+    (p,) = plan_decision(d, _ctx(latest={"kl_coef": 0.004}, config={"algorithm": {"kl_ctrl": {"type": "fixed"}}}))
+    assert p.payload["set"] == {KL: pytest.approx(0.0048)}
+
+
+def test_with_an_adaptive_kl_controller_a_divergence_rollback_sets_the_value_it_resumes_from():
+    d = Decision("kl_explosion", 12, "fire", [RollbackAction(2), SetAction("kl_coef", "scale", 2.0, max=0.05)],
+                 {}, "critical", "m", divergence=True, urgent=True)
+    (p,) = plan_decision(d, _ctx(latest={"kl_coef": 0.004}, config=ADAPTIVE))
+    # The controller's own current value (logged), doubled: where it adapts from once the run resumes.
+    assert p.kind == "rollback" and p.payload["set"] == {KL: pytest.approx(0.008)}
+    assert p.payload["from"] == {KL: 0.004}
+
+
+# -- infrastructure vs policy (issue 21, item 1) ------------------------------------------------
+
+
+def test_a_restart_action_is_a_relaunch_from_the_latest_checkpoint_at_once_and_never_a_rollback():
+    from watchdog.core.actions import RestartAction, StopAction
+
+    d = Decision("rollout_failure", 22, "fire", [RestartAction("rollouts fail"), NotifyAction("x")], {}, "critical",
+                 "m", urgent=True)
+    planned = plan_decision(d, _ctx())
+    assert [p.kind for p in planned] == ["restart", "notify"]
+    p = planned[0]
+    assert p.relaunch and p.payload["resume"] == "latest" and p.payload["urgent"] is True
+    assert p.payload["fresh_engine"] is True and "rollouts fail" in p.payload["reason"]
+    # Its escalation stops the run with the cause named, whatever --on-escalate says.
+    e = Decision("rollout_failure", 32, "escalate", [StopAction("the rollout engine is broken")], {}, "critical", "m")
+    stop, note = plan_decision(e, _ctx(on_escalate="continue"))
+    assert stop.kind == "stop" and "the rollout engine is broken" in stop.payload["verdict"] and note.kind == "notify"
+
+
+def test_the_default_pack_restarts_a_run_whose_rollouts_fail_and_stops_it_the_third_time():
+    from pathlib import Path
+
+    from watchdog.core.replay import replay
+    from watchdog.core.rulefile import load_rules
+    from watchdog.sources.ingest import read_records
+
+    root = Path(__file__).resolve().parents[1]
+    rules = load_rules([root / "rules" / "default.yaml"])
+    records = read_records(root / "bench" / "corpus_injected" / "infra_rollout_failure_at_40")
+    res = replay(records, rules)
+    kinds = [(d.step, p.kind) for d in res.decisions for p in d.planned if p.kind in ("restart", "rollback", "stop")]
+    assert kinds and kinds[0] == (41, "restart")
+    assert not any(k == "rollback" for _, k in kinds)        # never a policy rollback
+    assert [k for _, k in kinds].count("restart") == 2 and kinds[-1][1] == "stop"

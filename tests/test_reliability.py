@@ -238,11 +238,18 @@ def test_a_state_dir_that_is_a_file_is_an_error(tmp_path: Path) -> None:
 
 
 def test_a_corrupt_or_locked_state_is_said_not_a_traceback(tmp_path: Path) -> None:
-    Store(tmp_path / "locked").close()
+    store = Store(tmp_path / "locked")
+    store.upsert_run(RunRecord("r", str(tmp_path / "r")))
+    store.close()
     locker = sqlite3.connect(tmp_path / "locked" / "watchdog.db", timeout=0)
     locker.execute("BEGIN EXCLUSIVE")
-    r = CliRunner().invoke(app, ["status", "--state-dir", str(tmp_path / "locked")])
-    locker.rollback()
+    try:
+        # Looking reads what was last committed (read-only, WAL): a writer at work does not block it.
+        r = CliRunner().invoke(app, ["status", "--json", "--state-dir", str(tmp_path / "locked")])
+        assert r.exit_code == 0 and json.loads(r.output)[0]["run"] == "r", r.output
+        r = CliRunner().invoke(app, ["resume", "r", "--state-dir", str(tmp_path / "locked")])
+    finally:
+        locker.rollback()
     assert r.exit_code == 2 and "locked by another process" in r.output, r.output
     (tmp_path / "corrupt").mkdir()
     (tmp_path / "corrupt" / "watchdog.db").write_bytes(b"this is not sqlite" * 100)

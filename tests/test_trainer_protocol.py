@@ -105,6 +105,30 @@ def test_n_steps_straight_equal_half_then_resume_then_half_at_a_fixed_seed(
     assert ck.read_marker(resumed / rundir.CHECKPOINTS) == 6
 
 
+ADAPTIVE = ("algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.000001", "algorithm.kl_ctrl.horizon=100")
+
+
+def test_an_adaptive_kl_controller_resumes_its_learned_value_unless_a_remedy_set_a_new_starting_point(
+    tmp_path: Path, tiny_trainer_args: Callable[..., list[str]], trainer_env: dict[str, str]
+) -> None:
+    """Issue 21, item 7: a kl_coef change sets the adaptive controller's value as the run resumes; the
+    same configured value resumes what the controller learned (the watchdog never fights it)."""
+    first = tmp_path / "first"
+    a = _run(tiny_trainer_args(first, MOVE, *ADAPTIVE, f"{KL_COEF}={KL_START}", "trainer.save_freq=2", steps=2),
+             trainer_env)
+    assert a.returncode == 0, a.stderr[-3000:]
+    half = ck.step_dir(first / rundir.CHECKPOINTS, 2)
+    learned = float(ck.load_checkpoint(half)[1]["kl_coef"])
+    assert learned != pytest.approx(KL_START)  # the controller moved (KL far above its tiny target)
+    coef = catalog.BY_SHORT["kl_coef"].key
+    for name, start, expect in (("same", KL_START, learned), ("raised", 0.2, 0.2)):
+        run = tmp_path / name
+        b = _run(tiny_trainer_args(run, MOVE, *ADAPTIVE, f"{KL_COEF}={start}", "trainer.resume_mode=resume_path",
+                                   f"trainer.resume_from_path={half}", steps=3), trainer_env)
+        assert b.returncode == 0, b.stderr[-3000:]
+        assert _metrics(run)[3][coef] == pytest.approx(expect), name
+
+
 def test_resume_skip_batches_moves_the_data_past_the_batches_after_the_checkpoint(
     tmp_path: Path, tiny_trainer_args: Callable[..., list[str]], trainer_env: dict[str, str]
 ) -> None:
@@ -283,7 +307,8 @@ def test_the_metric_keys_written_are_all_in_the_catalog(live_run: dict[str, Any]
     assert written, "no metrics written"
     assert sorted(k for k in written if catalog.canonical_key(k) is None) == []
     # and the issue's list is all there
-    must = {m.key for m in catalog.METRICS} - {"actor/kl_loss", "actor/kl_coef", "val-core/reward/mean@1"}
+    must = {m.key for m in catalog.METRICS} - {"actor/kl_loss", "actor/kl_coef", "val-core/reward/mean@1"} \
+        - catalog.VERL_ONLY_KEYS
     assert must <= written
 
 

@@ -596,9 +596,13 @@ def load_config(overrides: Iterable[str] = (), config_file: str | Path | None = 
     if config_file is not None:
         path = Path(config_file)
         try:
-            doc = yaml.safe_load(path.read_text()) or {}
+            doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path}: not YAML ({exc})") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot be read as text ({exc})") from None
+        except RecursionError:  # PyYAML recurses once per nesting level
+            raise ConfigError(f"{path}: YAML nested too deeply (hundreds of levels)") from None
         if not isinstance(doc, Mapping):
             raise ConfigError(f"{path}: top level must be a mapping")
         errors += apply_mapping(cfg, doc, source=str(path))

@@ -225,6 +225,9 @@ class Trainer:
         }
         extra = {"global_step": self.global_step, "rng": self.gen.get_state(),
                  "torch_rng": torch.get_rng_state(), "kl_coef": float(self.kl_ctrl.value),
+                 # The configured starting value when this was saved: a resume with another one (a
+                 # watchdog's remedy) restarts an adaptive controller from it (load_state).
+                 "kl_coef_config": float(self.cfg.get(KL_COEF)),
                  "kl_std_window": self.kl_std.state(),
                  "micro_batch": {ACTOR_MICRO: self.cfg.get(ACTOR_MICRO), CRITIC_MICRO: self.cfg.get(CRITIC_MICRO)}}
         return components, extra
@@ -254,9 +257,15 @@ class Trainer:
         # verl's trap: a checkpoint's lr would silently override a new optim.lr; here the config wins.
         set_lr(self.actor_opt, self.actor_sched, self.cfg.get(ACTOR_LR))
         set_lr(self.critic_opt, self.critic_sched, self.cfg.get(CRITIC_LR))
-        # An adaptive controller's value is learned state; a fixed one is the config's.
-        self.kl_ctrl.value = (float(extra["kl_coef"]) if self.cfg.algorithm.kl_ctrl.type == "adaptive"
-                              else float(self.cfg.get(KL_COEF)))
+        # An adaptive controller's value is learned state; a fixed one is the config's. A configured
+        # value other than the one the checkpoint was saved with (a remedy that raised kl_coef, set
+        # before the rollback or passed to the relaunch) is the adaptive controller's new starting
+        # point: it adapts onward from there toward its own target_kl.
+        configured = float(self.cfg.get(KL_COEF))
+        saved = extra.get("kl_coef_config")
+        adaptive = self.cfg.algorithm.kl_ctrl.type == "adaptive"
+        moved = saved is not None and float(saved) != configured
+        self.kl_ctrl.value = float(extra["kl_coef"]) if adaptive and not moved else configured
 
     def save(self, reason: str = "schedule") -> Path:
         """Save a checkpoint of the current step and record a ``checkpoint`` event."""
@@ -354,10 +363,13 @@ class Trainer:
     # -- live settings --------------------------------------------------------------------------
     def apply_live(self, key: str, value: Any) -> Any:
         """Apply one live override at a step boundary; returns the value in force."""
-        before = self.cfg.get(key) if key == catalog.CLIP_RATIO_KEY else None
+        before = self.cfg.get(key) if key in (catalog.CLIP_RATIO_KEY, KL_COEF) else None
         stored = self.cfg.set(key, value)
         if key == KL_COEF:
-            self.kl_ctrl.value = float(stored)
+            # control.json is desired state, applied whole at each new version: the same kl_coef again
+            # must not reset what an adaptive controller has learned since (never fight it).
+            if self.cfg.algorithm.kl_ctrl.type != "adaptive" or before is None or float(before) != float(stored):
+                self.kl_ctrl.value = float(stored)
         elif key == ACTOR_LR:
             set_lr(self.actor_opt, self.actor_sched, float(stored))
         elif key == CRITIC_LR:

@@ -94,11 +94,13 @@ def test_healthy_verl_run_triggers_no_rollback_and_no_pause() -> None:
     # Its KL does pass 0.1 (0.10-0.13 from step 66 at kl_coef 0.001): the gentle rule nudges kl_coef.
     assert any(d.rule == "kl_high" and d.kind == "fire" and d.step >= 60 for d in decisions)
     # Every rule could be evaluated on verl's older key names (critic/kl, actor/entropy_loss ...), but
-    # the one reading a metric this verl version did not log yet (the rollout/trainer mismatch).
+    # the ones reading a metric this verl version did not log yet (the rollout/trainer mismatch, and
+    # verl 0.9's aborted rollouts).
     unhealthy = {n: s.last_error for n, s in results[-1].state.rules.items() if s.health != "ok"}
-    assert set(unhealthy) == {"rollout_mismatch"}, unhealthy
+    assert set(unhealthy) == {"rollout_mismatch", "rollout_failure"}, unhealthy
     seen = {k for r in records for k in catalog.to_short(r["data"])}
-    assert blind_rules(rules, seen) == {"rollout_probs_diff": ["rollout_mismatch"]}
+    assert blind_rules(rules, seen) == {"rollout_probs_diff": ["rollout_mismatch", "mismatch_rising"],
+                                        "aborted_ratio": ["rollout_failure"], "response_clip_ratio": ["truncation"]}
 
 
 @pytest.mark.skipif(not NAN_EXCERPTS.exists(), reason="verl NaN excerpts not available")

@@ -49,9 +49,10 @@ def _sha256_file(path: Path) -> str:
 
 
 def write_manifest(step_dir: Path | str, step: int, epoch: int, world_size: int | None = None,
-                   components: tuple[str, ...] = (), workers: int = HASH_WORKERS) -> Path:
+                   components: tuple[str, ...] = (), workers: int = HASH_WORKERS, layout: str = "verl") -> Path:
     """Hash every file under a finished verl ``global_step_N`` (``workers`` at once) and write its
-    manifest.json. With ``world_size``, first check that every rank's files of ``components``
+    manifest.json (``layout`` names whose folder it is: verl's, or TRL's for trainer.trl_glue). With
+    ``world_size``, first check that every rank's files of ``components``
     (actor always) are there: on a multi-node run with node-local disks they are not."""
     step_dir = Path(step_dir)
     if not step_dir.is_dir():
@@ -68,7 +69,7 @@ def write_manifest(step_dir: Path | str, step: int, epoch: int, world_size: int 
         digests = list(pool.map(_sha256_file, paths))
     files = {p.relative_to(step_dir).as_posix(): d for p, d in zip(paths, digests, strict=True)}
     manifest = {"format": ckpt.MANIFEST_FORMAT, "step": int(step), "epoch": int(epoch), "ts": time.time(),
-                "files": files, "complete": True, "layout": "verl"}
+                "files": files, "complete": True, "layout": layout}
     path = step_dir / ckpt.MANIFEST
     rundir.atomic_write_json(path, manifest)
     return path

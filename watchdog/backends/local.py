@@ -19,7 +19,10 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
+
+from watchdog.protocol import lock as locks
+from watchdog.protocol.runinfo import RunInfo
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +33,14 @@ class SupervisorError(OSError):
 
 class LaunchRefused(SupervisorError):
     """The command cannot run at all (no such program, not executable): trying again cannot help."""
+
+
+class TrainerAlive(SupervisorError):
+    """A trainer of the run is still alive (it holds the run's trainer lock): no second one is launched."""
+
+    def __init__(self, message: str, holder: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.holder = holder or {}
 
 
 class BackendUnavailable(SupervisorError):
@@ -90,6 +101,82 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
+def start_ticks(pid: int, proc: Path | str = "/proc") -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat`` field 22); None when there is
+    no such process (or no ``/proc``). With the pid, an identity no later process can have: a pid is
+    reused, a (pid, start) pair is not."""
+    try:
+        fields = (Path(proc) / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[19])  # field 22 of the line; fields[0] is field 3 (state)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def start_wall_time(ticks: int, proc: Path | str = "/proc") -> float | None:
+    """Unix time of a process start given in clock ticks since boot (None without ``/proc/stat``)."""
+    try:
+        btime = next(int(ln.split()[1]) for ln in (Path(proc) / "stat").read_text().splitlines()
+                     if ln.startswith("btime "))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return btime + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def cmdline(pid: int, proc: Path | str = "/proc") -> list[str] | None:
+    """``pid``'s argv (None when it cannot be read: gone, or a kernel thread)."""
+    try:
+        raw = (Path(proc) / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return None
+    return [a.decode("utf-8", "replace") for a in raw.split(b"\0")[:-1]] or None
+
+
+#: Seconds a process may seem to have started after it wrote run.json's ``started`` (the kernel's start
+#: time is in clock ticks, run.json's in float seconds, and the two clocks are read differently).
+START_SLACK_S = 2.0
+
+
+def not_the_trainer(pid: int, run_dir: Path | str, proc: Path | str = "/proc") -> str | None:
+    """Why ``pid`` is not (or cannot be told to be) the trainer of ``run_dir``; None when it is.
+
+    A pid is an identity only with its start time: the trainer lock a watchdog's launch holds
+    (:data:`~watchdog.protocol.lock.TRAINER_LOCK`) names the trainer's pid and start; a trainer
+    started by hand is told by run.json: the process runs run.json's command (argv past the
+    interpreter) and started before run.json says it did. A pid run.json names that fits
+    neither was reused, or was never the trainer (a stale or hand-edited run.json)."""
+    ticks = start_ticks(pid, proc)
+    if ticks is None:
+        return f"pid {pid} is not running"
+    note = locks.read_holder(Path(run_dir) / locks.TRAINER_LOCK)
+    if note.get("pid") == pid and isinstance(note.get("start_ticks"), int):
+        if note["start_ticks"] == ticks:
+            return None
+        return (f"pid {pid} is not the run's trainer: the trainer of that pid started at tick {note['start_ticks']}, "
+                f"this process at tick {ticks} (the pid was reused by another process)")
+    try:
+        info = RunInfo.read(run_dir)
+    except OSError as exc:
+        return f"pid {pid}: cannot tell it is the trainer ({exc})"
+    argv = cmdline(pid, proc)
+    checked = False
+    if info.command and argv is not None:
+        checked = True
+        if argv[1:] != info.command[1:]:
+            return (f"pid {pid} is not the run's trainer: it runs {' '.join(argv)[:120]!r}, run.json's trainer "
+                    f"{' '.join(info.command)[:120]!r}")
+    if info.started is not None:
+        began = start_wall_time(ticks, proc)
+        if began is not None:
+            checked = True
+            if began > info.started + START_SLACK_S:
+                return (f"pid {pid} is not the run's trainer: it started at {began:.0f}, after the trainer wrote "
+                        f"run.json at {info.started:.0f} (the pid was reused by another process)")
+    if not checked:
+        return (f"pid {pid}: cannot tell it is the run's trainer (run.json says neither its command nor when it "
+                "started, and no trainer lock names it)")
+    return None
+
+
 def _own_group(pid: int) -> int | None:
     """``pid``'s process group when ``pid`` leads it, else None."""
     try:
@@ -131,6 +218,9 @@ class LocalProcess:
         self._pid = pid
         self._popen = popen
         self._exit: int | None = None
+        self.start_ticks = start_ticks(pid)
+        """When the process started (clock ticks since boot): an attached pid is this process only while
+        the start time under that pid is the same (a pid the OS gave to a later process is not ours)."""
         self._pgid: int | None = pid if popen is not None else _own_group(pid)
         """The trainer's process group, drained on stop: the child leads its own session; an attached
         pid only when it leads a group (never someone else's group)."""
@@ -153,7 +243,18 @@ class LocalProcess:
     def alive(self) -> bool:
         if self._popen is not None:
             return self._popen.poll() is None
-        return _pid_alive(self._pid)
+        return _pid_alive(self._pid) and self._same()
+
+    def _same(self) -> bool:
+        """True while the pid is still the process attached to (not a later one the OS gave it to)."""
+        now = start_ticks(self._pid)
+        if now is not None and self.start_ticks is not None and now != self.start_ticks:
+            if self._pgid is not None:
+                log.warning("pid %d is now another process (started at tick %d, the trainer at %d): it is "
+                            "never signalled as the trainer", self._pid, now, self.start_ticks)
+            self._pgid = None  # its group is not the trainer's either
+            return False
+        return True
 
     def signal(self, sig: int) -> bool:
         if not self.alive():
@@ -180,7 +281,7 @@ class LocalProcess:
             except subprocess.TimeoutExpired:
                 return None
         while time.monotonic() < deadline:
-            if not _pid_alive(self._pid):
+            if not self.alive():
                 return None
             time.sleep(0.05)
         return None
@@ -214,6 +315,8 @@ class LocalProcess:
         return code if code is not None else self.poll()
 
     def _signal_group(self, sig: int) -> None:
+        if self._popen is None and not self._same():
+            return  # the pid (and its group) now belong to another process: never signalled
         if self._pgid is None:
             self.signal(sig)
             return
@@ -251,12 +354,29 @@ class LocalBackend:
 
     def start(
         self, command: Sequence[str], env: Mapping[str, str] | None = None,
-        cwd: Path | str | None = None, log_path: Path | str | None = None,
+        cwd: Path | str | None = None, log_path: Path | str | None = None, lock_path: Path | str | None = None,
     ) -> LocalProcess:
-        """Start ``command`` in its own session; stdout and stderr appended to ``log_path``."""
+        """Start ``command`` in its own session; stdout and stderr appended to ``log_path``.
+
+        ``lock_path``: the run's trainer lock (:data:`~watchdog.protocol.lock.TRAINER_LOCK`), taken
+        before the launch and handed to the child (an inherited descriptor), so it is held for as
+        long as anything of this trainer lives; refused with :class:`TrainerAlive` while another
+        trainer holds it."""
         if not command:
             raise SupervisorError("empty command")
         full_env = child_env(env)
+        held: locks.HolderLock | None = None
+        if lock_path is not None:
+            held = locks.HolderLock(lock_path, "the run's trainer", role="a trainer")
+            try:
+                Path(lock_path).parent.mkdir(parents=True, exist_ok=True)
+                held.acquire(wait_s=0.5)
+            except locks.LockHeld as exc:
+                raise TrainerAlive(f"{exc}: not launching a second trainer into the same run directory",
+                                   exc.holder) from exc
+            except OSError as exc:
+                raise SupervisorError(f"{lock_path}: cannot take the run's trainer lock "
+                                      f"({exc.strerror or exc})") from exc
         out = None
         try:
             if log_path is not None:
@@ -266,6 +386,7 @@ class LocalBackend:
                 list(command), env=full_env, cwd=str(cwd) if cwd else None,
                 stdin=subprocess.DEVNULL, stdout=out if out else subprocess.DEVNULL,
                 stderr=subprocess.STDOUT, start_new_session=True,
+                pass_fds=(held.fd,) if held is not None and held.fd is not None else (),
             )
         except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
             raise LaunchRefused(f"cannot start {' '.join(command)!r}: {exc.strerror or exc}") from exc
@@ -274,8 +395,15 @@ class LocalBackend:
         finally:
             if out is not None:
                 out.close()  # the child holds its own descriptor
+            if held is not None and "popen" not in locals():
+                held.release()
+        proc = LocalProcess(popen.pid, popen)
+        if held is not None:
+            # Who holds it, for a refused second launch and for re-attaching: the trainer's pid and start.
+            held.describe(pid=popen.pid, start_ticks=proc.start_ticks, command=list(command)[:64])
+            held.release()  # ours only: the child's inherited descriptor keeps the lock held
         log.info("started pid %d: %s", popen.pid, " ".join(command))
-        return LocalProcess(popen.pid, popen)
+        return proc
 
     def attach(self, pid: int) -> LocalProcess:
         """A handle on a process this watchdog did not start (exit code unknowable)."""

@@ -22,11 +22,12 @@ def export(
 ) -> None:
     """Write every dashboard as JSON (fixed uids) into DIRECTORY."""
     try:
-        paths = dashboards.export(directory)
-    except OSError as exc:  # a directory that cannot be made or written: bad input, exit 2
-        typer.echo(f"error: {exc.filename or directory}: cannot be written ({exc.strerror or exc})", err=True)
+        written = dashboards.export(directory)
+    except OSError as exc:
+        typer.echo(f"error: {directory}: cannot write the dashboards there "
+                   f"({exc.strerror or exc}{': ' + str(exc.filename) if exc.filename else ''})", err=True)
         raise typer.Exit(2) from None
-    for path in paths:
+    for path in written:
         typer.echo(str(path))
 
 

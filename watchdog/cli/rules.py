@@ -491,6 +491,7 @@ def eval_cmd(
     else:
         _console().print(eval_table(result))
         typer.echo(("PASS: " if result.passed else "FAIL: ") + result.summary())
+        typer.echo(result.headline_text())
     if not result.passed:
         raise typer.Exit(1)
 

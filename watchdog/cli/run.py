@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Annotated, Any
@@ -31,6 +33,7 @@ from watchdog.core.engine import evidence_text
 from watchdog.core.pricing import cost_text
 from watchdog.core.vocabulary import ActionStatus, JournalKind, RuleStatus
 from watchdog.protocol import hydra
+from watchdog.protocol import lock as locks
 from watchdog.sources.prometheus import PROMETHEUS_URL_ENV, source_config
 
 run_app = typer.Typer(help="Supervise and remediate training runs.", no_args_is_help=True)
@@ -42,11 +45,11 @@ StateDir = Annotated[str, typer.Option("--state-dir", help="Watchdog state direc
                                        "default $WATCHDOG_STATE_DIR or ./.watchdog.")]
 
 
-def _store(state_dir: str | None) -> Store:
-    """An existing state, for the commands that read it (a new directory is not created; a lock held by
-    a writer is waited for a few seconds, then said)."""
+def _store(state_dir: str | None, read_only: bool = True) -> Store:
+    """An existing state, for the commands that read it (a new directory is not created, nothing is written
+    into a state only looked at; a lock held by a writer is waited for a few seconds, then said)."""
     try:
-        return Store(state_dir or state_dir_default(), create=False, busy_timeout_s=5.0)
+        return Store(state_dir or state_dir_default(), create=False, busy_timeout_s=5.0, read_only=read_only)
     except StoreError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
@@ -63,15 +66,20 @@ def _logging(verbose: bool) -> None:
 
 def _crash_hook() -> Any:
     """Test seam: WATCHDOG_TEST_CRASH_AT=PHASE (one of actuator.CRASH_POINTS, e.g. control_written)
-    makes the watchdog SIGKILL itself right after that phase of an action (a real kill -9 mid-action)."""
+    makes the watchdog SIGKILL itself right after that phase of an action (a real kill -9 mid-action);
+    with WATCHDOG_TEST_CRASH_SIGNAL=TERM it sends itself SIGTERM there instead (a stop mid-action), once."""
     at = os.environ.get("WATCHDOG_TEST_CRASH_AT")
     if not at:
         return None
+    sig = signal.SIGTERM if os.environ.get("WATCHDOG_TEST_CRASH_SIGNAL", "KILL").upper() == "TERM" else signal.SIGKILL
+    sent: list[str] = []
 
     def hook(phase: str) -> None:
-        if phase == at:
-            logging.shutdown()
-            os.kill(os.getpid(), signal.SIGKILL)
+        if phase == at and not sent:
+            sent.append(phase)
+            if sig == signal.SIGKILL:
+                logging.shutdown()
+            os.kill(os.getpid(), sig)
 
     return hook
 
@@ -100,12 +108,13 @@ def _checked_overrides(items: list[str], option: str) -> list[str]:
     return list(items)
 
 
-def _prepare_mode(mode: str, cmd: list[str], rd: Path, run_metrics_port: int | None) -> None:
-    """Zero-patch mode writes run.json for verl (which writes none); exit 2 on a bad --mode."""
+def _check_mode(mode: str, cmd: list[str]) -> None:
+    """Exit 2 on a bad --mode (nothing written yet: zero-patch mode writes run.json for verl, which writes
+    none, in Watchdog.add_run, once the run directory is this watchdog's)."""
     from watchdog.backends import zero_patch as verl_mode
 
-    try:  # shared with the daemon (Watchdog.add_run), so both set a verl run up alike
-        resolved = verl_mode.prepare_run(rd, cmd, mode, metrics_port=run_metrics_port)
+    try:
+        resolved = verl_mode.resolve_mode(mode, cmd)
     except verl_mode.VerlModeError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
@@ -113,7 +122,23 @@ def _prepare_mode(mode: str, cmd: list[str], rd: Path, run_metrics_port: int | N
         console.print("zero-patch mode: verl changes nothing live; every change is a restart with resume")
 
 
+def _restoring_signals(fn: Any) -> Any:
+    """The stop-signal handlers a command installs are put back as they were when it returns (a CLI test
+    runner, or anything else calling the command in process, keeps its own)."""
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+    return wrapper
+
+
 @run_app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+@_restoring_signals
 def run_cmd(
     command: Annotated[list[str] | None, typer.Argument(help="Trainer command after `--` (default: the "
                                                         "embedded trainer).")] = None,
@@ -179,9 +204,10 @@ def run_cmd(
 ) -> None:
     """Start a trainer, watch it and remediate until it finishes; then summarise."""
     _logging(verbose)
-    # Ctrl-C (SIGINT) stops the run cleanly even when this process was started in the background by a
-    # shell, which starts it with SIGINT ignored (a supervisor's `kill -INT` must still work).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    # Ctrl-C (SIGINT), SIGTERM (what `timeout`, systemd, docker and Kubernetes send) and SIGHUP (the
+    # terminal closed) all stop the run cleanly, even when this process was started in the background
+    # by a shell, which starts it with SIGINT ignored (a supervisor's `kill -INT` must still work).
+    stop = _stop_on_signals()
     if not (math.isfinite(tick) and tick > 0):
         console.print(f"[red]--tick must be a positive number of seconds, got {tick!r}[/red]")
         raise typer.Exit(2)
@@ -196,6 +222,7 @@ def run_cmd(
         console.print(f"[red]--source: {exc}[/red]")
         raise typer.Exit(2) from exc
     rd = Path(run_dir or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    _check_run_dir_name(rd, bool(command))
     try:
         rd.mkdir(parents=True, exist_ok=True)
         probe = rd / ".watchdog-write-test"
@@ -213,7 +240,7 @@ def run_cmd(
         cmd += _checked_overrides(sets or [], "--set")
         if src.kind == "prometheus" and not any(s.startswith("trainer.metrics_port=") for s in sets or []):
             cmd.append("trainer.metrics_port=-1")  # Prometheus must scrape it: any free port, in run.json
-    _prepare_mode(mode, cmd, rd, run_metrics_port)
+    _check_mode(mode, cmd)
     try:
         wd = build_watchdog(
             state_dir or state_dir_default(), rules, None,
@@ -223,21 +250,27 @@ def run_cmd(
                         "on_escalate": on_escalate, "pause_timeout_s": pause_timeout},
             actuator={"live_timeout_s": live_timeout, "stop_grace_s": stop_grace},
             metrics_port=metrics_port, crash_hook=_crash_hook(), webhook_url_file=webhook_url_file,
+            exclusive=True,
         )
-    except (ValueError, StoreError) as exc:  # a bad setting (--on-escalate maybe), a state dir that is a file
-        console.print(f"[red]{exc}[/red]")
+    except (ValueError, StoreError, locks.LockHeld) as exc:  # a bad setting (--on-escalate maybe), a state dir
+        console.print(f"[red]{exc}[/red]")                   # that is a file, one another watchdog holds
         raise typer.Exit(2) from exc
     try:
-        ctl = wd.add_run(rd, command=cmd, ray_address=ray_address, ray_token_file=ray_token_file, source=src)
-    except SupervisorError as exc:
+        # Shared with the daemon: the run dir is taken, then set up for its mode, then registered.
+        ctl = wd.add_run(rd, command=cmd, ray_address=ray_address, ray_token_file=ray_token_file, source=src,
+                         mode=mode, run_metrics_port=run_metrics_port)
+    except (OSError, ValueError) as exc:  # the run dir another watchdog or a live trainer holds; a bad run.json
+        wd.close()
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
     console.print(f"watchdog: run [bold]{ctl.run.run_id}[/bold] in {rd} (state {wd.store.path})")
     try:
-        wd.serve_forever(tick, until_done=True)
-    except KeyboardInterrupt:
-        _interrupted(wd, ctl)
-        raise typer.Exit(130) from None
+        wd.serve_forever(tick, until_done=True, stop=stop.event)
+    except KeyboardInterrupt:  # a second signal while the scheduler was finishing its tick
+        stop.signals.append(signal.SIGINT)
+    if stop.signals:
+        _interrupted(wd, ctl, stop.signals[0])
+        raise typer.Exit(128 + stop.signals[0])
     wd.close(withdraw_targets=True)
     run = wd.store.require_run(ctl.run.run_id)
     decisions = wd.store.decisions(run.run_id)
@@ -267,21 +300,78 @@ def run_cmd(
     raise typer.Exit(0 if run.phase == Phase.FINISHED else 2 if refused is not None else 1)
 
 
-def _interrupted(wd: Any, ctl: Any) -> None:
-    """Ctrl-C: stop the trainer (SIGTERM: it saves; a second Ctrl-C kills it) and record the run as stopped."""
-    console.print("interrupted: stopping the trainer (it saves a checkpoint first; Ctrl-C again kills it)")
+class _Stop:
+    """The first stop signal sets ``event`` (the scheduler finishes its tick, then the run is stopped);
+    a second one raises KeyboardInterrupt (kill the trainer now)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signals: list[int] = []
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.event.is_set():
+            raise KeyboardInterrupt
+        self.signals.append(signum)
+        self.event.set()
+
+
+#: How each stop signal is named on the console (the exit code is 128 + its number: 130, 143, 129).
+STOP_SIGNALS: dict[int, str] = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _stop_on_signals() -> _Stop:
+    stop = _Stop()
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, stop)
+    return stop
+
+
+def _check_run_dir_name(rd: Path, own_command: bool) -> None:
+    """The embedded trainer gets its run dir as a Hydra override: a path Hydra's grammar cannot carry (a
+    non-ASCII letter, a quote) would fail at every launch; exit 2 naming it before anything starts."""
+    if own_command:
+        return
     try:
-        wd.actuator.stop(ctl.h)
+        hydra.parse(f"trainer.run_dir={rd}")
+    except hydra.OverrideError as exc:
+        console.print(f"[red]--run-dir {rd}: not a path the trainer can be given as trainer.run_dir ({exc}); "
+                      "use ASCII letters, digits and - _ . / in it[/red]")
+        raise typer.Exit(2) from exc
+
+
+def _interrupted(wd: Any, ctl: Any, signum: int = signal.SIGINT) -> None:
+    """Ctrl-C, SIGTERM or SIGHUP: stop the trainer (SIGTERM: it saves; a second signal kills it) and record
+    the run as stopped, with what stopped it. A ``watchdog run`` owns its trainer: it never leaves it
+    running unwatched."""
+    name = STOP_SIGNALS.get(signum, f"signal {signum}")
+    console.print(f"interrupted: stopping the trainer ({name}; it saves a checkpoint first; Ctrl-C or {name} "
+                  "again kills it)")
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _raise_interrupt)
+    code: int | None = None
+    try:
+        code = wd.actuator.stop(ctl.h)
     except KeyboardInterrupt:
         console.print("interrupted again: killing the trainer")
         if ctl.h.proc is not None:
             ctl.h.proc.signal(signal.SIGKILL)
-    wd.store.update_run(ctl.run.run_id, phase=Phase.STOPPED)
+    alive = ctl.h.proc is not None and ctl.h.proc.alive()
+    step = ctl.run.last_step if ctl.run.last_step is not None else 0
+    outcome = (f"watchdog stopped by {name}: trainer stopped (exit {code})" if not alive else
+               f"watchdog stopped by {name}: trainer pid {ctl.h.proc.pid} still alive, UNSUPERVISED")
+    wd.store.add_decision(ctl.run.run_id, step, "watchdog:shutdown", "escalate", [], {"signal": float(signum)},
+                          "warning", outcome, status="applied", outcome=outcome)
+    wd.store.update_run(ctl.run.run_id, phase=Phase.STOPPED, **({"exit_code": code} if code is not None else {}))
     wd.close(withdraw_targets=True)
-    console.print(f"run {ctl.run.run_id} stopped by Ctrl-C; `watchdog run` with the same --run-dir resumes it")
+    console.print(f"run {ctl.run.run_id} stopped by {name}; `watchdog run` with the same --run-dir resumes it")
 
 
 @run_app.command("daemon")
+@_restoring_signals
 def daemon_cmd(
     config: Annotated[Path, typer.Option("--config", help="Daemon YAML: runs, rules, state_dir, tick_s, "
                                          "metrics_port, webhook_url, controller, actuator.")],
@@ -295,13 +385,21 @@ def daemon_cmd(
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
     console.print(f"watchdog daemon: {len(cfg.runs)} run(s), tick {cfg.tick_s}s, state {cfg.state_dir}")
+    stop = _stop_on_signals()
     try:
-        run_daemon(cfg)
+        wd = run_daemon(cfg, stop=stop.event)
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
-    except DaemonConfigError as exc:  # e.g. a Grafana token file that cannot be read
-        console.print(f"[red]{config}: {exc}[/red]")
+    except (DaemonConfigError, StoreError, locks.LockHeld) as exc:  # e.g. a Grafana token file that cannot be
+        console.print(f"[red]{config}: {exc}[/red]")                # read, a state another watchdog holds
         raise typer.Exit(2) from exc
+    # A daemon that stops leaves its trainers running for the next daemon to adopt (a deploy, a reboot
+    # of the watchdog's host): said here, and `watchdog status` says it of each run until then.
+    left = [(c.run, c.h.proc.pid) for c in wd.controllers.values() if c.h.proc is not None and c.h.proc.alive()]
+    name = STOP_SIGNALS.get(stop.signals[0], "a signal") if stop.signals else "request"
+    console.print(f"watchdog daemon stopped by {name}; {len(left)} trainer(s) left running UNSUPERVISED until a "
+                  f"daemon or `watchdog run` adopts them" + "".join(
+                      f"\n  {run.run_id}: pid {pid} in {run.run_dir}" for run, pid in left))
 
 
 @run_app.command("status")
@@ -312,9 +410,9 @@ def status_cmd(
 ) -> None:
     """Runs with their phase, step, restarts, control version and open actions."""
     try:
-        store = Store(state_dir or state_dir_default(), create=False, busy_timeout_s=5.0)
+        store = Store(state_dir or state_dir_default(), create=False, busy_timeout_s=5.0, read_only=True)
     except NoState as exc:  # exit 2 as `history` does: a state directory that is not there is bad input
-        console.print(f"[red]no runs in {exc.path}: no watchdog state there "
+        console.print(f"[red]no runs in {exc.path}: no watchdog state there{_empty_note(exc.path)} "
                       "(give --state-dir or set $WATCHDOG_STATE_DIR to look elsewhere)[/red]")
         raise typer.Exit(2) from exc
     except StoreError as exc:
@@ -330,9 +428,12 @@ def status_cmd(
         engine = (store.load_engine_state(r.run_id) or {}).get("engine", {})
         firing = sorted(n for n, s in engine.get("rules", {}).items() if s.get("status") == RuleStatus.FIRING)
         open_n = len(store.open_actions(r.run_id))
+        watcher, trainer = supervision(r.run_dir)
         rows.append({"run": r.run_id, "phase": r.phase, "pid": r.pid, "job_id": r.job_id, "last_step": r.last_step,
                      "control_version": r.control_version, "restarts": r.restarts, "oom_retries": r.oom_retries,
-                     "open_actions": open_n, "firing": firing, "overrides": r.overrides, "run_dir": r.run_dir})
+                     "open_actions": open_n, "firing": firing, "overrides": r.overrides, "run_dir": r.run_dir,
+                     "watchdog": watcher, "trainer_alive": trainer is not None,
+                     "supervised": _supervised_text(r.phase, watcher, trainer)})
     if as_json:
         typer.echo(json.dumps(rows, indent=2, sort_keys=True))
         return
@@ -340,14 +441,41 @@ def status_cmd(
         console.print(f"no runs in {store.path} (give --state-dir or set $WATCHDOG_STATE_DIR to look elsewhere)")
         return
     t = Table(title="watchdog runs")
-    for col in ("run", "phase", "pid", "last_step", "control_version", "restarts", "oom_retries", "open_actions",
-                "firing"):
-        t.add_column(col)
+    cols = ("run", "phase", "pid", "last_step", "control_version", "restarts", "oom_retries", "open_actions",
+            "firing", "supervised")
+    for col in cols:
+        t.add_column(col, overflow="fold")
     for row in rows:
-        t.add_row(*(", ".join(map(str, v)) if isinstance(v := row[c], list) else str(v) for c in (
-            "run", "phase", "pid", "last_step", "control_version", "restarts", "oom_retries", "open_actions",
-            "firing")))
+        t.add_row(*(", ".join(map(str, v)) if isinstance(v := row[c], list) else str(v) for c in cols))
     console.print(t)
+    for row in rows:
+        if str(row["supervised"]).startswith("UNSUPERVISED"):
+            console.print(f"[red]{row['run']}: {row['supervised']}[/red]")
+
+
+def supervision(run_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(the watchdog holding the run directory, the trainer holding it), each None when none does: read from
+    their locks, which die with their holders (a killed watchdog's record still says "running")."""
+    return (locks.holder_if_held(Path(run_dir) / locks.RUN_LOCK),
+            locks.holder_if_held(Path(run_dir) / locks.TRAINER_LOCK))
+
+
+def _supervised_text(phase: str, watcher: dict[str, Any] | None, trainer: dict[str, Any] | None) -> str:
+    if watcher is not None:
+        return f"by {locks.describe_holder(watcher)}"
+    if trainer is not None:
+        return (f"UNSUPERVISED: {locks.describe_holder(trainer)} runs with no watchdog watching it "
+                "(`watchdog run` on its run dir, or a daemon, adopts it)")
+    if phase in (Phase.RUNNING, Phase.PAUSED, Phase.ESCALATED, Phase.RESTARTING):
+        return "no watchdog and no trainer (the watchdog that ran it is gone)"
+    return "-"
+
+
+def _empty_note(path: Path) -> str:
+    try:
+        return " (an empty file: nothing was written to it)" if path.is_file() and path.stat().st_size == 0 else ""
+    except OSError:
+        return ""
 
 
 def _history_rows(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -403,7 +531,7 @@ def history_cmd(
 @run_app.command("resume")
 def resume_cmd(run: Annotated[str, typer.Argument(help="Run id.")], state_dir: StateDir = "") -> None:
     """Clear a pause or escalation: the watchdog sends `resume` at its next tick."""
-    store = _store(state_dir)
+    store = _store(state_dir, read_only=False)
     try:
         r = store.require_run(run)
     except StoreError as exc:
@@ -413,7 +541,11 @@ def resume_cmd(run: Annotated[str, typer.Argument(help="Run id.")], state_dir: S
         console.print(f"[red]run {run} has {r.phase}: there is nothing to resume (start it again with "
                       f"`watchdog run --run-dir {r.run_dir}`)[/red]")
         raise typer.Exit(2)
-    aid = store.add_action(run, "resume", {"rule": "human:resume", "requested_phase": r.phase})
+    try:
+        aid = store.add_action(run, "resume", {"rule": "human:resume", "requested_phase": r.phase})
+    except StoreError as exc:  # locked past the timeout by a writer: said, nothing queued
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
     console.print(f"resume of {run} queued (journal {aid}); the watchdog applies it at its next tick")
 
 
@@ -433,5 +565,8 @@ def report_cmd(
         path = write_report(r.run_dir, decisions, out, restart_spans(decisions))
     except (StoreError, ReportError) as exc:  # no such run, nothing to plot, not .png/.html: bad input
         console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    except OSError as exc:  # --out in a directory that cannot be created or written
+        console.print(f"[red]--out {out}: cannot be written ({exc.strerror or exc})[/red]")
         raise typer.Exit(2) from exc
     console.print(f"report written: {path}")

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from watchdog.backends.dialect import Dialect, ProtocolDialect
-from watchdog.backends.local import Backend, BackendUnavailable, TrainerProcess
+from watchdog.backends.local import Backend, BackendUnavailable, LocalBackend, TrainerAlive, TrainerProcess
 from watchdog.control.store import ActionRecord, BadSpan, Phase, RunRecord, Store
 from watchdog.core.planner import clip_bound_sets, config_value, snap_sets
 from watchdog.core.vocabulary import ActionStatus, JournalKind
@@ -60,6 +60,7 @@ from watchdog.protocol.control import (
     read_control,
     write_control,
 )
+from watchdog.protocol.lock import TRAINER_LOCK
 from watchdog.protocol.runinfo import RunInfo
 
 log = logging.getLogger(__name__)
@@ -374,7 +375,13 @@ class Actuator:
         # verl: its file logger, checkpoint dir and KL coefficient carried over; the protocol: as it is.
         cmd, env = h.dialect.prepare_launch(cmd, h.run.overrides, resume_path)
         backend = h.backend or self.backend
-        proc = backend.start(cmd, env=env, cwd=None, log_path=Path(h.run.run_dir) / self.config.log_name)
+        log_path = Path(h.run.run_dir) / self.config.log_name
+        if isinstance(backend, LocalBackend):
+            # The trainer holds the run's trainer lock for its whole life: never a second one beside it.
+            proc: TrainerProcess = backend.start(cmd, env=env, cwd=None, log_path=log_path,
+                                                 lock_path=Path(h.run.run_dir) / TRAINER_LOCK)
+        else:
+            proc = backend.start(cmd, env=env, cwd=None, log_path=log_path)
         # Recorded before anything else can fail: a trainer that runs is a trainer the watchdog knows.
         job_id = getattr(proc, "job_id", None)  # a Ray Job has a submission id instead of a pid
         h.proc = proc
@@ -409,10 +416,11 @@ class Actuator:
             return
         try:
             handler(h, entry, now)
-        except BackendUnavailable as exc:
-            # Nothing was started or stopped (the job server did not answer): the entry stays open
-            # and the next tick drives the same phase again.
-            log.warning("%s: action %d (%s) waits for the backend: %s", h.run.run_id, entry.id, entry.kind, exc)
+        except (BackendUnavailable, TrainerAlive) as exc:
+            # Nothing was started or stopped (the job server did not answer; the stopped trainer's last
+            # process has not let go of the run yet): the entry stays open and the next tick drives the
+            # same phase again.
+            log.warning("%s: action %d (%s) waits: %s", h.run.run_id, entry.id, entry.kind, exc)
         except ActuatorError as exc:  # a known reason (e.g. a watched run has no command to relaunch)
             log.error("%s: action %d (%s) failed: %s", h.run.run_id, entry.id, entry.kind, exc)
             self._finish(h, entry, "failed", error=str(exc))
@@ -643,8 +651,11 @@ class Actuator:
             return
         self._drive_live_set(h, entry, now)
 
-    def confirm(self, h: RunHandle, version: int, step: int | None, command_ids: Sequence[str]) -> None:
-        """The trainer's ``applied`` event: confirm every sent entry carried by ``version``."""
+    def confirm(self, h: RunHandle, version: int, step: int | None, command_ids: Sequence[str],
+                refusals: Sequence[str] = ()) -> None:
+        """The trainer's ``applied`` event: confirm every sent entry carried by ``version``. ``refusals``:
+        the trainer's ``error`` messages about that version (a key it cannot change live, and why); a
+        live set whose key one names says so in its outcome (``watchdog history``)."""
         h.applied_commands.update(command_ids)
         self.store.mark_control_applied(h.run.run_id, version, step)
         for e in self.store.open_actions(h.run.run_id):
@@ -656,7 +667,9 @@ class Actuator:
             if cmd and cmd["id"] not in h.applied_commands:
                 continue
             if e.kind in (JournalKind.LIVE_SET, "command", JournalKind.RESUME):
-                self._finish(h, e, "done", outcome=f"applied v{version} at step {step}", applied_step=step)
+                refused = [m for m in refusals if any(k in m for k in (e.payload.get("set") or {}))]
+                outcome = f"applied v{version} at step {step}" + "".join(f"; refused by the trainer: {m}" for m in refused)
+                self._finish(h, e, "done", outcome=outcome, applied_step=step)
 
     # -- helpers ---------------------------------------------------------------------
 

@@ -25,7 +25,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from watchdog.backends.local import Backend, LaunchRefused, SupervisorError, read_tail
+from watchdog.backends.local import (
+    Backend,
+    LaunchRefused,
+    LocalBackend,
+    SupervisorError,
+    not_the_trainer,
+    read_tail,
+)
 from watchdog.control.actuator import (
     Actuator,
     RunHandle,
@@ -57,6 +64,9 @@ log = logging.getLogger(__name__)
 FAILED_TICKS_NOTICE = 3
 
 STATE_VERSION = 1
+#: Seconds an event may predate its attempt's launch and still be that attempt's (the trainer's clock
+#: and the watchdog's are one machine's, read at different instants).
+ATTEMPT_SLACK_S = 1.0
 #: Phases after which a run needs no more watching (``stopped``: ended by the watchdog with a verdict).
 DONE_PHASES = (Phase.FINISHED, Phase.FAILED, Phase.STOPPED)
 #: Rule names of the controller's own decisions (not from a rule file).
@@ -277,6 +287,7 @@ class RunController:
         self._step_times: list[float] = []
         self._saw_finished = False
         self._saw_oom: dict[str, Any] | None = None
+        self._control_errors: dict[int, list[str]] = {}  # version -> the trainer's refusals, until its ``applied``
         self._events_since_eval = False
         self._held: list[Event] = []
         """Events past the run's last step, delivered once it gets there (never, when it ends first)."""
@@ -289,6 +300,8 @@ class RunController:
         """Step the trainer went back to (its rollback / started event); the next step there ends the wait."""
         # launched_ts of the launch whose first step has been seen; until then the (long)
         # startup timeout applies instead of the heartbeat. A re-attached run counts as started.
+        self._attempt_ts: float | None = run.launched_ts
+        """launched_ts of the attempt the run's ``oom`` / ``finished`` events are judged for."""
         self._launch_seen: float | None = run.launched_ts if run.last_step is not None else None
         self._started_ts: float | None = run.launched_ts if run.last_step is not None else None
         if run.phase in (Phase.RUNNING, Phase.PAUSED, Phase.ESCALATED, Phase.RESTARTING):
@@ -310,6 +323,14 @@ class RunController:
             self.h.proc = attach_job(run.job_id, Path(run.run_dir) / self.actuator.config.log_name)
             log.info("%s: attached to Ray job %s", run.run_id, run.job_id)
         elif run.pid is not None:
+            if isinstance(backend, LocalBackend):
+                # A pid is an identity only with its start: a trainer that ended may have left its pid to
+                # another process, which must never be watched, signalled or killed as the trainer.
+                why = not_the_trainer(run.pid, run.run_dir)
+                if why is not None:
+                    if "is not running" not in why:
+                        log.error("%s: not adopted: %s", run.run_id, why)
+                    return
             proc = backend.attach(run.pid)
             if proc.alive():
                 self.h.proc = proc
@@ -326,16 +347,22 @@ class RunController:
                 self.window.append_record(rec)
             self.window.add_events(events)
             return
-        from watchdog.sources.ingest import dedup_records
+        from watchdog.sources.ingest import dedup_records, forward_only, record_from_json, rewind_targets
 
         run_dir = Path(self.run.run_dir)
         m_off = int(offsets.get("metrics", {}).get("offset", 0))
         e_off = int(offsets.get("events", {}).get("offset", 0))
-        recs = rundir.read_jsonl(run_dir / rundir.METRICS, until=m_off).records
-        for rec in dedup_records(r for r in recs if "step" in r):
+        chunk = rundir.read_jsonl(run_dir / rundir.METRICS, until=m_off)
+        events = rundir.events_of(rundir.read_jsonl(run_dir / rundir.EVENTS, until=e_off))
+        valid = [(rec, line) for rec, line in ((record_from_json(obj)[0], n) for obj, n in
+                                               zip(chunk.records, chunk.lines, strict=False)) if rec is not None]
+        # The lines the tailer ignored (a step below the last with nothing to explain it) stay ignored.
+        recs, _, _ = forward_only([r for r, _ in valid], [n for _, n in valid], chunk.path, None,
+                                  rewind_targets(events))
+        for rec in dedup_records(recs):
             self.window.append_record(rec)
         # Events in file order so their sequence numbers match what the engine state remembers.
-        self.window.add_events(rundir.events_of(rundir.read_jsonl(run_dir / rundir.EVENTS, until=e_off)))
+        self.window.add_events(events)
 
     # -- tick --------------------------------------------------------------------------
 
@@ -350,11 +377,22 @@ class RunController:
                 self._give_up("watchdog:launch", str(exc))
                 result.done = True
                 return result
-        # verl writes no events: its dialect relays the metrics, notes the checkpoints and classifies the
-        # exit (not that of a trainer the watchdog stopped itself to pause the run).
-        self.h.dialect.poll(self.h.proc, watch_exit=self.run.phase not in (Phase.PAUSED, Phase.ESCALATED))
-        self._read_and_decide(now, result)
-        self._protect_known_good()
+        if self.run.launched_ts != self._attempt_ts:
+            # A new attempt (this watchdog's launch or restart): what the last one said about how it
+            # ended (an ``oom``, ``finished``) is not this one's.
+            self._attempt_ts = self.run.launched_ts
+            self._saw_finished, self._saw_oom = False, None
+        failed: Exception | None = None
+        try:
+            # verl writes no events: its dialect relays the metrics, notes the checkpoints and classifies the
+            # exit (not that of a trainer the watchdog stopped itself to pause the run).
+            self.h.dialect.poll(self.h.proc, watch_exit=self.run.phase not in (Phase.PAUSED, Phase.ESCALATED))
+            self._read_and_decide(now, result)
+            self._protect_known_good()
+        except Exception as exc:
+            # Nothing of it was kept (see _read_and_decide). The trainer is still watched: a run whose
+            # files cannot be read right now (a garbled run.json) is still seen to end, or to hang.
+            failed = exc
         self._watch_liveness(now)
         self._check_pause_timeout(now)
         for entry in self.store.open_actions(self.run.run_id):
@@ -374,6 +412,11 @@ class RunController:
         self._publish_rule_states()
         result.done = self.run.phase in DONE_PHASES and not any(
             e.status != ActionStatus.WAITING for e in self.store.open_actions(self.run.run_id))
+        if failed is not None:
+            if not result.done:
+                raise failed
+            log.warning("%s: the run has ended; what was left unread of it could not be read: %s",
+                        self.run.run_id, failed)
         return result
 
     def _read_and_decide(self, now: float, result: TickResult) -> None:
@@ -422,15 +465,29 @@ class RunController:
             self.actuator.notifier.notify(alert_payload(self.run.run_id, "watchdog:tick", "critical",
                                                       "the watchdog cannot decide on this run", msg))
 
+    def _before_attempt(self, e: Event) -> bool:
+        """An event written before the current attempt was launched (a trainer of an earlier attempt, or
+        of before this watchdog started): what it says about how a trainer ended is not this one's."""
+        ts, launched = e.get("ts"), self.run.launched_ts
+        return isinstance(ts, (int, float)) and launched is not None and ts < launched - ATTEMPT_SLACK_S
+
     def _handle_events(self, events: list[Event], now: float) -> None:
         for e in events:
             kind = e.get("kind")
-            if kind == "applied":
+            if kind in ("finished", "oom") and self._before_attempt(e):
+                log.info("%s: %s event of step %s is from before the current attempt: not counted against it",
+                         self.run.run_id, kind, e.get("step"))
+                continue
+            if kind == "error" and e.get("source") == "control" and isinstance(e.get("version"), int):
+                said = self._control_errors.setdefault(int(e["version"]), [])
+                if str(e.get("message", "")) not in said:  # a tick read again after a failure sees it twice
+                    said.append(str(e.get("message", "")))
+            elif kind == "applied":
                 ids = [c if isinstance(c, str) else c.get("id", "") for c in e.get("commands", [])]
                 version = int(e.get("version", 0))
                 if version > self.run.control_version and not self._wrote_control(version):
                     self._foreign_control(e, version, ids)
-                self.actuator.confirm(self.h, version, e.get("step"), ids)
+                self.actuator.confirm(self.h, version, e.get("step"), ids, self._control_errors.pop(version, []))
             elif kind == JournalKind.ROLLBACK:
                 self._rewind_to = int(e.get("to_step") or 0)
                 self.store.close_bad_spans(self.run.run_id, int(e.get("from_step") or e.get("to_step") or 0))

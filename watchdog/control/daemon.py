@@ -22,14 +22,22 @@ from typing import Any
 
 import yaml
 
-from watchdog.backends.local import Backend, LocalBackend, SupervisorError
+from watchdog.backends.local import Backend, LocalBackend, SupervisorError, TrainerAlive, not_the_trainer
 from watchdog.backends.zero_patch import MODE_VERL, MODES, VerlModeError, prepare_run, resolve_mode
-from watchdog.control.actuator import Actuator, ActuatorConfig, Notifier, resolve_webhook_url, webhook_target
+from watchdog.control.actuator import (
+    Actuator,
+    ActuatorConfig,
+    Notifier,
+    alert_payload,
+    resolve_webhook_url,
+    webhook_target,
+)
 from watchdog.control.controller import ControllerConfig, EngineRules, RulesEngine, RunController
-from watchdog.control.store import Phase, RunRecord, Store
+from watchdog.control.store import Phase, RunRecord, Store, StoreError
 from watchdog.core.planner import ON_ESCALATE
 from watchdog.core.rulefile import default_rules_paths
 from watchdog.observe.telemetry import WatchdogMetrics
+from watchdog.protocol import lock as locks
 from watchdog.protocol.runinfo import RunInfo
 from watchdog.sources.prometheus import SOURCES, SourceConfig, make_source, source_config
 
@@ -133,9 +141,16 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
     """Parse the daemon YAML (safe_load); unknown keys are errors naming the file and key."""
     path = Path(path)
     try:
-        doc = yaml.safe_load(path.read_text()) or {}
-    except (OSError, yaml.YAMLError) as exc:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except OSError as exc:
+        raise DaemonConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
+    except UnicodeDecodeError as exc:
+        raise DaemonConfigError(f"{path}: not a text file (byte {exc.start} is not UTF-8): not a daemon "
+                                "config") from exc
+    except yaml.YAMLError as exc:
         raise DaemonConfigError(f"{path}: {exc}") from exc
+    except RecursionError as exc:  # PyYAML recurses once per nesting level
+        raise DaemonConfigError(f"{path}: YAML nested too deeply (hundreds of levels): not a daemon config") from exc
     if not isinstance(doc, dict):
         raise DaemonConfigError(f"{path}: top level must be a mapping")
     _check_fields(path, "", doc, DaemonConfig)
@@ -178,8 +193,6 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
             webhook_target(cfg.webhook_url)
         except ValueError as exc:
             raise DaemonConfigError(f"{path}: webhook_url: {exc}") from exc
-    if not cfg.runs:  # a daemon that watches nothing is a config mistake, not a quiet success
-        raise DaemonConfigError(f"{path}: no runs to watch: list run directories under 'runs:'")
     return cfg
 
 
@@ -246,10 +259,18 @@ class Watchdog:
     def __init__(
         self, store: Store, rules: RulesEngine, backend: Backend | None = None, notifier: Notifier | None = None,
         controller_config: ControllerConfig | None = None, actuator_config: ActuatorConfig | None = None,
-        telemetry: Any = None, crash_hook: Any = None, annotator: Any = None,
+        telemetry: Any = None, crash_hook: Any = None, annotator: Any = None, exclusive: bool = False,
+        state_lock: locks.HolderLock | None = None,
     ) -> None:
         """``annotator``: called like the actuator's on_action for each action outcome (a
-        :class:`~watchdog.observe.grafana.ActionAnnotator`); closed by :meth:`close`."""
+        :class:`~watchdog.observe.grafana.ActionAnnotator`); closed by :meth:`close`.
+        ``exclusive``: hold the state directory and every run directory added, refusing (with
+        :class:`~watchdog.protocol.lock.LockHeld`, naming the holder) what another watchdog holds
+        (``watchdog run`` and the daemon; a library user building several in one process may not)."""
+        self.exclusive = exclusive
+        self._locks: list[locks.HolderLock] = [state_lock] if state_lock is not None else []
+        if exclusive and state_lock is None:
+            self._locks.append(hold_state(store))
         self.store = store
         self.rules = rules
         self.telemetry = telemetry
@@ -261,6 +282,13 @@ class Watchdog:
         self._lock = threading.Lock()
         self.done = threading.Event()
         """Set when every run is finished or given up (``watchdog run`` exits then)."""
+        self.unwatched: dict[str, str] = {}
+        """Runs of the daemon's config it cannot watch now (run directory -> why), said and alerted once
+        each; the others are watched all the same, and these are tried again (:meth:`retry_unwatched`)."""
+        self._retry: dict[str, Callable[[], RunController]] = {}
+        self._retry_at = 0.0
+        self._tick_errors: dict[str, str] = {}
+        """The last error said for each run's tick (a tick failing the same way is said once)."""
 
     def add_run(self, run_dir: Path | str, run_id: str | None = None, command: Sequence[str] | None = None,
                 managed: bool = True, ray_address: str | None = None,
@@ -294,6 +322,22 @@ class Watchdog:
             raise DaemonConfigError(f"run id {run_id!r} is {other.run_dir} in {self.store.path}, not {run_dir}")
         if run_id in self.controllers:
             raise DaemonConfigError(f"{run_dir}: watched twice (run {run_id!r})")
+        held = self._hold_run_dir(run_dir, existing, managed and bool(command)) if self.exclusive else None
+        try:
+            ctl = self._add_run(run_dir, run_id, existing, command, managed, ray_address, ray_token_file, source,
+                                mode, run_metrics_port, retry_ended, on_escalate)
+        except BaseException:
+            if held is not None:
+                held.release()
+            raise
+        if held is not None:
+            self._locks.append(held)
+        return ctl
+
+    def _add_run(self, run_dir: Path, run_id: str, existing: RunRecord | None, command: Sequence[str] | None,
+                 managed: bool, ray_address: str | None, ray_token_file: Path | str | None,
+                 source: SourceConfig | None, mode: str | None, run_metrics_port: int | None, retry_ended: bool,
+                 on_escalate: str | None) -> RunController:
         if mode is not None:
             try:
                 prepare_run(run_dir, command, mode, metrics_port=run_metrics_port)
@@ -320,6 +364,60 @@ class Watchdog:
         self.controllers[run_id] = ctl
         return ctl
 
+    def _hold_run_dir(self, run_dir: Path, existing: RunRecord | None, launches: bool) -> locks.HolderLock:
+        """Take the run directory for this watchdog (LockHeld naming the watchdog that has it); and refuse
+        a run that would get a second trainer: one is alive there (it holds the trainer lock) that is not
+        the one this state knows (adopted instead by :func:`prepare_daemon`, which passes through)."""
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            held = locks.HolderLock(run_dir / locks.RUN_LOCK, "the run").acquire()
+        except locks.LockHeld:
+            raise
+        except OSError as exc:
+            raise SupervisorError(f"{run_dir}: cannot take the run directory ({exc.strerror or exc})") from exc
+        trainer = locks.holder_if_held(run_dir / locks.TRAINER_LOCK)
+        if trainer is not None and launches and not self._adopting:
+            known = existing is not None and existing.pid == trainer.get("pid") and existing.phase in (
+                Phase.RUNNING, Phase.PAUSED, Phase.ESCALATED, Phase.RESTARTING)
+            if not known:
+                held.release()
+                raise TrainerAlive(f"{run_dir}: a trainer is running there: {locks.describe_holder(trainer)}; "
+                                   "not launching a second one into the same run directory (stop it, or let the "
+                                   "watchdog that started it carry on)", trainer)
+        return held
+
+    _adopting = False
+    """Set by :func:`prepare_daemon`: a live trainer in a run directory is adopted, not refused."""
+
+    def retry_unwatched(self, now: float, every_s: float = 30.0) -> None:
+        """Try again, every ``every_s``, the configured runs that could not be watched (fixed meanwhile?)."""
+        if not self._retry or now < self._retry_at:
+            return
+        self._retry_at = now + every_s
+        for run_dir, add in list(self._retry.items()):
+            try:
+                add()
+            except Exception as exc:
+                self.mark_unwatched(run_dir, exc)
+                continue
+            self._retry.pop(run_dir)
+            self.unwatched.pop(run_dir, None)
+            log.warning("%s: watched now (it could not be before)", run_dir)
+
+    def mark_unwatched(self, run_dir: str, exc: Exception, retry: Callable[[], RunController] | None = None) -> None:
+        """A configured run that cannot be watched: said on the console and alerted, once per reason."""
+        why = str(exc) if isinstance(exc, (OSError, ValueError)) else f"{type(exc).__name__}: {exc}"
+        if retry is not None:
+            self._retry[run_dir] = retry
+        if self.unwatched.get(run_dir) == why:
+            return
+        self.unwatched[run_dir] = why
+        log.error("%s: NOT WATCHED: %s (the other runs are watched; tried again every 30 s)", run_dir, why)
+        if self.telemetry is not None:
+            self.telemetry.error(Path(run_dir).name, "config")
+        self.actuator.notifier.notify(alert_payload(Path(run_dir).name, "watchdog:unwatched", "critical",
+                                                    "a configured run cannot be watched", f"{run_dir}: {why}"))
+
     def tick(self, now: float | None = None) -> bool:
         """One pass over every run; True when all are done. Errors in one run never stop the others."""
         if not self._lock.acquire(blocking=False):
@@ -328,19 +426,16 @@ class Watchdog:
             now = time.time() if now is None else now
             t0 = time.perf_counter()
             all_done = True
+            self.retry_unwatched(now)
             for run_id, ctl in list(self.controllers.items()):
                 try:
                     all_done &= ctl.tick(now).done
-                except SupervisorError as exc:  # a launch the backend refused (a Ray head down): next tick
-                    log.error("%s: %s", run_id, exc)
-                    if self.telemetry is not None:
-                        self.telemetry.error(run_id, "tick")
+                except Exception as exc:
+                    self._tick_failed(run_id, exc)
                     all_done = False
-                except Exception:
-                    log.exception("%s: tick failed", run_id)
-                    if self.telemetry is not None:
-                        self.telemetry.error(run_id, "tick")
-                    all_done = False
+                else:
+                    if self._tick_errors.pop(run_id, None) is not None:
+                        log.warning("%s: ticks work again", run_id)
             if self.telemetry is not None:
                 self.telemetry.runs_watched(len(self.controllers))
                 self.telemetry.last_tick(time.time())
@@ -350,6 +445,21 @@ class Watchdog:
             return all_done
         finally:
             self._lock.release()
+
+    def _tick_failed(self, run_id: str, exc: Exception) -> None:
+        """Count a failed tick; say it (with the traceback when it is not a known kind of error) only when it
+        fails differently from the last time: a run whose run.json stays garbled is said once, not every tick."""
+        if self.telemetry is not None:
+            self.telemetry.error(run_id, "tick")
+        why = f"{type(exc).__name__}: {exc}"
+        if self._tick_errors.get(run_id) == why:
+            log.debug("%s: tick failed again: %s", run_id, why)
+            return
+        self._tick_errors[run_id] = why
+        if isinstance(exc, (OSError, ValueError)):  # a launch refused, a garbled file: the message says it all
+            log.error("%s: tick failed: %s (said once; tried again every tick)", run_id, exc)
+        else:
+            log.exception("%s: tick failed (said once; tried again every tick)", run_id)
 
     def close(self, withdraw_targets: bool = False) -> None:
         """Post the queued Grafana annotations and close the metric sources (on shutdown).
@@ -367,6 +477,9 @@ class Watchdog:
             close_proc = getattr(ctl.h.proc, "close", None)  # a Ray job's log stream (the job runs on)
             if callable(close_proc):
                 close_proc()
+        for held in reversed(self._locks):
+            held.release()
+        self._locks.clear()
 
     def serve_forever(self, tick_s: float, until_done: bool = True, stop: threading.Event | None = None) -> None:
         """Run ticks on an APScheduler 3.x BackgroundScheduler until done (or ``stop`` is set)."""
@@ -397,7 +510,7 @@ def build_watchdog(
     state_dir: str | Path, rule_paths: Sequence[str | Path] | None = None, webhook_url: str | None = None,
     controller: dict[str, Any] | None = None, actuator: dict[str, Any] | None = None,
     metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", crash_hook: Any = None,
-    grafana_url: str | None = None, webhook_url_file: str | Path | None = None,
+    grafana_url: str | None = None, webhook_url_file: str | Path | None = None, exclusive: bool = False,
 ) -> Watchdog:
     """A Watchdog from plain settings (the CLI and the daemon config both land here).
 
@@ -407,19 +520,43 @@ def build_watchdog(
     DaemonConfigError (someone meant to configure one).
     """
     rules = EngineRules(list(rule_paths) if rule_paths else default_rules_paths())
-    telemetry = WatchdogMetrics()
-    if metrics_port is not None:
-        port = telemetry.serve(metrics_port, metrics_addr)
-        log.info("watchdog /metrics on http://%s:%d/metrics", metrics_addr, port)
     try:
         notifier = Notifier(resolve_webhook_url(webhook_url_file, configured=webhook_url))
     except ValueError as exc:
         raise DaemonConfigError(str(exc)) from exc
+    controller_config, actuator_config = ControllerConfig(**(controller or {})), ActuatorConfig(**(actuator or {}))
+    store = Store(state_dir)
+    # The state is taken before anything is served or launched: a second watchdog on it stops here.
+    state_lock = hold_state(store) if exclusive else None
+    telemetry = WatchdogMetrics()
+    if metrics_port is not None:
+        try:
+            port = telemetry.serve(metrics_port, metrics_addr)
+        except (OSError, OverflowError, ValueError) as exc:
+            if state_lock is not None:
+                state_lock.release()
+            store.close()
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise DaemonConfigError(f"metrics port {metrics_port}: cannot serve /metrics on "
+                                    f"{metrics_addr}:{metrics_port} ({reason})") from exc
+        log.info("watchdog /metrics on http://%s:%d/metrics", metrics_addr, port)
     return Watchdog(
-        Store(state_dir), rules, LocalBackend(), notifier,
-        ControllerConfig(**(controller or {})), ActuatorConfig(**(actuator or {})), telemetry, crash_hook,
-        annotator=_annotator(grafana_url),
+        store, rules, LocalBackend(), notifier, controller_config, actuator_config, telemetry, crash_hook,
+        annotator=_annotator(grafana_url), exclusive=exclusive, state_lock=state_lock,
     )
+
+
+def hold_state(store: Store) -> locks.HolderLock:
+    """Take the state directory for this watchdog; :class:`~watchdog.protocol.lock.LockHeld` names the one
+    that has it (two watchdogs writing one state would journal every firing twice)."""
+    try:
+        return locks.HolderLock(store.path.parent / locks.STATE_LOCK, "the state").acquire()
+    except locks.LockHeld:
+        store.close()
+        raise
+    except OSError as exc:
+        store.close()
+        raise StoreError(f"{store.path.parent}: cannot take the state directory ({exc.strerror or exc})") from exc
 
 
 def _annotator(url: str | None) -> Any:
@@ -461,28 +598,91 @@ def run_daemon(cfg: DaemonConfig, stop: threading.Event | None = None) -> Watchd
     return wd
 
 
-def prepare_daemon(cfg: DaemonConfig) -> Watchdog:
-    """The daemon's Watchdog with every configured run added (adopting trainers already running)."""
+def prepare_daemon(cfg: DaemonConfig, exclusive: bool = True) -> Watchdog:
+    """The daemon's Watchdog with every configured run added (adopting trainers already running).
+
+    ``exclusive``: hold the state directory and each run directory (a second daemon or ``watchdog run``
+    on either is refused). A run that cannot be watched (a garbled run.json, a directory another
+    watchdog holds) is said and alerted once and tried again later; the others are watched.
+    """
+    if exclusive:
+        _raise_fd_limit(len(cfg.runs) + 256)
     wd = build_watchdog(cfg.state_dir, cfg.rules, cfg.webhook_url, cfg.controller, cfg.actuator,
                         cfg.metrics_port, cfg.metrics_addr, grafana_url=cfg.grafana_url,
-                        webhook_url_file=cfg.webhook_url_file)
+                        webhook_url_file=cfg.webhook_url_file, exclusive=exclusive)
+    if not cfg.runs:  # a daemon that watches nothing is a config mistake, not a quiet success (checked
+        wd.close()    # after the state dir and port, which a config with no runs can get wrong too)
+        raise DaemonConfigError("no runs to watch: list run directories under 'runs:'")
+    wd._adopting = True
     for spec in cfg.runs:
-        cmd = spec.restart_command
-        ctl = wd.add_run(spec.run_dir, spec.id, cmd, managed=bool(cmd), ray_address=spec.ray_address,
-                         ray_token_file=spec.ray_token_file, source=cfg.source_for(spec), mode=spec.mode,
-                         run_metrics_port=spec.run_metrics_port,
-                         retry_ended=False, on_escalate=spec.on_escalate)
-        if cmd and ctl.run.phase == Phase.NEW and spec.ray_address:
-            # run.json's pid is a process on the Ray head, not one this machine can watch: its job id.
-            _adopt_ray_job(wd, ctl)
-        elif cmd and ctl.run.phase == Phase.NEW:
-            # A run it did not start: adopt the running trainer instead of launching a second one.
-            pid = _run_pid(ctl.run.run_dir)
-            if pid is not None:
-                wd.store.update_run(ctl.run.run_id, phase=Phase.RUNNING, pid=pid)
-                ctl.h.run.phase, ctl.h.run.pid = Phase.RUNNING, pid
-                ctl.h.proc = wd.actuator.backend.attach(pid)
+        def add(spec: RunSpec = spec) -> RunController:
+            return _add_spec(wd, cfg, spec)
+
+        try:
+            add()
+        except Exception as exc:  # one bad run never blinds the daemon to the others
+            wd.mark_unwatched(str(Path(spec.run_dir).resolve()), exc, retry=add)
     return wd
+
+
+def _raise_fd_limit(needed: int) -> None:
+    """Each watched run holds one descriptor (its run-directory lock): lift the soft limit on open files
+    towards the hard one when a large config needs it (1,024 is a common default)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < needed:
+            target = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            if target < needed:
+                log.warning("open files limited to %d (hard limit): %d runs need about %d", target, needed - 256,
+                            needed)
+    except (ImportError, ValueError, OSError) as exc:  # no resource module (not POSIX), or not allowed
+        log.warning("cannot raise the open-files limit for %d runs: %s", needed - 256, exc)
+
+
+def _add_spec(wd: Watchdog, cfg: DaemonConfig, spec: RunSpec) -> RunController:
+    """Add one configured run, adopting the trainer already running in it rather than starting a second."""
+    cmd = spec.restart_command
+    ctl = wd.add_run(spec.run_dir, spec.id, cmd, managed=bool(cmd), ray_address=spec.ray_address,
+                     ray_token_file=spec.ray_token_file, source=cfg.source_for(spec), mode=spec.mode,
+                     run_metrics_port=spec.run_metrics_port, retry_ended=False, on_escalate=spec.on_escalate)
+    if cmd and ctl.run.phase == Phase.NEW and spec.ray_address:
+        # run.json's pid is a process on the Ray head, not one this machine can watch: its job id.
+        _adopt_ray_job(wd, ctl)
+    elif cmd and ctl.run.phase == Phase.NEW:
+        _adopt_pid(wd, ctl)
+    return ctl
+
+
+def _adopt_pid(wd: Watchdog, ctl: RunController) -> None:
+    """A run it did not start: adopt its running trainer (the trainer lock's holder, else run.json's pid)
+    once it is sure the pid is that trainer, instead of launching a second one."""
+    run_dir = Path(ctl.run.run_dir)
+    holder = locks.holder_if_held(run_dir / locks.TRAINER_LOCK)
+    info = RunInfo.read(run_dir)
+    pid = holder.get("pid") if holder else info.pid
+    if not isinstance(pid, int):
+        if holder is not None:  # alive, but it has not said which process it is yet: not one to launch beside
+            raise TrainerAlive(f"{run_dir}: a trainer holds the run ({locks.describe_holder(holder)}) "
+                               "without naming its pid; not adopted and nothing launched")
+        return
+    why = not_the_trainer(pid, run_dir)
+    if why is not None:
+        if holder is not None:
+            raise TrainerAlive(f"{run_dir}: a trainer holds the run but {why}; not adopted and nothing launched",
+                               holder)
+        if "is not running" not in why:
+            log.error("%s: run.json's pid not adopted: %s; a trainer is launched", ctl.run.run_id, why)
+        return
+    launched = info.started if info.started is not None else time.time()
+    wd.store.update_run(ctl.run.run_id, phase=Phase.RUNNING, pid=pid, launched_ts=launched, last_progress_ts=time.time())
+    ctl.h.run.phase, ctl.h.run.pid, ctl.h.run.launched_ts = Phase.RUNNING, pid, launched
+    ctl.h.run.last_progress_ts = time.time()
+    ctl._attempt_ts = launched
+    ctl.h.proc = wd.actuator.backend.attach(pid)
+    log.info("%s: adopted running trainer pid %d", ctl.run.run_id, pid)
 
 
 def _adopt_ray_job(wd: Watchdog, ctl: RunController) -> None:
@@ -503,6 +703,3 @@ def _adopt_ray_job(wd: Watchdog, ctl: RunController) -> None:
         ctl.h.proc = proc
         log.info("%s: adopted running ray job %s (from run.json)", ctl.run.run_id, job_id)
 
-
-def _run_pid(run_dir: str) -> int | None:
-    return RunInfo.read(run_dir).pid

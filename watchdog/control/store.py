@@ -280,17 +280,23 @@ def _now() -> float:
 class Store:
     """SQLite (WAL) state of a watchdog; one file, shared by the daemon and the CLI."""
 
-    def __init__(self, path: Path | str, create: bool = True, busy_timeout_s: float = 30.0) -> None:
+    def __init__(self, path: Path | str, create: bool = True, busy_timeout_s: float = 30.0,
+                 read_only: bool = False) -> None:
         """``create=False``: only an existing state (``watchdog status`` on a new directory creates
-        nothing). ``busy_timeout_s``: how long a write waits for another process's lock."""
+        nothing). ``busy_timeout_s``: how long a write waits for another process's lock.
+        ``read_only``: for the commands that only look (status, history, report): the file is opened
+        read-only, so nothing is ever written into it (no schema into an empty file, no migration)."""
         path = Path(path)
         if path.is_dir() or path.suffix != ".db":
             if path.exists() and not path.is_dir():
                 raise StoreError(f"{path}: not a directory (a state directory holds {DB_NAME})")
             path = path / DB_NAME
-        if not create and not path.is_file():
+        if (read_only or not create) and not path.is_file():
             raise NoState(f"{path.parent}: no watchdog state here (no {DB_NAME}); "
                           "pass the --state-dir a watchdog run or daemon used", path)
+        if read_only:
+            self._open_read_only(path, busy_timeout_s)
+            return
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -321,6 +327,39 @@ class Store:
                     self._migrate(path, int(row["value"]))
         except sqlite3.DatabaseError as exc:
             raise StoreError(_db_error(path, exc, busy_timeout_s)) from exc
+
+    def _open_read_only(self, path: Path, busy_timeout_s: float) -> None:
+        """Open an existing state for reading only; NoState for an empty file, StoreError for anything else
+        that is not this watchdog's state at this schema version."""
+        self.path = path
+        self.busy_timeout_s = busy_timeout_s
+        self._lock = threading.RLock()
+        self._depth = 0
+        if path.stat().st_size == 0:
+            # What a watchdog killed while creating its state leaves: no state yet (and none is written here).
+            raise NoState(f"{path}: an empty file, no watchdog state in it yet (nothing was written to it)", path)
+        try:
+            self._db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=busy_timeout_s,
+                                       isolation_level=None, check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+            tables = {r[0] for r in self._db.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+            if not {"meta", "runs", "decisions", "journal"} <= tables:
+                raise StoreError(f"{path}: not a watchdog state database (tables: "
+                                 f"{', '.join(sorted(tables)) or 'none'})")
+            row = self._db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone()
+        except sqlite3.DatabaseError as exc:
+            if hasattr(self, "_db"):
+                self._db.close()
+            raise StoreError(_db_error(path, exc, busy_timeout_s)) from exc
+        except StoreError:
+            self._db.close()
+            raise
+        version = int(row["value"]) if row is not None and str(row["value"]).isdigit() else None
+        if version != SCHEMA_VERSION:
+            self._db.close()
+            raise StoreError(f"{path}: schema version {version}, this watchdog speaks {SCHEMA_VERSION} (a watchdog "
+                             "run or daemon of this version migrates it; looking does not)")
 
     def _migrate(self, path: Path, version: int) -> None:
         """Bring an older database up to :data:`SCHEMA_VERSION` (inside the opening transaction)."""

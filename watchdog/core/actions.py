@@ -1,4 +1,4 @@
-"""What a rule can ask for: set a config key, roll back, checkpoint, pause, notify.
+"""What a rule can ask for: set a config key, roll back, restart, checkpoint, pause, stop, notify.
 
 Actions are plain data. The rules engine only decides; the controller (``watchdog``'s
 actuator) carries them out: a live ``set`` through control.json, a restart-only ``set``
@@ -248,6 +248,27 @@ class RollbackAction:
 
 
 @dataclass(frozen=True)
+class RestartAction:
+    """Stop the trainer and start it again from its latest checkpoint, weights as they are.
+
+    Not a rollback: the policy is not suspected, the machinery around it is (a crashed or hung
+    rollout engine, a tool or environment server that errors). A fresh process brings up a fresh
+    rollout engine; the latest checkpoint, known-good or not, keeps what the run learned.
+    """
+
+    reason: str = ""
+    """Why, for the journal and the alert."""
+
+    kind = "restart"
+
+    def describe(self) -> str:
+        return "restart from the latest checkpoint" + (f": {self.reason}" if self.reason else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "restart", "reason": self.reason}
+
+
+@dataclass(frozen=True)
 class CheckpointAction:
     """Ask the trainer to save a checkpoint now."""
 
@@ -277,6 +298,22 @@ class PauseAction:
 
 
 @dataclass(frozen=True)
+class StopAction:
+    """End the run with a verdict that names the cause (nothing left to try that could help)."""
+
+    reason: str = ""
+    """The verdict: what was wrong, for the journal, the alert and ``watchdog status``."""
+
+    kind = "stop"
+
+    def describe(self) -> str:
+        return "stop" + (f": {self.reason}" if self.reason else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "stop", "reason": self.reason}
+
+
+@dataclass(frozen=True)
 class NotifyAction:
     """Alert a human (webhook and log)."""
 
@@ -292,9 +329,9 @@ class NotifyAction:
         return {"kind": "notify", "message": self.message}
 
 
-Action = SetAction | RollbackAction | CheckpointAction | PauseAction | NotifyAction
+Action = SetAction | RollbackAction | RestartAction | CheckpointAction | PauseAction | StopAction | NotifyAction
 
-ACTION_KINDS = ("set", "rollback", "checkpoint", "pause", "notify")
+ACTION_KINDS = ("set", "rollback", "restart", "checkpoint", "pause", "stop", "notify")
 
 
 def action_from_json(d: dict[str, Any]) -> Action:
@@ -304,6 +341,10 @@ def action_from_json(d: dict[str, Any]) -> Action:
         return SetAction(d["key"], d["op"], float(d["value"]), d.get("min"), d.get("max"), bool(d.get("grow", False)))
     if kind == "rollback":
         return RollbackAction(int(d.get("skip_batches", 0)))
+    if kind == "restart":
+        return RestartAction(str(d.get("reason", "")))
+    if kind == "stop":
+        return StopAction(str(d.get("reason", "")))
     if kind == "checkpoint":
         return CheckpointAction()
     if kind == "pause":

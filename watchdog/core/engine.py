@@ -67,6 +67,10 @@ class Decision:
     """Which fire this is within the rule's budget (1: the first); a growing ``set`` compounds by it."""
     signals: dict[str, str] = field(default_factory=dict)
     """The verl key each metric the rule read came from (``kl``: ``actor/kl_loss`` in a GRPO run)."""
+    escalate: list[Action] = field(default_factory=list)
+    """What runs instead when the fire's remedy is exhausted: every ``set`` of it is already at its
+    bound, so sending it would change nothing (:func:`watchdog.core.planner.plan_decision`). The
+    rule's budget escalation; a rule without a budget only tells a human."""
 
     def to_json(self) -> dict[str, Any]:
         """Plain JSON-able dict (NaN inputs stay floats; the store stringifies them)."""
@@ -75,6 +79,7 @@ class Decision:
             "actions": [a.to_json() for a in self.actions], "inputs": dict(self.inputs),
             "severity": self.severity, "message": self.message, "divergence": self.divergence,
             "urgent": self.urgent, "repeat": self.repeat, "signals": dict(self.signals),
+            "escalate": [a.to_json() for a in self.escalate],
         }
 
 
@@ -305,8 +310,13 @@ def _decision(
     read = ", ".join(f"{m} = {k}" for m, k in signals.items() if catalog.BY_SHORT[m].key != k)
     msg = (f"{rule.name} {what} at step {step}: {expr.source}" + (f" [{shown}]" if shown else "")
            + (f" ({read})" if read else ""))
+    escalate: list[Action] = []
+    if kind == DecisionKind.FIRE:
+        escalate = list(rule.budget.escalate) if rule.budget is not None else [NotifyAction()]
+        escalate = [NotifyAction(f"remedy exhausted: {rule.name}'s sets are at their bounds and would change "
+                                 "nothing") if isinstance(a, NotifyAction) and not a.message else a for a in escalate]
     return Decision(rule.name, step, kind, list(actions), inputs, rule.severity, msg, rule.divergence,
-                    rule.urgent or rule.divergence, repeat, signals)
+                    rule.urgent or rule.divergence, repeat, signals, escalate)
 
 
 # -- blind rules ------------------------------------------------------------------------

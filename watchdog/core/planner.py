@@ -26,8 +26,10 @@ from watchdog.core.actions import (
     CheckpointAction,
     NotifyAction,
     PauseAction,
+    RestartAction,
     RollbackAction,
     SetAction,
+    StopAction,
     resolve_key,
     value_problem,
 )
@@ -370,28 +372,72 @@ def oom_remedy(site: str | None, config: Mapping[str, Any], overrides: Mapping[s
 
 # -- decisions -------------------------------------------------------------------------
 
+KL_CTRL_TYPE = "algorithm.kl_ctrl.type"
+KL_CTRL_COEF = "algorithm.kl_ctrl.kl_coef"
 
-def plan_sets(actions: Sequence[Any], ctx: PlanContext, repeat: int = 1, rule: str = "") -> tuple[dict[str, Any],
-                                                                                                  dict[str, float]]:
-    """The new value (and the old) of every ``set`` among ``actions``; unknown starting values are skipped."""
+
+def adaptive_kl(config: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> bool:
+    """True when verl's adaptive KL controller moves the reward penalty's coefficient itself."""
+    v = (overrides or {}).get(KL_CTRL_TYPE, config_value(config, KL_CTRL_TYPE))
+    return str(v).lower() == "adaptive"
+
+
+def unchanged(old: float, new: float) -> bool:
+    """True when a set would leave the key where it is (equal to a part in a billion: float noise)."""
+    return new == old or abs(new - old) <= 1e-9 * max(abs(new), abs(old))
+
+
+def plan_sets(actions: Sequence[Any], ctx: PlanContext, repeat: int = 1, rule: str = "",
+              tuning: bool = False) -> tuple[dict[str, Any], dict[str, float]]:
+    """The new value (and the old) of every ``set`` among ``actions`` that moves its key.
+
+    Unknown starting values are skipped, and so is a set that would change nothing (the key at
+    or past its bound already: :meth:`SetAction.apply` never moves a key the other way). With
+    ``tuning`` (a decision of a rule that is not a divergence), a set of the reward penalty's
+    coefficient is left out when verl's adaptive KL controller owns it: the controller steers it
+    to its own ``target_kl`` every step, and a watchdog nudging it too would fight it.
+    """
+    sets, old, _ = _plan_sets(actions, ctx, repeat, rule, tuning)
+    return sets, old
+
+
+def remedy_exhausted(actions: Sequence[Any], ctx: PlanContext, repeat: int = 1, tuning: bool = False) -> bool:
+    """True when ``actions`` hold sets, at least one could be valued, and none would move its key:
+    the remedy has nothing left to give (every key at or past its bound)."""
+    sets, _, valued = _plan_sets(actions, ctx, repeat, "", tuning, quiet=True)
+    return valued > 0 and not sets
+
+
+def _plan_sets(actions: Sequence[Any], ctx: PlanContext, repeat: int, rule: str, tuning: bool,
+               quiet: bool = False) -> tuple[dict[str, Any], dict[str, float], int]:
+    """:func:`plan_sets`, and how many sets could be valued (moving their key or not)."""
     sets: dict[str, Any] = {}
     old: dict[str, float] = {}
+    valued = 0
+    say = log.debug if quiet else log.warning
     for a in actions:
         if not isinstance(a, SetAction):
             continue
         key = resolve_key(a.key, ctx.signals)
+        if tuning and key == KL_CTRL_COEF and adaptive_kl(ctx.config, ctx.overrides):
+            (log.debug if quiet else log.info)(
+                "rule %s: %s is steered by verl's adaptive KL controller; the tuning set is left out", rule, key)
+            continue
         cur = current_value(key, PlanContext({**ctx.overrides, **sets}, ctx.latest, ctx.config))
         if cur is None:
-            log.warning("rule %s: no current value for %s; skipping the set", rule, key)
+            say("rule %s: no current value for %s; skipping the set", rule, key)
             continue
         new = settle_value(key, a.apply(cur, repeat), ctx.config, ctx.world_size)
         problem = value_problem(key, new)
         if problem:  # never written: a trainer would take a NaN kl_coef or a negative batch as given
-            log.error("rule %s: %s (from %r); the set is not made", rule, problem, cur)
+            (log.debug if quiet else log.error)("rule %s: %s (from %r); the set is not made", rule, problem, cur)
             continue
+        valued += 1
+        if unchanged(cur, float(new)):
+            continue  # at its bound already: a set that changes nothing is never sent
         old.setdefault(key, cur)
         sets[key] = new
-    return sets, old
+    return sets, old, valued
 
 
 def plan_decision(decision: Decision, ctx: PlanContext) -> list[Planned]:
@@ -401,21 +447,39 @@ def plan_decision(decision: Decision, ctx: PlanContext) -> list[Planned]:
     rule, severity, message = decision.rule, decision.severity, decision.message
     base = {"rule": rule, "step": decision.step}
     actions = list(decision.actions)
+    tuning = not decision.divergence and not decision.urgent
+    if decision.kind == DecisionKind.FIRE and remedy_exhausted(actions, ctx, decision.repeat, tuning):
+        # Every set of the remedy is at its bound: sending it would change nothing, and a rollback
+        # with nothing gentler after it replays the same steps. The remedy is exhausted: escalate.
+        log.info("rule %s: its remedy is exhausted (every set at its bound); escalating", rule)
+        actions = [PauseAction() if isinstance(a, PauseAction) and a.reason == "budget exhausted" else a
+                   for a in (getattr(decision, "escalate", None) or [NotifyAction()])]
+        base = {**base, "exhausted": True}
+        message = f"{message} [remedy exhausted: every set at its bound]"
     if decision.kind == DecisionKind.ESCALATE and not actions:
         actions = [PauseAction()]  # the default escalation: wait for a human (a pause also alerts)
-    sets, old = plan_sets(actions, ctx, decision.repeat, rule)
+    sets, old = plan_sets(actions, ctx, decision.repeat, rule, tuning)
     out: list[Planned] = []
     for action in actions:
         if isinstance(action, CheckpointAction):
             out.append(Planned("command", {**base, "command": {"id": "", "kind": "checkpoint"}}))
         elif isinstance(action, PauseAction):
             out += _pause(base, action.reason or message, severity, ctx.on_escalate)
+        elif isinstance(action, StopAction):
+            out += _pause(base, action.reason or message, severity, "stop")
         elif isinstance(action, NotifyAction):
             out.append(Planned("notify", {**base, "severity": severity or "warning",
                                           "summary": f"{rule}: {action.message or message}",
                                           "description": message}))
     rollback = next((a for a in actions if isinstance(a, RollbackAction)), None)
-    if rollback is not None:
+    restart = next((a for a in actions if isinstance(a, RestartAction)), None)
+    if rollback is None and restart is not None:
+        # The trainer's machinery failed, not its policy: the latest checkpoint (known-good or not)
+        # in a fresh process, at once; sets of the same decision go with it.
+        out.insert(0, Planned("restart", {**base, "set": sets, "from": old, "resume": "latest", "urgent": True,
+                                          "fresh_engine": True,
+                                          "reason": f"{rule}: {restart.reason or 'restart from the latest checkpoint'}"}))
+    elif rollback is not None:
         # The sets follow the rollback (a restored checkpoint brings back the old lr / kl_coef).
         out.insert(0, Planned("rollback", {**base, "skip_batches": rollback.skip_batches, "set": sets,
                                            "from": old}))
@@ -448,7 +512,7 @@ def _pause(base: dict[str, Any], reason: str, severity: str, on_escalate: str) -
 
 
 __all__ = [
-    "KL_COEF", "MICRO_BATCH_KEYS", "MINI_BATCH_OF", "ON_ESCALATE", "PlanContext", "Planned", "clip_bound_sets",
+    "KL_COEF", "KL_CTRL_COEF", "MICRO_BATCH_KEYS", "MINI_BATCH_OF", "ON_ESCALATE", "PlanContext", "Planned", "clip_bound_sets",
     "config_value", "current_value", "micro_batch_share", "oom_remedy", "plan_decision", "plan_sets",
-    "settle_value", "snap_micro_batch", "snap_sets",
+    "settle_value", "snap_micro_batch", "snap_sets", "adaptive_kl", "remedy_exhausted", "unchanged",
 ]

@@ -286,6 +286,9 @@ class YamlReader:
             self.errors.append(RuleError(self.file, line, col, f"YAML syntax error: {exc.problem or exc}"))
         except yaml.YAMLError as exc:
             self.errors.append(RuleError(self.file, 1, 1, f"YAML error: {exc}"))
+        except RecursionError:  # PyYAML's scanner and composer recurse once per nesting level
+            self.errors.append(RuleError(self.file, 1, 1, "YAML nested too deeply (hundreds of levels): "
+                                                          "not a rule file"))
         return None
 
     def mapping(
@@ -481,6 +484,7 @@ def _action(r: YamlReader, node: yaml.Node, where: str) -> act.Action | None:
         bare: dict[str, act.Action] = {
             "rollback": act.RollbackAction(), "checkpoint": act.CheckpointAction(),
             "pause": act.PauseAction(), "notify": act.NotifyAction(),
+            "restart": act.RestartAction(), "stop": act.StopAction(),
         }
         return bare[kind]
     if kind == "rollback":
@@ -492,14 +496,16 @@ def _action(r: YamlReader, node: yaml.Node, where: str) -> act.Action | None:
     if kind == "checkpoint":
         r.mapping(body, w, ())
         return act.CheckpointAction()
-    field_name = "reason" if kind == "pause" else "message"
+    field_name = "message" if kind == "notify" else "reason"
     m = r.mapping(body, w, (field_name,))
     if m is None:
         return None
     text = r.string(m[field_name][1], f"{w}.{field_name}") if field_name in m else ""
     if text is None:
         return None
-    return act.PauseAction(text) if kind == "pause" else act.NotifyAction(text)
+    made: dict[str, type[act.PauseAction | act.StopAction | act.RestartAction | act.NotifyAction]] = {
+        "pause": act.PauseAction, "stop": act.StopAction, "restart": act.RestartAction, "notify": act.NotifyAction}
+    return made[kind](text)
 
 
 def _actions(r: YamlReader, node: yaml.Node, where: str) -> tuple[act.Action, ...] | None:

@@ -48,11 +48,17 @@ class SeriesError(ValueError):
     """A series string is not valid expanding notation; names the item."""
 
 
-def parse_series(text: str) -> list[float | None]:
+MAX_SERIES_STEPS = 100_000
+"""Steps a rule unit test may span (a series' length, an event's distance from ``start_step``): a unit
+test is a few hundred steps; ``0x999999999999`` would otherwise expand until memory runs out."""
+
+
+def parse_series(text: str, max_len: int = MAX_SERIES_STEPS) -> list[float | None]:
     """Expand promtool notation: ``a+bxn`` is n+1 values a, a+b, ..., a+n*b; ``axn`` is a, n+1 times.
 
     ``_`` is a missing value (``_xn``: n missing values, as in promtool); ``nan`` and
     ``inf`` are literal values. Example: ``"1 2+1x2 _x2 nan"`` -> 1 2 3 4 _ _ nan.
+    A series longer than ``max_len`` values is a SeriesError naming the item that passes it.
     """
     out: list[float | None] = []
     for item in str(text).split():
@@ -60,6 +66,9 @@ def parse_series(text: str) -> list[float | None]:
         if m is None:
             raise SeriesError(f"bad series item {item!r} (expected a, a+bxn, a-bxn, axn, _ or _xn)")
         n = int(m["n"]) if m["n"] is not None else None
+        if len(out) + (n if n is not None else 0) + 1 > max_len:
+            raise SeriesError(f"series item {item!r} makes the series longer than {max_len:,} steps "
+                              "(a rule unit test spans a few hundred)")
         if m["a"] == "_":
             if m["b"] is not None:
                 raise SeriesError(f"bad series item {item!r}: a missing value cannot increment")
@@ -186,6 +195,9 @@ def _read_test(r: YamlReader, node: yaml.Node, i: int, rules: RuleSet | None) ->
             r.error(em["kind"][1], f"{where}: unknown event kind {ev['kind']!r}")
         if not isinstance(ev["step"], int) or isinstance(ev["step"], bool):
             r.error(em["step"][1], f"{where}: event step must be a whole number")
+        elif start is not None and not 0 <= ev["step"] - start < MAX_SERIES_STEPS:
+            r.error(em["step"][1], f"{where}: event step must be from start_step ({start}) to "
+                                   f"{start + MAX_SERIES_STEPS - 1:,}, got {ev['step']}")
         events.append(ev)
     expects: list[_Expect] = []
     for en in (r.sequence(m["expect"][1], f"{where}.expect") or []) if "expect" in m else []:

@@ -12,6 +12,7 @@ happens in each recorded run::
         onset: 3                   # the failure starts here (the log's own step numbers)
         deadline: 7                # a good pack has acted by here
         expect: rollback           # rollback (or a pause that stops the damage) | alert (any notify)
+                                   # | restart (a fresh trainer from the latest checkpoint, never a rollback)
         save_freq: 10              # optional: checkpoint every N steps (pricing; default --save-freq)
         startup_s: 240             # optional: a relaunch's start-up (default --startup-s)
 
@@ -23,8 +24,17 @@ same planner (:func:`watchdog.core.planner.plan_decision`) and pricing
   ``set`` a relaunch, deferred to the next checkpoint and merged) would pay at most one
   relaunch per 100 steps (at least one allowed per run);
 - failure: passes when the first action of the expected kind falls in ``[onset - 2,
-  deadline]`` and nothing rolled back or paused it before ``onset - 2`` (a false action);
+  deadline]`` and nothing rolled back or paused it before ``onset - 2`` (a false action); an
+  infrastructure failure (``expect: restart``) also fails on any rollback: mending the weights
+  does not mend a broken rollout engine;
 - fragment: too short to judge (replayed, not scored).
+
+A corpus has headline figures (:meth:`CorpusScore.headline`): the failures detected on time, the
+lead time from the first warning (any action, an alert included, at most ``LEAD_HORIZON`` steps
+before it) to the onset, median and worst,
+false rollbacks and pauses per 1,000 healthy steps (healthy runs, and failures before
+``onset - 2``), zero-patch relaunches per 100 steps of the healthy runs, and sets that would have
+changed nothing (none may be sent: :func:`watchdog.core.planner.plan_decision`).
 """
 
 from __future__ import annotations
@@ -45,10 +55,12 @@ from watchdog.sources import ingest
 
 LABELS_VERSION = 1
 VERDICTS = ("healthy", "failure", "fragment")
-EXPECTS = ("rollback", "alert")
+EXPECTS = ("rollback", "alert", "restart")
 MODES = ("embedded", "verl")
 #: Steps before the labelled onset at which an action still counts as on time (labels.yaml's header).
 EARLY_STEPS = 2
+#: How far before the onset an action counts as a warning of it (lead time); earlier ones are about something else.
+LEAD_HORIZON = 30
 _LABEL_KEYS = ("file", "verdict", "onset", "deadline", "expect", "failure", "algorithm", "model", "task",
                "kl_key", "notes", "save_freq", "startup_s")
 
@@ -158,7 +170,7 @@ class Act:
     step: int
     rule: str
     kind: str
-    """rollback | pause | stop | notify | set | relaunch."""
+    """rollback | restart | pause | stop | notify."""
     detail: str = ""
 
     def to_json(self) -> dict[str, Any]:
@@ -206,10 +218,17 @@ class LogScore:
     """The first rollback or pause of a healthy run (or before a failure's onset - 2)."""
     detected: Act | None = None
     """The first action of the expected kind (failures)."""
+    warned: Act | None = None
+    """The first action of any kind (an alert included) from ``LEAD_HORIZON`` steps before the onset to
+    the deadline (failures)."""
     rollbacks: int = 0
+    restarts: int = 0
+    """Restarts from the latest checkpoint for a failed rollout machinery (``restart`` actions)."""
     pauses: int = 0
     """Pauses and stops (the run waits for, or is ended for, a human)."""
     alerts: int = 0
+    noop_sets: int = 0
+    """Planned sets that would leave their key where it is (sent, they would change nothing)."""
     set_decisions: int = 0
     zero_patch: Pricing = field(default_factory=lambda: Pricing("verl"))
     """What an unmodified verl run would pay (the healthy verdict's relaunch budget)."""
@@ -232,6 +251,22 @@ class LogScore:
         return self.detected.step - self.label.onset
 
     @property
+    def lead(self) -> int | None:
+        """Steps from the first warning to the onset (negative: the first warning came after it)."""
+        if self.warned is None or self.label.onset is None:
+            return None
+        return self.label.onset - self.warned.step
+
+    @property
+    def healthy_steps(self) -> int:
+        """Steps of this log judged as healthy: all of a healthy run, a failure's before ``onset - 2``."""
+        if self.label.verdict == "healthy":
+            return self.steps
+        if self.label.verdict == "failure" and self.label.onset is not None and self.first_step is not None:
+            return max(0, min(self.steps, self.label.onset - EARLY_STEPS - self.first_step))
+        return 0
+
+    @property
     def relaunch_allowance(self) -> int:
         """Zero-patch relaunches a healthy run may pay: one per 100 steps, at least one."""
         return max(1, self.steps // 100)
@@ -243,7 +278,9 @@ class LogScore:
             "steps": self.steps, "first_step": self.first_step, "last_step": self.last_step,
             "first_false": self.first_false.to_json() if self.first_false else None,
             "detected": self.detected.to_json() if self.detected else None, "delay": self.delay,
-            "rollbacks": self.rollbacks, "pauses": self.pauses, "alerts": self.alerts,
+            "warned": self.warned.to_json() if self.warned else None, "lead": self.lead,
+            "rollbacks": self.rollbacks, "restarts": self.restarts, "pauses": self.pauses, "alerts": self.alerts,
+            "noop_sets": self.noop_sets, "healthy_steps": self.healthy_steps,
             "set_decisions": self.set_decisions, "sets_per_100_steps": round(self.sets_per_100, 2),
             "zero_patch": self.zero_patch.to_json(), "priced": self.priced.to_json(),
             "relaunch_allowance": self.relaunch_allowance, "kl_source": self.kl_source, "blind": self.blind,
@@ -286,6 +323,7 @@ class _Ledger:
         self.last_ckpt: int | None = None
         self.last_tuning: int | None = None
         self.in_process_rollback = mode == "embedded"
+        self.noop_sets = 0
 
     def plan(self, d: engine.Decision, ctx: PlanContext) -> list[Planned]:
         """The decision planned in this mode, from the values this mode's run would have by now."""
@@ -301,6 +339,8 @@ class _Ledger:
     def book(self, planned: Sequence[Planned], step: int, clock: int, firing: Iterable[str]) -> None:
         for p in planned:
             sets = p.payload.get("set", {})
+            old = p.payload.get("from", {})
+            self.noop_sets += sum(1 for k, v in sets.items() if k in old and _same(old[k], v))
             if p.kind == "live_set":
                 self.p.live_sets += 1
                 self.overrides.update(sets)
@@ -385,9 +425,18 @@ def evaluate_log(label: Label, rules: RuleSet, cfg: EvalConfig) -> LogScore:
         own.after_step(sr.step, sr.state.clock, firing)
         score.kl_source = sr.sources.get("kl", score.kl_source)
     score.zero_patch, score.priced = verl.p, own.p
+    score.noop_sets = max(verl.noop_sets, own.noop_sets)
     score.blind = engine.blind_rules(rules, seen_metrics)
     _verdict(score)
     return score
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        fa, fb = float(a), float(b)
+    except (TypeError, ValueError):
+        return a == b
+    return fa == fb or abs(fa - fb) <= 1e-9 * max(abs(fa), abs(fb))
 
 
 def _event_step(e: Mapping[str, Any]) -> int:
@@ -399,12 +448,16 @@ def _score_actions(score: LogScore, d: engine.Decision, planned: Sequence[Planne
         kind = {"rollback": "rollback", "stop": "stop", "notify": "notify"}.get(p.kind)
         if p.kind == "command" and p.payload.get("command", {}).get("kind") == "pause":
             kind = "pause"
+        if p.kind == "restart" and p.payload.get("fresh_engine"):
+            kind = "restart"
         if kind is None:
             continue
         act = Act(d.step, d.rule, kind, p.payload.get("summary", "") or p.payload.get("verdict", ""))
         score.acts.append(act)
         if kind == "rollback":
             score.rollbacks += 1
+        elif kind == "restart":
+            score.restarts += 1
         elif kind in ("pause", "stop"):
             score.pauses += 1
         else:
@@ -418,7 +471,9 @@ def _verdict(score: LogScore) -> None:
         score.reason = "fragment: replayed, not scored"
         return
     if lab.verdict == "healthy":
-        score.first_false = drastic[0] if drastic else None
+        # A restart of a healthy run is a false action too (its cost is in the relaunches).
+        false_acts = [a for a in score.acts if a.kind in ("rollback", "restart", "pause", "stop")]
+        score.first_false = false_acts[0] if false_acts else None
         over = score.zero_patch.relaunches > score.relaunch_allowance
         score.passed = score.first_false is None and not over
         if score.first_false is not None:
@@ -433,15 +488,24 @@ def _verdict(score: LogScore) -> None:
     assert lab.onset is not None and lab.deadline is not None
     early = lab.onset - EARLY_STEPS
     false = [a for a in drastic if a.step < early]
+    if lab.expect == "restart":
+        # Rolling the policy back does not mend a broken rollout engine: any rollback is wrong here.
+        false = [a for a in score.acts if a.kind == "rollback" or (a.kind in ("pause", "stop") and a.step < early)]
     score.first_false = false[0] if false else None
-    wanted = drastic if lab.expect == "rollback" else [*drastic, *(a for a in score.acts if a.kind == "notify")]
+    wanted = {"rollback": drastic, "alert": [*drastic, *(a for a in score.acts if a.kind in ("notify", "restart"))],
+              "restart": [a for a in score.acts if a.kind == "restart"]}[lab.expect]
     on_time = sorted((a for a in wanted if a.step >= early), key=lambda a: a.step)
     score.detected = on_time[0] if on_time else None
+    warnings = sorted((a for a in score.acts if lab.onset - LEAD_HORIZON <= a.step <= lab.deadline),
+                      key=lambda a: a.step)
+    score.warned = warnings[0] if warnings else None
     ok = score.detected is not None and score.detected.step <= lab.deadline
     score.passed = ok and score.first_false is None
     if score.first_false is not None:
         f = score.first_false
-        score.reason = f"false {f.kind} by {f.rule} at step {f.step}, before the onset {lab.onset}"
+        score.reason = (f"policy {f.kind} by {f.rule} at step {f.step} on a failure of the rollout machinery"
+                        if lab.expect == "restart" and f.step >= early else
+                        f"false {f.kind} by {f.rule} at step {f.step}, before the onset {lab.onset}")
     elif score.detected is None:
         score.reason = f"no {lab.expect} at all (onset {lab.onset}, deadline {lab.deadline})"
     elif not ok:
@@ -468,19 +532,55 @@ class CorpusScore:
 
     @property
     def passed(self) -> bool:
-        return all(s.passed for s in self.judged)
+        """Every judged log passed, and no set that would change nothing was planned."""
+        return all(s.passed for s in self.judged) and not any(s.noop_sets for s in self.scores)
+
+    def headline(self) -> dict[str, Any]:
+        """The corpus's headline figures (see the module docstring); lead times in steps."""
+        fail = [s for s in self.judged if s.label.verdict == "failure"]
+        healthy = [s for s in self.judged if s.label.verdict == "healthy"]
+        detected = [s for s in fail if s.passed]
+        leads = [s.lead for s in fail if s.lead is not None]
+        h_steps = sum(s.healthy_steps for s in self.judged)
+        false = sum(1 for s in self.judged for a in s.acts if a.kind in ("rollback", "pause", "stop", "restart")
+                    and (s.label.verdict == "healthy" or (s.label.onset is not None and a.step < s.label.onset - EARLY_STEPS)))
+        hl_steps = sum(s.steps for s in healthy)
+        return {
+            "failures": len(fail), "detected": len(detected),
+            "detection_rate": round(len(detected) / len(fail), 3) if fail else None,
+            "lead_median": statistics.median(leads) if leads else None, "lead_worst": min(leads) if leads else None,
+            "healthy_steps": h_steps, "false_actions": false,
+            "false_per_1000_healthy_steps": round(1000.0 * false / h_steps, 2) if h_steps else None,
+            "healthy_run_steps": hl_steps,
+            "relaunches_per_100_healthy_steps": round(100.0 * sum(s.zero_patch.relaunches for s in healthy)
+                                                      / hl_steps, 2) if hl_steps else None,
+            "noop_sets": sum(s.noop_sets for s in self.scores),
+        }
+
+    def headline_text(self) -> str:
+        """The headline figures in one line."""
+        h = self.headline()
+        det = f"detected {h['detected']}/{h['failures']}" if h["failures"] else "no failures"
+        lead = (f"lead time median {h['lead_median']:g}, worst {h['lead_worst']:+d} steps"
+                if h["lead_median"] is not None else "lead time -")
+        fal = "-" if h["false_per_1000_healthy_steps"] is None else f"{h['false_per_1000_healthy_steps']:g}"
+        rel = "-" if h["relaunches_per_100_healthy_steps"] is None else f"{h['relaunches_per_100_healthy_steps']:g}"
+        return (f"{det}; {lead}; false rollbacks/pauses {fal} per 1000 healthy steps ({h['healthy_steps']}); "
+                f"zero-patch relaunches {rel} per 100 healthy-run steps; sets that changed nothing {h['noop_sets']}")
 
     def summary(self) -> str:
         j = self.judged
         healthy = [s for s in j if s.label.verdict == "healthy"]
         fail = [s for s in j if s.label.verdict == "failure"]
         frag = len(self.scores) - len(j)
+        noop = sum(s.noop_sets for s in self.scores)
         return (f"{sum(s.passed for s in j)}/{len(j)} logs passed: healthy {sum(s.passed for s in healthy)}/"
                 f"{len(healthy)}, failures {sum(s.passed for s in fail)}/{len(fail)}"
-                + (f"; {frag} fragment(s) replayed, not scored" if frag else ""))
+                + (f"; {frag} fragment(s) replayed, not scored" if frag else "")
+                + (f"; {noop} set(s) that would change nothing" if noop else ""))
 
     def to_json(self) -> dict[str, Any]:
-        return {"passed": self.passed, "summary": self.summary(), "rules": list(self.rules),
+        return {"passed": self.passed, "summary": self.summary(), "headline": self.headline(), "rules": list(self.rules),
                 "config": self.config.__dict__, "logs": [s.to_json() for s in self.scores]}
 
 

@@ -156,6 +156,35 @@ METRICS: tuple[Metric, ...] = (
         "Fraction of responses cut at max_response_length.",
     ),
     Metric(
+        "response_length/min", "ppo_response_length_min_tokens", "response_length_min",
+        "Shortest response in the batch, in tokens (0: an empty or aborted response).", unit="short",
+    ),
+    # verl 0.9 separates rollouts its engine aborted (response length 0: an engine, tool or
+    # environment failure, a timeout) from the rest (trainer/ppo/metric_utils.py).
+    Metric(
+        "response/aborted_ratio", "ppo_response_aborted_ratio", "aborted_ratio",
+        "Fraction of responses the rollout aborted (empty: the engine, a tool or the environment failed).",
+        needs="verl 0.9 or newer (response/aborted_ratio)",
+    ),
+    Metric(
+        "response_length_non_aborted/mean", "ppo_response_length_non_aborted_tokens", "response_length_ok",
+        "Mean length of the responses that were not aborted, in tokens.", unit="short",
+    ),
+    Metric(
+        "response_length_non_aborted/max", "ppo_response_length_non_aborted_max_tokens", "response_length_ok_max",
+        "Longest response that was not aborted, in tokens.", unit="short",
+    ),
+    Metric(
+        "response_length_non_aborted/min", "ppo_response_length_non_aborted_min_tokens", "response_length_ok_min",
+        "Shortest response that was not aborted, in tokens.", unit="short",
+    ),
+    Metric(
+        "response_length_non_aborted/clip_ratio", "ppo_response_non_aborted_clip_ratio", "response_clip_ratio_ok",
+        "Fraction of the responses that were not aborted cut at max_response_length.",
+    ),
+    Metric("timing_s/gen", "ppo_rollout_seconds", "gen_time", "Wall time of the step's rollout (generation).",
+           unit="s", aliases=("timing/gen",)),
+    Metric(
         "perf/throughput", "ppo_throughput_tokens_per_second", "throughput",
         "Tokens processed per second per device.", unit="short",
     ),
@@ -167,6 +196,33 @@ METRICS: tuple[Metric, ...] = (
         "(training-inference mismatch; verl's FAQ calls above 0.01 bad).",
         needs="a verl that logs rollout/training probability differences (calculate_log_probs)",
     ),
+    Metric(
+        "training/rollout_probs_diff_max", "ppo_rollout_probs_diff_max", "rollout_probs_diff_max",
+        "Largest absolute difference of a token's probability between the rollout engine and the trainer.",
+        needs="a verl that logs rollout/training probability differences (calculate_log_probs)",
+    ),
+    Metric(
+        "training/rollout_probs_diff_std", "ppo_rollout_probs_diff_std", "rollout_probs_diff_std",
+        "Standard deviation of the per-token rollout vs trainer probability difference.",
+        needs="a verl that logs rollout/training probability differences (calculate_log_probs)",
+    ),
+    # verl 0.9's rollout correction (algorithm.rollout_correction, trainer/ppo/rollout_corr_helper.py):
+    # how far the rollout policy is from the trainer's, measured on the batch.
+    Metric(
+        "rollout_corr/kl", "ppo_rollout_corr_kl", "rollout_corr_kl",
+        "KL between the rollout engine's and the trainer's token distributions (verl's rollout correction).",
+        needs="algorithm.rollout_correction (verl 0.9)",
+    ),
+    Metric(
+        "rollout_corr/log_ppl_abs_diff", "ppo_rollout_corr_log_ppl_abs_diff", "rollout_corr_log_ppl_diff",
+        "Absolute difference of the log perplexities under the rollout engine and the trainer.",
+        needs="algorithm.rollout_correction (verl 0.9)",
+    ),
+    Metric(
+        "rollout_corr/chi2_token", "ppo_rollout_corr_chi2_token", "rollout_corr_chi2",
+        "Chi-squared divergence per token between rollout and trainer (importance-weight variance).",
+        needs="algorithm.rollout_correction (verl 0.9)",
+    ),
     Metric("training/global_step", "ppo_global_step", "step", "Global training step."),
     Metric("training/epoch", "ppo_epoch", "epoch", "Training epoch."),
     Metric(
@@ -175,6 +231,15 @@ METRICS: tuple[Metric, ...] = (
         needs="trainer.test_freq > 0 and data.val_files",
     ),
 )
+
+#: Keys only a real verl (0.9) run logs: the embedded trainer's rollouts never abort, it times no
+#: separate generation phase and runs no rollout correction, so it writes none of these.
+VERL_ONLY_KEYS = frozenset({
+    "response/aborted_ratio", "response_length_non_aborted/mean", "response_length_non_aborted/max",
+    "response_length_non_aborted/min", "response_length_non_aborted/clip_ratio", "response_length/min",
+    "timing_s/gen", "training/rollout_probs_diff_max", "training/rollout_probs_diff_std", "rollout_corr/kl",
+    "rollout_corr/log_ppl_abs_diff", "rollout_corr/chi2_token",
+})
 
 BY_KEY: dict[str, Metric] = {m.key: m for m in METRICS}
 BY_SHORT: dict[str, Metric] = {m.short: m for m in METRICS}

@@ -85,6 +85,8 @@ def parse_control(text: str, path: Path | str = CONTROL) -> Control:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ControlError(path, f"not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
+    except RecursionError as exc:  # the decoder recurses once per nesting level
+        raise ControlError(path, "JSON nested too deeply (hundreds of levels)") from exc
     if not isinstance(doc, dict):
         raise ControlError(path, "top level must be an object")
     unknown = set(doc) - {"version", "overrides", "commands"}

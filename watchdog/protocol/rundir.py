@@ -142,6 +142,9 @@ def read_jsonl(path: Path | str, offset: int = 0, first_line: int = 1, until: in
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             errors.append(f"{path}:{n}: not JSON ({exc})")
             continue
+        except RecursionError:  # the decoder recurses once per nesting level
+            errors.append(f"{path}:{n}: JSON nested too deeply")
+            continue
         if not isinstance(obj, dict):
             errors.append(f"{path}:{n}: not a JSON object")
             continue

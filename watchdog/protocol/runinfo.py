@@ -159,6 +159,8 @@ class RunInfo:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:
             raise RunInfoError(path, f"not JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from exc
+        except RecursionError as exc:  # the decoder recurses once per nesting level
+            raise RunInfoError(path, "JSON nested too deeply (hundreds of levels): not a run.json") from exc
         return cls.from_json(doc, path)
 
     # -- writing ---------------------------------------------------------------------------

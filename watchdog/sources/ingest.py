@@ -353,6 +353,46 @@ class _FileCursor:
         return cls(int(d.get("offset", 0)), int(d.get("line", 1)), d.get("inode"))
 
 
+def rewind_targets(events: Iterable[Mapping[str, Any]]) -> list[int]:
+    """The steps ``started`` and ``rollback`` events say the trainer went back to (what explains a step
+    below the last one: the next line is that step or the one after it)."""
+    out = []
+    for e in events:
+        kind = e.get("kind")
+        target = e.get("to_step") if kind == "rollback" else (
+            e.get("resumed_from") if isinstance(e.get("resumed_from"), int) else e.get("step")) if kind == "started" \
+            else None
+        if isinstance(target, int) and not isinstance(target, bool):
+            out.append(target)
+    return out
+
+
+def forward_only(records: Sequence[dict[str, Any]], lines: Sequence[int], path: Path | str, last: int | None,
+                 rewinds: list[int]) -> tuple[list[dict[str, Any]], list[str], list[int]]:
+    """Steps only go forward within an attempt: (records kept, one issue per line ignored, rewinds left).
+
+    A record whose step is below the last one is a rewind only when a ``started`` / ``rollback`` event
+    (``rewinds``, their target steps) explains it: the first line of the new timeline is at the target
+    step or the one after it, and uses that event up. Any other such line (a stray append, a second
+    writer) is reported with its file and line and ignored, never read as a rewind that drops the
+    steps after it."""
+    kept: list[dict[str, Any]] = []
+    issues: list[str] = []
+    left = list(rewinds)
+    for rec, line in zip(records, lines, strict=False):
+        step = int(rec["step"])
+        if last is not None and step < last:
+            match = next((t for t in left if t <= step <= t + 1), None)
+            if match is None:
+                issues.append(f"{path}:{line}: step {step} is below the last step {last} and no started or "
+                              "rollback event explains it: ignored")
+                continue
+            left.remove(match)
+        last = step
+        kept.append(rec)
+    return kept, issues, left[-16:]
+
+
 class RunTailer:
     """Incremental reader of a run directory's ``metrics.jsonl`` and ``events.jsonl``.
 
@@ -380,6 +420,7 @@ class RunTailer:
         self._metrics = _FileCursor()
         self._events = _FileCursor()
         self._last: dict[str, Any] | None = None  # the newest step's record, for merging
+        self._rewinds: list[int] = []  # steps started/rollback events went back to, not yet seen in metrics
         self.issues: list[str] = []
         """Garbled lines seen so far (``file:line: reason``), oldest first; capped at 1000."""
         if offsets is not None:
@@ -393,6 +434,7 @@ class RunTailer:
             "metrics": self._metrics.to_json(),
             "events": self._events.to_json(),
             "last": self._last,
+            "rewinds": list(self._rewinds),
         }
 
     @offsets.setter
@@ -403,6 +445,7 @@ class RunTailer:
         self._events = _FileCursor.from_json(value.get("events", {}))
         last = value.get("last")
         self._last = {"step": int(last["step"]), "data": dict(last["data"])} if last else None
+        self._rewinds = [int(t) for t in value.get("rewinds", []) if isinstance(t, int)]
 
     def _read(self, path: Path, cur: _FileCursor) -> rundir.JsonlChunk:
         try:
@@ -429,19 +472,27 @@ class RunTailer:
     def poll(self) -> tuple[list[dict[str, Any]], list[Event]]:
         """(new metric records, new events) since the last poll."""
         raw: list[dict[str, Any]] = []
+        raw_lines: list[int] = []
         metrics = self._read(self.metrics_path, self._metrics)
         self._note_errors(metrics.errors)
-        for obj in metrics.records:
+        for obj, line in zip(metrics.records, metrics.lines or [0] * len(metrics.records), strict=False):
             rec, reason = record_from_json(obj)
             if rec is None:
-                msg = f"{self.metrics_path}: skipped a record: {reason}"
+                msg = f"{self.metrics_path}:{line}: skipped a record: {reason}"
                 log.warning(msg)
                 self.issues.append(msg)
                 continue
             raw.append(rec)
+            raw_lines.append(line)
+        # Events after metrics: a trainer writes its started/rollback event before the first line of the
+        # new timeline, so a line read here has the event that explains it read too.
         chunk = self._read(self.events_path, self._events)
         events = rundir.events_of(chunk)
         self._note_errors(chunk.errors)
+        self._rewinds += rewind_targets(events)
+        raw, backwards, self._rewinds = forward_only(raw, raw_lines, self.metrics_path,
+                                                     self._last["step"] if self._last else None, self._rewinds)
+        self._note_errors(backwards)
         if not raw:
             return [], events
         base = [self._last] if self._last is not None else []
