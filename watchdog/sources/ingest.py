@@ -250,6 +250,9 @@ def _parse_jsonl(path: Path, lines: Sequence[str]) -> tuple[list[dict[str, Any]]
         except json.JSONDecodeError as exc:
             issues.append(ParseIssue(str(path), n, f"not JSON ({exc.msg} at column {exc.colno})"))
             continue
+        except RecursionError:  # the decoder recurses once per nesting level: every log is tried as JSONL
+            issues.append(ParseIssue(str(path), n, "JSON nested too deeply"))
+            continue
         rec, reason = record_from_json(obj)
         if rec is None:
             issues.append(ParseIssue(str(path), n, reason or "bad record"))
