@@ -591,6 +591,9 @@ def _fan_out(*hooks: Callable[[str, str, str, str], None] | None) -> Callable[[s
 def run_daemon(cfg: DaemonConfig, stop: threading.Event | None = None) -> Watchdog:
     """``watchdog daemon``: watch every configured run until stopped."""
     wd = prepare_daemon(cfg)
+    if not cfg.runs:  # a daemon that watches nothing is a config mistake, not a quiet success (said once
+        wd.close()    # its state dir and port are checked: a config with no runs can get those wrong too)
+        raise DaemonConfigError("no runs to watch: list run directories under 'runs:'")
     try:
         wd.serve_forever(cfg.tick_s, until_done=False, stop=stop)
     finally:
@@ -610,9 +613,6 @@ def prepare_daemon(cfg: DaemonConfig, exclusive: bool = True) -> Watchdog:
     wd = build_watchdog(cfg.state_dir, cfg.rules, cfg.webhook_url, cfg.controller, cfg.actuator,
                         cfg.metrics_port, cfg.metrics_addr, grafana_url=cfg.grafana_url,
                         webhook_url_file=cfg.webhook_url_file, exclusive=exclusive)
-    if not cfg.runs:  # a daemon that watches nothing is a config mistake, not a quiet success (checked
-        wd.close()    # after the state dir and port, which a config with no runs can get wrong too)
-        raise DaemonConfigError("no runs to watch: list run directories under 'runs:'")
     wd._adopting = True
     for spec in cfg.runs:
         def add(spec: RunSpec = spec) -> RunController:
