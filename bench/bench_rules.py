@@ -43,8 +43,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-VERL_LOG = next((p for p in (ROOT.parent / "shared", Path("/work/shared"))
-                 if (p / "testdata" / "verl-logs").is_dir()), ROOT.parent / "shared") / "testdata" / "verl-logs" / "verl_ppo_gemma2b_gsm8k_healthy.txt"
+# Beside the checkout, or $WATCHDOG_TESTDATA (the testdata folder), as tests/verl_logs.py finds them.
+VERL_LOG = (Path(os.environ["WATCHDOG_TESTDATA"]) if os.environ.get("WATCHDOG_TESTDATA")
+            else ROOT.parent / "shared" / "testdata") / "verl-logs" / "verl_ppo_gemma2b_gsm8k_healthy.txt"
 GOAL_RUNS, GOAL_MS = 1000, 100.0
 GOAL_WINDOW_KB, MEMORY_RUNS = 50.0, 10_000
 KEYS_PER_RECORD = 100

@@ -82,7 +82,7 @@ def test_rules_check_reports_every_error_as_file_line_col_and_fails(good: Path, 
     bad = tmp_path / "bad.yaml"
     bad.write_text(BROKEN)
     r = invoke("rules", "check", good, bad)
-    assert r.exit_code == 1
+    assert r.exit_code == 2  # a bad file is bad input
     errors = [ln for ln in r.stderr.splitlines() if ln.startswith(str(bad) + ":")]
     assert len(errors) >= 3, r.stderr
     lines = {int(e.split(":")[1]) for e in errors}

@@ -440,7 +440,7 @@ def test_status_lists_runs_as_json_and_says_where_it_looked_when_there_are_none(
 
     state = tmp_path / "state"
     r = CliRunner().invoke(app, ["status", "--state-dir", str(state)])
-    assert r.exit_code == 0 and "no runs in" in r.output and "watchdog.db" in r.output
+    assert r.exit_code == 2 and "no runs in" in r.output and "watchdog.db" in r.output  # as `history`
     assert not state.exists()  # looking creates nothing
     Store(state).upsert_run(RunRecord("a", str(tmp_path / "a"), ["python", "-m", "trainer"], phase="running"))
     r = CliRunner().invoke(app, ["status", "--state-dir", str(state), "--json"])
@@ -448,7 +448,7 @@ def test_status_lists_runs_as_json_and_says_where_it_looked_when_there_are_none(
     (row,) = json.loads(r.output)
     assert row["run"] == "a" and row["phase"] == "running" and row["firing"] == []
     r = CliRunner().invoke(app, ["status", "nope", "--state-dir", str(state)])
-    assert r.exit_code == 1 and "nope" in r.output
+    assert r.exit_code == 2 and "nope" in r.output
 
 
 def test_a_divergence_before_the_first_checkpoint_rolls_back_to_the_start(tmp_path):

@@ -255,10 +255,10 @@ def test_push_command_without_a_token_exits_2_and_sends_nothing(fake_grafana: Fa
     assert fake_grafana.requests == []
 
 
-def test_push_command_reports_a_refusal_with_exit_1(fake_grafana: FakeGrafana) -> None:
+def test_push_command_reports_a_refusal_with_exit_2(fake_grafana: FakeGrafana) -> None:
     result = CliRunner().invoke(dashboards_app, ["push", "--url", fake_grafana.url],
                                 env={"GRAFANA_TOKEN": "glsa_wrong", "GRAFANA_TOKEN_FILE": None})
-    assert result.exit_code == 1
+    assert result.exit_code == 2  # a wrong token is a setting to fix (bad input)
     assert "401" in result.output or "Unauthorized" in result.output
     assert "glsa_wrong" not in result.output
 

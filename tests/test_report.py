@@ -86,6 +86,6 @@ def test_report_command_writes_the_report_of_a_run_known_to_the_store(tmp_path):
     assert out.exit_code == 0, out.output
     assert "kl_far" in (tmp_path / "r.html").read_text()
     missing = CliRunner().invoke(run_app, ["report", "nope", "--out", str(tmp_path / "x.png"), *args])
-    assert missing.exit_code == 1 and "no run 'nope'" in missing.output
+    assert missing.exit_code == 2 and "no run 'nope'" in missing.output
     status = CliRunner().invoke(run_app, ["status", "--json", *args])
     assert status.exit_code == 0 and '"run": "run"' in status.output

@@ -179,7 +179,7 @@ def test_hung_trainer_is_detected_and_restarted(tmp_path):
 def test_a_trainer_that_rejects_its_config_is_given_up_at_once_not_retried(tmp_path: Path) -> None:
     proc = _watchdog(tmp_path, _rules(tmp_path, KL_RULE), steps=4,
                      extra=["--set", "algorithm.kl_ctrl.kl_coeff=0.1"], timeout=60)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr  # bad input, not a failed run
     store = Store(tmp_path / "state")
     (run,) = store.list_runs()
     assert run.phase == "failed" and run.restarts == 0 and run.exit_code == rundir.EXIT_USAGE

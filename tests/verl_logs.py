@@ -1,8 +1,8 @@
 """Where the real verl logs of ``../shared/testdata`` are (shared by tests/ and rules/tests/).
 
 The logs sit beside the checkout (``<checkout>/../shared/testdata/verl-logs``); a clone
-elsewhere finds them through ``$WATCHDOG_TESTDATA`` (the ``testdata`` folder) or the
-workspace's canonical ``/work/shared``. Tests that need them skip when none is there.
+elsewhere finds them through ``$WATCHDOG_TESTDATA`` (the ``testdata`` folder), and nowhere
+else: no workspace's absolute path. Tests that need them skip when none is there.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ _ROOT = Path(__file__).resolve().parents[1]
 
 def _find() -> Path:
     candidates = [Path(os.environ["WATCHDOG_TESTDATA"])] if os.environ.get("WATCHDOG_TESTDATA") else []
-    candidates += [_ROOT.parent / "shared" / "testdata", Path("/work/shared/testdata")]
+    candidates += [_ROOT.parent / "shared" / "testdata"]
     for c in candidates:
         if (c / "verl-logs").is_dir():
             return c / "verl-logs"

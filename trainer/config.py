@@ -3,8 +3,8 @@
 ``cfg.get("algorithm.kl_ctrl.kl_coef")`` and ``cfg.set(...)`` address fields by the
 same dotted keys verl uses, so an override that works here (``key=value`` on the
 command line, in Hydra's grammar, or in control.json) works on a real verl run unchanged.
-Only stdlib, yaml and the protocol's Hydra helpers are imported: a bad config fails
-before torch loads.
+Only stdlib, yaml, the protocol's Hydra helpers and the fault schedule's parser are
+imported: a bad config fails before torch loads.
 """
 
 from __future__ import annotations
@@ -404,6 +404,15 @@ class Config:
                           ("actor_rollout_ref.actor.clip_ratio_high", a.clip_ratio_high)):
             if clip is not None and not 0 < clip <= 1:
                 bad(ConfigError(f"{key} must be in (0, 1], got {clip!r}", key, clip))
+        if t.faults:
+            # Checked here, before torch loads: a bad schedule is a configuration the trainer refuses
+            # (exit 2, the supervisor gives up), not a crash in the loop that a restart would repeat.
+            from trainer.faults import FaultSchedule
+
+            try:
+                FaultSchedule.parse(t.faults)
+            except ValueError as exc:
+                bad(ConfigError(str(exc), "trainer.faults", t.faults))
         model = self.actor_rollout_ref.model
         if model.n_head < 1 or model.n_embd % model.n_head:
             bad(ConfigError("actor_rollout_ref.model.n_embd must be divisible by n_head",

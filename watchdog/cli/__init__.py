@@ -4,10 +4,12 @@
 - :mod:`~watchdog.cli.run`: ``run``, ``daemon``, ``status``, ``history``, ``resume``, ``report``;
 - :mod:`~watchdog.cli.dashboards`: ``dashboards export|push``.
 
-Exit codes: 0 success; 1 the thing checked failed (a rule file is invalid, a rule test or a
-labelled log failed, a supervised run did not finish); 2 usage or input errors (missing file,
-unreadable log, rules that do not load). Messages for a person go to stderr; ``--json``
-output alone goes to stdout.
+Exit codes, one convention for every command (README, "Exit codes"): 0 ok; 1 the thing judged
+failed (a rule test, a labelled run of ``eval``, a supervised run that did not finish); 2 bad input
+or usage (a missing or invalid file, a rule file with errors, an unknown run, a trainer that
+rejected its configuration, a run that cannot be resumed, a daemon config with no runs, a URL that
+cannot be used); 130 ``watchdog run`` stopped by Ctrl-C. Messages for a person go to stderr;
+``--json`` output alone goes to stdout.
 """
 
 from __future__ import annotations

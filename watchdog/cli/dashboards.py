@@ -52,8 +52,8 @@ def push(
     client = grafana.Grafana(url, token)
     try:
         uids = grafana.push_all(client, folder_uid=folder_uid)
-    except grafana.GrafanaError as exc:
+    except grafana.GrafanaError as exc:  # refused (a wrong token) or unreachable: a setting to fix, exit 2
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None
     for uid in uids:
         typer.echo(f"pushed {uid} to {grafana.redact_url(url)}")

@@ -1,8 +1,9 @@
 """`watchdog rules ...`, `watchdog replay` and `watchdog eval`: rule packs and recorded runs.
 
-Exit codes: 0 success; 1 the thing checked failed (a rule file is invalid, a rule test
-failed); 2 usage or input errors (missing file, unreadable log, rules that do not load).
-Messages for a person go to stderr; ``--json`` output alone goes to stdout.
+Exit codes (the convention of every command, see watchdog.cli): 0 success; 1 the thing judged
+failed (a rule test, a labelled run of ``eval``); 2 bad input or usage (a missing file, an
+unreadable log, a rule file that does not load, ``rules check`` finding errors). Messages for a
+person go to stderr; ``--json`` output alone goes to stdout.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def rules_list(
 def rules_check(
     files: Annotated[list[Path], typer.Argument(help="Rule files or directories to validate.")],
 ) -> None:
-    """Validate rule files: every error is printed as file:line:col; exit 1 when any."""
+    """Validate rule files: every error is printed as file:line:col; exit 2 when any (bad input)."""
     from watchdog.core.rulefile import RuleFileError, load_rules
 
     paths = _expand(files)
@@ -188,7 +189,7 @@ def rules_check(
         for err in exc.errors:
             typer.echo(str(err), err=True)
         typer.echo(f"FAILED: {len(exc.errors)} error(s) in {len(paths)} file(s)", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(2) from None
     except OSError as exc:
         _fail(f"{getattr(exc, 'filename', '') or ''}: {exc.strerror or exc}")
     typer.echo(f"OK: {len(_rules_of(ruleset))} rules in {len(paths)} file(s)")
@@ -280,16 +281,31 @@ def rules_calibrate(
     from watchdog.core.rulefile import RuleFileError, load_rules
     from watchdog.judge import calibrate as cal
     from watchdog.judge import evaluation as ev
+    from watchdog.sources import ingest
 
     ruleset = _load(rules)
     base = [str(p) for p in ruleset.sources]
     for p in logs:
         if not p.exists():
             _fail(f"{p}: no such file")
-    try:
-        proposals = cal.calibrate(ruleset, logs)
-    except ingest_error() as exc:
-        _fail(str(exc))
+    usable: dict[Path, Any] = {}
+    for p in logs:
+        try:
+            res = ingest.read_run(p)
+        except ingest.IngestError as exc:
+            _fail(str(exc))
+        if res.records:
+            usable[p] = res
+            continue
+        # Named with the lines it skipped: the user's file is at fault, not a temporary one of ours.
+        typer.echo(f"warning: {res.path}: no usable metric records; left out", err=True)
+        _skipped_lines(res)
+    proposals = cal.calibrate_runs(ruleset, {p.name: res.records for p, res in usable.items()})
+    if not any(prop.value is not None for prop in proposals):
+        what = "no usable metric records" if not usable else "no data for any calibrated parameter's stat"
+        _fail(f"nothing to propose: {what} in {', '.join(map(str, logs))}"
+              + ("" if out is None else f"; {out} not written"))
+    logs = list(usable)
     text = cal.overlay_yaml(proposals, logs, base)
     t = Table(title=f"calibration from {len(logs)} healthy run(s)")
     for col in ("param", "was", "peak (run)", "proposed", "margin per run"):
@@ -303,21 +319,29 @@ def rules_calibrate(
                   f"{prop.value:g}" + (f" ({prop.bound} bound)" if prop.bound else ""),
                   ", ".join(f"{k}: {m:.2f}x" for k, m in prop.margins().items()))
     _console().print(t)
-    if out is not None:
-        out.write_text(text)
-        typer.echo(f"wrote {out}")
-    else:
-        typer.echo(text)
     with tempfile.TemporaryDirectory() as tmp:
         overlay = Path(tmp) / "overlay.yaml"
         overlay.write_text(text)
-        try:
+        try:  # checked before --out is written: a file that does not load is never left behind
             tuned = load_rules([*base, overlay])
         except RuleFileError as exc:
             _fail(f"the proposed overlay does not load: {exc}")
+        if out is not None:
+            out.write_text(text)
+            typer.echo(f"wrote {out}")
+        else:
+            typer.echo(text)
         labels = [ev.Label(p.resolve(), "healthy") for p in logs]
-        res = ev.evaluate_corpus(labels, tuned, ev.EvalConfig())
-    typer.echo(f"eval of these runs with the overlay: {res.summary()}")
+        result = ev.evaluate_corpus(labels, tuned, ev.EvalConfig())
+    typer.echo(f"eval of these runs with the overlay: {result.summary()}")
+
+
+def _skipped_lines(res: Any, limit: int = 10) -> None:
+    """Each line a read skipped, as file:line: reason on stderr (the first ``limit``, then a count)."""
+    for issue in res.issues[:limit]:
+        typer.echo(f"warning: skipped {issue}", err=True)
+    if len(res.issues) > limit:
+        typer.echo(f"warning: ... and {len(res.issues) - limit} more skipped in {res.path}", err=True)
 
 
 # -- replay -------------------------------------------------------------------------------
@@ -382,18 +406,17 @@ def replay_cmd(
         out = replay.replay(res.records, ruleset, events=events, config=config)
     except ValueError as exc:
         _fail(f"replay failed: {exc}")
-    from watchdog.core.engine import describe_blind
+    from watchdog.core.engine import describe_blind, evidence_text
 
     for line in describe_blind(out.blind):
+        typer.echo(f"warning: {line}", err=True)
+    for line in out.ignored:
         typer.echo(f"warning: {line}", err=True)
     blind = {r for names in out.blind.values() for r in names}
     for name, err in out.unhealthy.items():
         if name not in blind:  # said once above, with the verl setting that logs the metric
             typer.echo(f"warning: rule {name} could not be evaluated at step {out.last_step}: {err}", err=True)
-    for issue in res.issues[:10]:
-        typer.echo(f"warning: skipped {issue}", err=True)
-    if len(res.issues) > 10:
-        typer.echo(f"warning: ... and {len(res.issues) - 10} more skipped in {res.path}", err=True)
+    _skipped_lines(res)
     if as_json:
         typer.echo(json.dumps(out.to_json(), indent=2))
         return
@@ -405,7 +428,7 @@ def replay_cmd(
     for d in out.decisions:
         if d.kind == DecisionKind.RESOLVE and not show_resolve:
             continue
-        inputs = ", ".join(f"{k}={_fmt_num(v)}" for k, v in list(d.inputs.items())[:4])
+        inputs = evidence_text(d.inputs)
         acts = []
         for a in d.actions:
             text = str(a.get("text", a.get("kind", "?")))

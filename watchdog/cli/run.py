@@ -16,9 +16,11 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from watchdog.backends.local import SupervisorError
+from watchdog.control.controller import DONE_PHASES, RULE_CONFIG
 from watchdog.control.daemon import (
     DaemonConfigError,
     build_watchdog,
@@ -27,6 +29,7 @@ from watchdog.control.daemon import (
     state_dir_default,
 )
 from watchdog.control.store import NoState, Phase, Store, StoreError
+from watchdog.core.engine import evidence_text
 from watchdog.core.pricing import cost_text
 from watchdog.core.vocabulary import ActionStatus, JournalKind, RuleStatus
 from watchdog.protocol import hydra
@@ -278,6 +281,11 @@ def run_cmd(
                     if j.kind == JournalKind.STOP and j.status == ActionStatus.DONE), "")
     if verdict:
         console.print(f"[red]verdict: {verdict}[/red]")
+    # The newest give-up, when it was a refused configuration (not one of an earlier attempt in this run dir).
+    given_up = next((d for d in reversed(decisions) if d["kind"] == "escalate"), None)
+    refused = given_up if given_up and given_up["rule"] == RULE_CONFIG and run.phase == Phase.FAILED else None
+    if refused is not None:  # the cause, where the user looks (it is also in trainer.log and `history`)
+        console.print(f"[red]{escape(refused['message'])}[/red]")
     if report:
         try:
             from watchdog.observe.report import restart_spans, write_report
@@ -288,7 +296,8 @@ def run_cmd(
         except Exception as exc:  # a failed report must not hide the run's outcome
             console.print(f"[yellow]report not written: {exc}[/yellow]")
     console.print(f"history: watchdog history {run.run_id} --json")
-    raise typer.Exit(0 if run.phase == Phase.FINISHED else 1)
+    # 2: the trainer refused its configuration (bad input, as a bad option would be); 1: the run failed.
+    raise typer.Exit(0 if run.phase == Phase.FINISHED else 2 if refused is not None else 1)
 
 
 class _Stop:
@@ -402,10 +411,10 @@ def status_cmd(
     """Runs with their phase, step, restarts, control version and open actions."""
     try:
         store = Store(state_dir or state_dir_default(), create=False, busy_timeout_s=5.0, read_only=True)
-    except NoState as exc:
-        console.print(f"no runs in {exc.path}: no watchdog state there yet{_empty_note(exc.path)} "
-                      "(give --state-dir or set $WATCHDOG_STATE_DIR to look elsewhere)")
-        raise typer.Exit(0) from exc
+    except NoState as exc:  # exit 2 as `history` does: a state directory that is not there is bad input
+        console.print(f"[red]no runs in {exc.path}: no watchdog state there{_empty_note(exc.path)} "
+                      "(give --state-dir or set $WATCHDOG_STATE_DIR to look elsewhere)[/red]")
+        raise typer.Exit(2) from exc
     except StoreError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
@@ -413,7 +422,7 @@ def status_cmd(
         runs = [store.require_run(run)] if run else store.list_runs()
     except StoreError as exc:
         console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from exc
+        raise typer.Exit(2) from exc
     rows = []
     for r in runs:
         engine = (store.load_engine_state(r.run_id) or {}).get("engine", {})
@@ -486,7 +495,7 @@ def _print_history(decisions: list[dict[str, Any]], title: str) -> None:
     for col in ("step", "rule", "kind", "inputs", "actions", "status", "cost", "outcome"):
         t.add_column(col, overflow="fold")
     for d in decisions:
-        inputs = ", ".join(f"{k}={_fmt(v)}" for k, v in list(d["inputs"].items())[:4])
+        inputs = evidence_text(d["inputs"])  # the measured values first, the $param thresholds after
         actions = "; ".join(str(a.get("kind", a)) if isinstance(a, dict) else str(a) for a in d["actions"])
         actions = actions or ", ".join(j["kind"] for j in d["journal"]) or "-"
         t.add_row(str(d["step"]), d["rule"], d["kind"], inputs, actions, d["status"], cost_text(d["journal"]),
@@ -500,10 +509,6 @@ def shown_in_history(d: dict[str, Any]) -> bool:
     return d["kind"] != "resolve" and d["outcome"] not in ("no action", "resolved")
 
 
-def _fmt(v: Any) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
-
-
 @run_app.command("history")
 def history_cmd(
     run: Annotated[str | None, typer.Argument(help="Run id (default: all runs).")] = None,
@@ -515,7 +520,7 @@ def history_cmd(
     store = _store(state_dir)
     if run and store.get_run(run) is None:
         console.print(f"[red]{store.path}: no run {run!r}[/red]")
-        raise typer.Exit(1)
+        raise typer.Exit(2)
     decisions = [d for d in store.decisions(run) if all_decisions or shown_in_history(d)]
     if as_json:
         typer.echo(json.dumps(_history_rows(decisions), indent=2, sort_keys=True))
@@ -531,7 +536,11 @@ def resume_cmd(run: Annotated[str, typer.Argument(help="Run id.")], state_dir: S
         r = store.require_run(run)
     except StoreError as exc:
         console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from exc
+        raise typer.Exit(2) from exc
+    if r.phase in DONE_PHASES:  # nothing watches it any more: a queued resume would never be sent
+        console.print(f"[red]run {run} has {r.phase}: there is nothing to resume (start it again with "
+                      f"`watchdog run --run-dir {r.run_dir}`)[/red]")
+        raise typer.Exit(2)
     try:
         aid = store.add_action(run, "resume", {"rule": "human:resume", "requested_phase": r.phase})
     except StoreError as exc:  # locked past the timeout by a writer: said, nothing queued
@@ -554,9 +563,9 @@ def report_cmd(
         r = store.require_run(run)
         decisions = store.decisions(run)
         path = write_report(r.run_dir, decisions, out, restart_spans(decisions))
-    except (StoreError, ReportError) as exc:
+    except (StoreError, ReportError) as exc:  # no such run, nothing to plot, not .png/.html: bad input
         console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(1) from exc
+        raise typer.Exit(2) from exc
     except OSError as exc:  # --out in a directory that cannot be created or written
         console.print(f"[red]--out {out}: cannot be written ({exc.strerror or exc})[/red]")
         raise typer.Exit(2) from exc

@@ -20,6 +20,7 @@ restarted re-drives the open entries and nothing is lost or done twice:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -28,6 +29,7 @@ import os
 import signal
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
@@ -148,8 +150,43 @@ def resolve_webhook_url(url_file: str | Path | None = None, configured: str | No
         url = next((ln.strip() for ln in lines if ln.strip()), "")
         if not url:
             raise ValueError(f"webhook URL file {path}: empty")
-        return url
-    return configured or os.environ.get(WEBHOOK_URL_ENV) or None
+        where = f"webhook URL file {path}"
+    else:
+        url = configured or os.environ.get(WEBHOOK_URL_ENV) or ""
+        where = "the configured webhook URL" if configured else f"${WEBHOOK_URL_ENV}"
+        if not url:
+            return None
+    try:  # refused at start, not at the first escalation hours later
+        webhook_target(url)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from exc
+    return url
+
+
+def webhook_target(url: str) -> tuple[str, dict[str, str]]:
+    """The URL to POST to and its headers: ``user:password@`` moved into a Basic Authorization header
+    (urllib would take it for part of the host name). ValueError, never quoting the URL (a secret),
+    for anything but http(s) with a host."""
+    parts = urllib.parse.urlsplit(url.strip())
+    if parts.scheme.lower() not in ("http", "https"):
+        scheme = parts.scheme or "none"
+        raise ValueError(f"scheme {scheme!r:.20} is not supported: a webhook URL is http:// or https://")
+    try:
+        host, port = parts.hostname, parts.port  # port: a ValueError when it is not a number in range
+    except ValueError as exc:
+        raise ValueError("the port is not a number from 0 to 65535") from exc
+    if not host:
+        raise ValueError("no host name")
+    headers = {"Content-Type": "application/json"}
+    netloc = host if ":" not in host else f"[{host}]"
+    if port is not None:
+        netloc += f":{port}"
+    if parts.username is not None or parts.password is not None:
+        user = urllib.parse.unquote(parts.username or "")
+        password = urllib.parse.unquote(parts.password or "")
+        token = base64.b64encode(f"{user}:{password}".encode()).decode()
+        headers["Authorization"] = f"Basic {token}"
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment)), headers
 
 
 @dataclass
@@ -171,14 +208,12 @@ class Notifier:
         self.sent.append(payload)
         if not self.url:
             return "logged"
-        req = urllib.request.Request(
-            self.url, data=json.dumps(payload).encode(), method="POST",
-            headers={"Content-Type": "application/json"},
-        )
         try:
+            url, headers = webhook_target(self.url)
+            req = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST", headers=headers)
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return f"webhook {resp.status}"
-        except (urllib.error.URLError, OSError) as exc:
+        except (urllib.error.URLError, OSError, ValueError) as exc:
             # The URL is a secret (a Slack hook, a token in its query): named by where it came from, never shown.
             log.error("webhook failed (the configured webhook URL, not shown): %s", exc)
             return f"webhook failed: {exc}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -46,13 +47,14 @@ from watchdog.core.planner import (
     ON_ESCALATE,
     PlanContext,
     Planned,
+    config_value,
     oom_remedy,
     plan_decision,
 )
 from watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
 from watchdog.core.vocabulary import OPEN_ACTION_STATUSES, ActionStatus, DecisionKind, JournalKind
 from watchdog.protocol import catalog, rundir
-from watchdog.protocol.events import Event
+from watchdog.protocol.events import STEP_SLACK, Event, outside_message, past_the_end
 from watchdog.protocol.runinfo import RunInfo
 
 log = logging.getLogger(__name__)
@@ -73,6 +75,10 @@ RULE_CRASH = "watchdog:crash"
 RULE_HANG = "watchdog:hang"
 RULE_BUDGET = "watchdog:budget"
 RULE_LIVE_TIMEOUT = "watchdog:live_timeout"
+#: The trainer refused its configuration (exit 2 / verl's config error): given up at once, ``watchdog run`` exits 2.
+RULE_CONFIG = "watchdog:config"
+#: A control.json version the watchdog never wrote (by hand, a script) was applied by the trainer.
+RULE_FOREIGN_CONTROL = "watchdog:foreign_control"
 
 @dataclass
 class ControllerConfig:
@@ -146,7 +152,7 @@ def _finite(v: Any) -> bool:
 
 #: What a tick changes besides the engine state and read positions, put back when it fails.
 _TICK_FIELDS = ("_rewind_pending", "_rewind_to", "_step_times", "_last_checkpoint", "_saw_finished", "_saw_oom",
-                "_events_since_eval", "_launch_seen", "_started_ts", "latest")
+                "_events_since_eval", "_launch_seen", "_started_ts", "latest", "_held")
 _TICK_RUN_FIELDS = ("last_step", "last_progress_ts", "last_evaluated_step")
 
 
@@ -283,6 +289,8 @@ class RunController:
         self._saw_oom: dict[str, Any] | None = None
         self._control_errors: dict[int, list[str]] = {}  # version -> the trainer's refusals, until its ``applied``
         self._events_since_eval = False
+        self._held: list[Event] = []
+        """Events past the run's last step, delivered once it gets there (never, when it ends first)."""
         # True from a rollback (or restart from a checkpoint) being decided until the metrics show
         # the trainer back on an earlier step: divergence rules keep firing on the abandoned steps
         # meanwhile, and those fires are the same divergence, not a new one.
@@ -477,6 +485,8 @@ class RunController:
             elif kind == "applied":
                 ids = [c if isinstance(c, str) else c.get("id", "") for c in e.get("commands", [])]
                 version = int(e.get("version", 0))
+                if version > self.run.control_version and not self._wrote_control(version):
+                    self._foreign_control(e, version, ids)
                 self.actuator.confirm(self.h, version, e.get("step"), ids, self._control_errors.pop(version, []))
             elif kind == JournalKind.ROLLBACK:
                 self._rewind_to = int(e.get("to_step") or 0)
@@ -502,9 +512,41 @@ class RunController:
                 if self._rewind_pending:
                     self._rewind_to = int(e.get("resumed_from") or e.get("step") or 0)
 
+    def _wrote_control(self, version: int) -> bool:
+        return any(v["version"] == version for v in self.store.control_versions(self.run.run_id))
+
+    def _foreign_control(self, e: Event, version: int, command_ids: Sequence[str]) -> None:
+        """A version the watchdog never wrote was applied: said at once (console, history, webhook) with
+        the values it changed, and adopted as the run's desired state. The trainer runs with those
+        values, so the rules' next sets start from them and the watchdog's next version keeps them
+        (a relaunch too) rather than silently undoing a human's change (RELIABILITY.md)."""
+        applied = e.get("applied") if isinstance(e.get("applied"), Mapping) else {}
+        changed = {k: v for k, v in applied.items() if self.run.overrides.get(k) != v}
+        cfg = run_config(self.run.run_dir)
+        was = {k: self.run.overrides.get(k, config_value(cfg, k)) for k in changed}
+        said = ", ".join(f"{k} {was[k]!r} -> {v!r}" if was[k] is not None else f"{k} -> {v!r}"
+                         for k, v in changed.items()) or "no override"
+        cmds = f"; commands {', '.join(command_ids)}" if command_ids else ""
+        message = (f"control.json version {version}, applied at step {e.get('step')}, was not written by the "
+                   f"watchdog: it changed {said}{cmds}. The watchdog adopts these values: its next sets start "
+                   f"from them")
+        log.warning("%s: %s", self.run.run_id, message)
+        overrides = {**self.run.overrides, **applied}
+        with self.store.transaction():
+            did = self.store.add_decision(self.run.run_id, e.get("step") or self.run.last_step or 0,
+                                          RULE_FOREIGN_CONTROL, "fire", [], {**changed, "version": version},
+                                          "warning", message)
+            self.store.add_action(self.run.run_id, "notify", {
+                "rule": RULE_FOREIGN_CONTROL, "severity": "warning",
+                "summary": f"control.json version {version} was not written by the watchdog",
+                "description": message}, decision_id=did)
+            self.store.update_run(self.run.run_id, overrides=overrides)
+        self.run.overrides = overrides
+
     def _evaluate(self, records: list[dict[str, Any]], events: list[Event], now: float,
                   result: TickResult) -> list[Any]:
-        pending = sorted(events, key=lambda e: int(e["step"]) if isinstance(e.get("step"), int) else -1)
+        pending = sorted([*self._held, *events], key=lambda e: int(e["step"]) if isinstance(e.get("step"), int) else -1)
+        self._held = []
         decisions: list[Any] = []
         for rec in records:
             step = int(rec["step"])
@@ -530,14 +572,27 @@ class RunController:
                 self._launch_seen = self.run.launched_ts
             self._events_since_eval = False
             decisions += self._run_engine(step, result)
+        alive = self.h.proc is not None and self.h.proc.alive()
+        # Read from files, every step is seen (a Prometheus source samples steps: its last step may lag).
+        files = not callable(getattr(self.tailer, "replay", None))
+        if pending and files and self.run.last_step is not None:
+            # An event past the run's last step (a hand-edited line, another run's) is not taken for
+            # something that happened at the last step: it waits until the run gets there, and once
+            # the trainer has ended (it never will) it is said and never acted on.
+            pending, outside = past_the_end(pending, self.run.last_step)
+            if self.h.proc is not None and not alive:
+                for e in outside:
+                    log.warning("%s: %s", self.run.run_id, outside_message(e, self.run.last_step))
+            else:
+                self._held = outside
         if pending:
             self.window.add_events(pending)
             self._events_since_eval = True
-        alive = self.h.proc is not None and self.h.proc.alive()
         if self._events_since_eval and not alive and self.run.last_step is not None:
             # The trainer ended after events no metric line followed (an OOM mid-step): let the
             # rules see them now, at the step the trainer was in.
-            step = max([self.run.last_step] + [e["step"] for e in events if isinstance(e.get("step"), int)])
+            steps = [e.step for e in events if e.step is not None]
+            step = max([self.run.last_step] + [s for s in steps if not files or s <= self.run.last_step + STEP_SLACK])
             self._events_since_eval = False
             decisions += self._run_engine(step, result)
         return decisions
@@ -873,9 +928,13 @@ class RunController:
             elif how == "oom":
                 self._on_oom(code)
             elif how == "usage":
-                # A rejected config fails the same way every time: say why instead of retrying.
-                self._give_up(RULE_CRASH, f"trainer rejected its configuration (exit {code}): "
-                                          f"{log_tail(Path(self.run.run_dir) / self.actuator.config.log_name)}")
+                # A rejected config fails the same way every time: say why (the trainer's own error
+                # line, where the user looks: console, history, webhook) instead of retrying.
+                why = error_line(Path(self.run.run_dir) / self.actuator.config.log_name)
+                log.error("%s: the trainer rejected its configuration (exit %s): %s; given up, nothing to retry",
+                          self.run.run_id, code, why)
+                self._give_up(RULE_CONFIG, f"the trainer rejected its configuration (exit {code}): {why}",
+                              {"exit_code": code, "error": why})
             else:
                 self._on_crash(RULE_CRASH, f"trainer exited with code {code}", {"exit_code": code})
             return
@@ -945,9 +1004,11 @@ class RunController:
         """The trainer runs but did not apply a control version in time: restart with the overrides."""
         return self._on_crash(RULE_LIVE_TIMEOUT, message, {"control_version": entry.control_version}, resume="latest")
 
-    def _give_up(self, rule: str, message: str) -> None:
+    def _give_up(self, rule: str, message: str, inputs: dict[str, Any] | None = None) -> None:
         with self.store.transaction():
-            did = self._own_decision(RULE_BUDGET, f"{rule}: {message}", {}, kind="escalate")
+            # A refused configuration is its own rule (``watchdog run`` exits 2 on it); the rest are budgets.
+            did = self._own_decision(rule if rule == RULE_CONFIG else RULE_BUDGET, f"{rule}: {message}",
+                                     inputs or {}, kind="escalate")
             self.store.add_action(self.run.run_id, "notify", {
                 "rule": rule, "severity": "critical", "summary": f"{rule}: run given up, a human is needed",
                 "description": message,
@@ -969,6 +1030,23 @@ def log_tail(path: Path, lines: int = 3, max_chars: int = 600) -> str:
         return f"(nothing in the log at {path})"
     tail = [ln.strip() for ln in text.splitlines() if ln.strip()][-lines:]
     return " | ".join(tail)[-max_chars:]
+
+
+#: How a trainer says it refused its configuration (the embedded trainer, verl's Hydra and its config checks).
+_ERROR_LINE = re.compile(r"^(?:config error|Error|[A-Za-z_.]*(?:Error|Exception))\b.*", re.M)
+
+
+def error_line(path: Path, max_chars: int = 400) -> str:
+    """The trainer's own error line from the end of its log (``config error: ...``, ``ValueError: ...``),
+    else its last lines: what a human needs to see to fix a refused configuration."""
+    text = read_tail(path, size=8192)
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if _ERROR_LINE.match(lines[i]):
+            # "config error: 2 config errors:" is followed by one line per error: keep them with it.
+            said = " | ".join(lines[i:i + 6]) if lines[i].endswith(":") else lines[i]
+            return said[:max_chars]
+    return log_tail(path, max_chars=max_chars)
 
 
 def open_entries(store: Store, run_id: str) -> int:

@@ -24,7 +24,14 @@ import yaml
 
 from watchdog.backends.local import Backend, LocalBackend, SupervisorError, TrainerAlive, not_the_trainer
 from watchdog.backends.zero_patch import MODE_VERL, MODES, VerlModeError, prepare_run, resolve_mode
-from watchdog.control.actuator import Actuator, ActuatorConfig, Notifier, alert_payload, resolve_webhook_url
+from watchdog.control.actuator import (
+    Actuator,
+    ActuatorConfig,
+    Notifier,
+    alert_payload,
+    resolve_webhook_url,
+    webhook_target,
+)
 from watchdog.control.controller import ControllerConfig, EngineRules, RulesEngine, RunController
 from watchdog.control.store import Phase, RunRecord, Store, StoreError
 from watchdog.core.planner import ON_ESCALATE
@@ -181,6 +188,11 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
                                     f"got {spec.on_escalate!r}")
         if spec.ray_token_file is not None and not spec.ray_address:
             raise DaemonConfigError(f"{path}: runs[{i}].ray_token_file is for a Ray cluster: give ray_address too")
+    if cfg.webhook_url:
+        try:
+            webhook_target(cfg.webhook_url)
+        except ValueError as exc:
+            raise DaemonConfigError(f"{path}: webhook_url: {exc}") from exc
     return cfg
 
 
@@ -579,6 +591,9 @@ def _fan_out(*hooks: Callable[[str, str, str, str], None] | None) -> Callable[[s
 def run_daemon(cfg: DaemonConfig, stop: threading.Event | None = None) -> Watchdog:
     """``watchdog daemon``: watch every configured run until stopped."""
     wd = prepare_daemon(cfg)
+    if not cfg.runs:  # a daemon that watches nothing is a config mistake, not a quiet success (said once
+        wd.close()    # its state dir and port are checked: a config with no runs can get those wrong too)
+        raise DaemonConfigError("no runs to watch: list run directories under 'runs:'")
     try:
         wd.serve_forever(cfg.tick_s, until_done=False, stop=stop)
     finally:

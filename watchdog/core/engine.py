@@ -405,3 +405,17 @@ def run_series(
         w.add_events(pending[i:])
         decisions, st = evaluate(rules, w, st, step)
         yield StepResult(step, decisions, st, w.sources)
+
+
+def evidence_text(inputs: Mapping[str, Any], limit: int = 6) -> str:
+    """A decision's inputs for a table cell: the measured values first (at most ``limit``), then the
+    ``$param`` thresholds they were compared with, so the evidence is what a narrow cell keeps."""
+    def fmt(v: Any) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    measured = [f"{k}={fmt(v)}" for k, v in inputs.items() if not str(k).startswith("$")]
+    thresholds = [f"{k}={fmt(v)}" for k, v in inputs.items() if str(k).startswith("$")]
+    text = ", ".join(measured[:limit]) + (f", ... ({len(measured) - limit} more)" if len(measured) > limit else "")
+    if thresholds:
+        text += ("; " if text else "") + "thresholds " + ", ".join(thresholds)
+    return text

@@ -23,6 +23,7 @@ from watchdog.core import engine as _engine
 from watchdog.core.actions import resolve_key
 from watchdog.core.planner import PlanContext, Planned, plan_decision
 from watchdog.protocol import catalog
+from watchdog.protocol.events import Event, outside_message, past_the_end
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,8 @@ class ReplayResult:
     """Rules that could not be evaluated at the last step (a metric the log lacks ...): name -> error."""
     blind: dict[str, list[str]] = field(default_factory=dict)
     """Metrics some rule reads that the log never has (short name -> rules): ``watchdog.core.engine.describe_blind``."""
+    ignored: list[str] = field(default_factory=list)
+    """Events left out because their step lies past the run's end, one ``file:line: ...`` message each."""
 
     def counts(self) -> dict[str, dict[str, int]]:
         """Decisions per rule and kind, e.g. ``{"kl_high": {"fire": 8, "resolve": 1}}``."""
@@ -115,9 +118,13 @@ def replay(
     """
     ordered = sorted(records, key=lambda r: int(r["step"]))
     logged = {int(r["step"]): catalog.to_short(r.get("data") or {}) for r in ordered}
-    # Events without a step (or before the first record) are delivered first, then in step order.
-    evs = sorted(events, key=lambda e: e["step"] if isinstance(e.get("step"), int) else -1)
     result = ReplayResult()
+    last = int(ordered[-1]["step"]) if ordered else None
+    inside, outside = past_the_end([e if isinstance(e, Event) else Event(e) for e in events], last)
+    if last is not None:
+        result.ignored = [outside_message(e, last) for e in outside]
+    # Events without a step (or before the first record) are delivered first, then in step order.
+    evs = sorted(inside, key=lambda e: e["step"] if isinstance(e.get("step"), int) else -1)
     seen: set[int] = set()
     final: _engine.EngineState | None = None
     latest: dict[str, float] = {}

@@ -16,7 +16,7 @@ with the margin it leaves on each given run, and ``watchdog eval`` of those runs
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,12 +79,17 @@ def stat_peaks(records: Sequence[dict[str, Any]], params: Sequence[Param]) -> di
 
 def calibrate(rules: RuleSet, logs: Sequence[Path]) -> list[Proposal]:
     """Proposals for every calibrated parameter of ``rules`` from the healthy runs ``logs``."""
+    return calibrate_runs(rules, {Path(path).name: ingest.read_run(path).records for path in logs})
+
+
+def calibrate_runs(rules: RuleSet, runs: Mapping[str, Sequence[dict[str, Any]]]) -> list[Proposal]:
+    """Proposals from runs already read (name -> deduplicated metric records)."""
     params = [p for p in rules.params if p.calibrate is not None]
     out = {p.name: Proposal(p) for p in params}
-    for path in logs:
-        peaks = stat_peaks(ingest.read_run(path).records, params)
+    for name_of_run, records in runs.items():
+        peaks = stat_peaks(records, params)
         for name, v in peaks.items():
-            out[name].peaks[Path(path).name] = v
+            out[name].peaks[name_of_run] = v
     for prop in out.values():
         cal = prop.param.calibrate
         assert cal is not None

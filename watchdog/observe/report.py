@@ -69,15 +69,46 @@ def rollback_spans(events: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
     return out
 
 
+#: The KL panel's reference line (the default pack's KL level for "high").
+KL_LINE = 0.1
+
+
+def clipped_top(values: Sequence[float], line: float = KL_LINE) -> float | None:
+    """The top of a panel's axis that keeps ``line`` and the run's ordinary values readable when a few
+    spikes would flatten them on a linear axis; None when every value fits (no clipping needed).
+
+    Ordinary is the 90th percentile: a spike (NaN-adjacent blow-up, a divergence) is a handful of steps.
+    """
+    finite = sorted(v for v in values if v == v and abs(v) != float("inf"))
+    if not finite:
+        return None
+    p90 = finite[min(len(finite) - 1, int(0.9 * len(finite)))]
+    top = max(p90, line) * 2.0
+    return top if finite[-1] > top else None
+
+
 def render_png(run_dir: Path | str, decisions: Sequence[dict[str, Any]], out: Path | str,
                restarts: Sequence[tuple[int, int]] = ()) -> Path:
     """Write the report figure; ``restarts`` adds (to_step, from_step) spans for rollbacks done by restart."""
+    import matplotlib.pyplot as plt
+
+    out = Path(out)
+    fig = build_figure(run_dir, decisions, restarts)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def build_figure(run_dir: Path | str, decisions: Sequence[dict[str, Any]],
+                 restarts: Sequence[tuple[int, int]] = ()) -> Any:
+    """The report's matplotlib figure (one panel per metric of :data:`PANELS`, top to bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run_dir, out = Path(run_dir), Path(out)
+    run_dir = Path(run_dir)
     records = rundir.read_jsonl(run_dir / rundir.METRICS).records
     if not records:
         raise ReportError(f"{run_dir / rundir.METRICS}: no metrics to report")
@@ -96,7 +127,9 @@ def render_png(run_dir: Path | str, decisions: Sequence[dict[str, Any]], out: Pa
         ax.set_ylabel(title, fontsize=8)
         ax.grid(alpha=0.3)
         if key == "actor/reward_kl_penalty":
-            ax.axhline(0.1, color="tab:red", ls="--", lw=0.8)
+            ax.axhline(KL_LINE, color="tab:red", ls="--", lw=0.8)
+            _clip_spikes(ax, [(s, d[key]) for seg in segs for s, d in zip(seg.steps, seg.data, strict=False)
+                              if isinstance(d.get(key), (int, float))])
     for d in decisions:
         if d.get("kind") == "resolve" or d.get("status") == "skipped":
             continue
@@ -108,10 +141,24 @@ def render_png(run_dir: Path | str, decisions: Sequence[dict[str, Any]], out: Pa
     axes[-1].set_xlabel("step")
     fig.suptitle(f"run {run_dir.name}: red bands = rolled back, lines = watchdog actions", fontsize=10)
     fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return fig
+
+
+def _clip_spikes(ax: Any, points: Sequence[tuple[int, float]]) -> None:
+    """A linear axis clipped above the ordinary values, so one spike does not flatten the KL line and
+    everything under it; each clipped point is marked at the top edge with its value."""
+    top = clipped_top([v for _, v in points])
+    if top is None:
+        return
+    low = min(0.0, min(v for _, v in points if v == v and abs(v) != float("inf")))
+    ax.set_ylim(low, top)
+    spikes = [(s, v) for s, v in points if v > top]
+    ax.plot([s for s, _ in spikes], [top] * len(spikes), ls="none", marker="^", color="tab:red", ms=6,
+            clip_on=False, label="spike (off the axis)")
+    for s, v in spikes[:5]:  # a few labels are enough: the markers show every one
+        ax.annotate(f"{v:.3g} @ {s}", (s, top), textcoords="offset points", xytext=(4, -10), fontsize=6,
+                    color="tab:red")
+    ax.set_title(f"axis clipped at {top:.3g}: {len(spikes)} step(s) above it marked", fontsize=7, loc="right")
 
 
 def render_html(run_dir: Path | str, decisions: Sequence[dict[str, Any]], out: Path | str,
@@ -124,7 +171,9 @@ def render_html(run_dir: Path | str, decisions: Sequence[dict[str, Any]], out: P
     buf.unlink()
     rows = []
     for d in decisions:
-        inputs = json.dumps(d.get("inputs", {}), sort_keys=True)
+        # The measured values first, the $param thresholds after them (a stable sort keeps each group's order).
+        ins = d.get("inputs", {})
+        inputs = json.dumps(dict(sorted(ins.items(), key=lambda kv: str(kv[0]).startswith("$"))))
         actions = "; ".join(_describe(a) for a in d.get("actions", [])) or "-"
         rows.append(
             "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (

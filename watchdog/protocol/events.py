@@ -48,8 +48,16 @@ class EventError(ValueError):
         self.field = field
 
 
+#: Steps past a run's last logged step an event may carry: an OOM or NaN in the middle of the step
+#: being trained is recorded at that step, one past the last metric line.
+STEP_SLACK = 1
+
+
 class Event(dict[str, Any]):
     """One event, as written (a JSON object), with its three common fields checked and typed."""
+
+    where: str = ""
+    """Where it was read (``file:line``), for messages; not part of the event."""
 
     @property
     def kind(self) -> str:
@@ -86,7 +94,9 @@ class Event(dict[str, Any]):
                                  f"{' or null' if optional else ''}, got {value!r:.60}")
         if kind == "applied" and not isinstance(obj.get("commands", []), list):
             raise EventError(where, "commands", f"must be a list, got {obj.get('commands')!r:.60}")
-        return cls(obj)
+        event = cls(obj)
+        event.where = where
+        return event
 
     @classmethod
     def new(cls, kind: str, step: int | None, ts: float, **fields: Any) -> Event:
@@ -94,3 +104,21 @@ class Event(dict[str, Any]):
         if kind not in EVENT_KINDS:
             raise ValueError(f"unknown event kind {kind!r}")
         return cls.parse({"ts": ts, "step": step, "kind": kind, **fields}, f"event {kind!r}")
+
+
+def past_the_end(events: list[Event], last_step: int | None) -> tuple[list[Event], list[Event]]:
+    """(events within the run's steps, events whose step lies past its last step + :data:`STEP_SLACK`).
+
+    An event past the end of the run (a hand-edited line, a step from another run) is never acted on:
+    a rule evaluated at the last step would otherwise take it for something that happened there.
+    """
+    if last_step is None:
+        return list(events), []
+    inside = [e for e in events if e.step is None or e.step <= last_step + STEP_SLACK]
+    return inside, [e for e in events if e.step is not None and e.step > last_step + STEP_SLACK]
+
+
+def outside_message(event: Event, last_step: int) -> str:
+    """What a reader says about an event :func:`past_the_end` left out (file:line first)."""
+    return (f"{event.where or 'events'}: a {event.kind!r} event at step {event.step}, past the run's last step "
+            f"{last_step}: ignored, never acted on")

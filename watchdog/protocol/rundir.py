@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from watchdog.protocol.events import Event, EventError
+from watchdog.protocol.events import EVENT_KINDS, Event, EventError
 
 log = logging.getLogger(__name__)
 
@@ -154,13 +154,20 @@ def read_jsonl(path: Path | str, offset: int = 0, first_line: int = 1, until: in
 
 
 def events_of(chunk: JsonlChunk) -> list[Event]:
-    """The valid events of a chunk of events.jsonl; each invalid line joins ``chunk.errors``."""
+    """The valid events of a chunk of events.jsonl; each invalid line, and each event of a kind no
+    rule can read, joins ``chunk.errors`` (``file:line: ...``)."""
     out: list[Event] = []
     for obj, line in zip(chunk.records, chunk.lines, strict=True):
         try:
-            out.append(Event.parse(obj, f"{chunk.path}:{line}"))
+            event = Event.parse(obj, f"{chunk.path}:{line}")
         except EventError as exc:
             chunk.errors.append(str(exc))
+            continue
+        if event.kind not in EVENT_KINDS:  # a rule may only name known kinds: said, never acted on
+            chunk.errors.append(f"{event.where}: unknown event kind {event.kind!r:.60} (known: "
+                                f"{', '.join(sorted(EVENT_KINDS))}): ignored")
+            continue
+        out.append(event)
     return out
 
 

@@ -221,22 +221,6 @@ def _resolve(path: Path | str) -> Path:
     return p
 
 
-def detect_format(lines: Sequence[str]) -> str:
-    """``jsonl`` when the first non-blank line is a JSON object, else ``console``."""
-    for line in lines:
-        s = line.strip()
-        if not s:
-            continue
-        if s.startswith("{"):
-            try:
-                return FORMAT_JSONL if isinstance(json.loads(s), dict) else FORMAT_CONSOLE
-            except json.JSONDecodeError:
-                # a torn first line of a JSONL file still looks like one
-                return FORMAT_JSONL if s.startswith('{"') else FORMAT_CONSOLE
-        return FORMAT_CONSOLE
-    return FORMAT_JSONL
-
-
 def record_from_json(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
     """Validate one FileLogger object: (record, None) or (None, reason)."""
     if not isinstance(obj, dict):
@@ -265,6 +249,9 @@ def _parse_jsonl(path: Path, lines: Sequence[str]) -> tuple[list[dict[str, Any]]
             obj = json.loads(s)
         except json.JSONDecodeError as exc:
             issues.append(ParseIssue(str(path), n, f"not JSON ({exc.msg} at column {exc.colno})"))
+            continue
+        except RecursionError:  # the decoder recurses once per nesting level: every log is tried as JSONL
+            issues.append(ParseIssue(str(path), n, "JSON nested too deeply"))
             continue
         rec, reason = record_from_json(obj)
         if rec is None:
@@ -319,17 +306,15 @@ def read_run(path: Path | str) -> ReadResult:
     except OSError as exc:
         raise IngestError(p, f"cannot read ({exc.strerror or exc})") from exc
     lines = text.splitlines()
-    fmt = detect_format(lines)
-    events: list[Event] = []
-    if fmt == FORMAT_JSONL:
-        raw, issues = _parse_jsonl(p, lines)
-        if not raw and issues:
-            # A console log that happens to open with a JSON line: read it as one.
-            c_raw, c_issues, c_events = _parse_console(p, lines)
-            if c_raw:
-                fmt, raw, issues, events = FORMAT_CONSOLE, c_raw, c_issues, c_events
-    else:
-        raw, issues, events = _parse_console(p, lines)
+    # The format is the one more lines parse in, not the first line's: one garbage line (a banner, a
+    # torn write) at the top of a FileLogger JSONL must not make it a console log with no steps. The
+    # other format's lines are then this one's skipped lines, each named by file:line.
+    raw, issues = _parse_jsonl(p, lines)
+    c_raw, c_issues, c_events = _parse_console(p, lines)
+    fmt, events = FORMAT_JSONL, []
+    looks_json = any(ln.lstrip().startswith("{") for ln in lines) or not any(ln.strip() for ln in lines)
+    if len(c_raw) > len(raw) or (not raw and not c_raw and not looks_json):
+        fmt, raw, issues, events = FORMAT_CONSOLE, c_raw, c_issues, c_events
     for issue in issues:
         log.debug("skipped %s", issue)  # returned to the caller, who reports them
     return ReadResult(dedup_records(raw), fmt, p, issues, len(raw), events)
