@@ -520,7 +520,8 @@ class RunController:
         the values it changed, and adopted as the run's desired state. The trainer runs with those
         values, so the rules' next sets start from them and the watchdog's next version keeps them
         (a relaunch too) rather than silently undoing a human's change (RELIABILITY.md)."""
-        applied = e.get("applied") if isinstance(e.get("applied"), Mapping) else {}
+        raw = e.get("applied")
+        applied: dict[str, Any] = dict(raw) if isinstance(raw, Mapping) else {}
         changed = {k: v for k, v in applied.items() if self.run.overrides.get(k) != v}
         cfg = run_config(self.run.run_dir)
         was = {k: self.run.overrides.get(k, config_value(cfg, k)) for k in changed}
