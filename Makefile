@@ -37,7 +37,7 @@ constraints:
 # What the test environment resolved to (printed by .ci/run before the tests).
 versions: $(STAMP)
 	@$(BIN)/python -c "from importlib.metadata import version as v; \
-	  print('resolved:', ', '.join(f'{p} {v(p)}' for p in ('torch', 'verl', 'ray', 'transformers', 'prometheus-client')))"
+	  print('resolved:', ', '.join(f'{p} {v(p)}' for p in ('torch', 'verl', 'ray', 'transformers', 'trl', 'prometheus-client')))"
 
 deps:
 	@command -v promtool >/dev/null 2>&1 && command -v amtool >/dev/null 2>&1 || { \
