@@ -11,6 +11,18 @@ CPU through :mod:`trainer.verl_cpu` (no file of verl edited), tiny local assets:
 2. **in-process** (:func:`run_in_process`): ``watchdog run -- python -m trainer.verl_glue`` with
    bench/verl_gpu_smoke.yaml (kl_coef x2 live from step 2, lr x0.5 live from step 3), checked by
    bench/verl_gpu_smoke.py's :func:`check_run` against what verl logs;
+3. ``--world-size-2``: two gloo ranks (:func:`run_world_size_2`);
+4. ``--ray-job`` (:func:`run_ray_job`): the same verl run as Ray Jobs on a local head started with token
+   authentication on (``ray start --head --num-cpus 12 --num-gpus 1``, a token file of its own), an
+   injected OOM at step 3: two jobs, the second with the smaller micro batch; the token in no argv,
+   output, state or run file; the head and everything it started stopped afterwards;
+5. ``--kl-adaptive`` (:func:`run_kl_adaptive`): ``algorithm.kl_ctrl.type=adaptive``, a kl_coef x2 relaunch
+   and an OOM relaunch: the coefficient verl logs after each resume is the one the watchdog passed;
+6. ``--async-save`` (:func:`run_async_save`): ``actor.checkpoint.async_save=true``: what verl writes and
+   what the watchdog makes of it.
+
+``--keep-rows`` merges the rows produced into ``--out`` (the rows it does not produce stay);
+``--recheck`` re-evaluates the runs kept under ``--root``.
 
 Rows: ``name``, ``pass``, ``detail`` and figures (relaunch cost stop -> first new step, steps
 lost, the watchdog's share of verl's step time, the watchdog's peak RSS, processes left) ->
@@ -690,7 +702,8 @@ def run_kl_adaptive(root: Path) -> VerlRun:
     verl = overrides.verl_command(sys.executable, [*base, *ADAPTIVE, f"hydra.run.dir={run_dir / 'verl' / 'hydra'}"])
     argv = [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir), "--state-dir",
             str(state), "--rules", str(REPO / "rules" / "default.yaml"), "--rules", str(KL_ADAPTIVE_RULES),
-            "--on-escalate", "stop", "--startup-s", "60", "--startup-timeout", "400", "--no-report", "--", *verl]
+            "--on-escalate", "stop", "--tuning-relaunch-every", "2", "--startup-s", "60", "--startup-timeout", "400",
+            "--no-report", "--", *verl]
     return supervise(argv, env, run_dir, state, root)
 
 
@@ -704,8 +717,7 @@ def kl_adaptive_checks(run: VerlRun) -> list[Row]:
     from watchdog.backends.zero_patch import kl_coef_after
 
     coef, pen = "actor/reward_kl_penalty_coeff", "actor/reward_kl_penalty"
-    t = next(e for e in run.restarts() if KL in e.payload.get("set", {}))
-    step = int(t.result["resume_step"])
+    t = next((e for e in run.restarts() if KL in e.payload.get("set", {})), None)
     launches = RunInfo.read(run.run_dir).launches
     per_launch = []  # (attempt, resumed from, kl_coef passed, first coefficient verl logged in that attempt)
     for launch in launches[1:]:
@@ -724,16 +736,19 @@ def kl_adaptive_checks(run: VerlRun) -> list[Row]:
                 errors.append(abs(want - float(recs[s_ + 1][coef])) / abs(float(recs[s_ + 1][coef])))
     first = run.attempt_records(1)
     moved = sorted({round(float(r["data"][coef]), 12) for r in first if coef in r["data"]})
-    set_ok = any(p is not None and math.isclose(p, float(t.payload["set"][KL]), rel_tol=1e-9) for _, _, p, _ in per_launch)
+    set_ok = t is not None and any(p is not None and math.isclose(p, float(t.payload["set"][KL]), rel_tol=1e-9)
+                                   for _, _, p, _ in per_launch)
     ok = (len(per_launch) >= 2 and all(matched) and set_ok and len(moved) > 1 and bool(errors)
           and max(errors) < 1e-6)
     return [Row("a kl_coef relaunch under verl's adaptive controller: the coefficient verl logs after each resume is "
                 "the one the watchdog computed", ok,
-                f"tuning set {t.payload['set'][KL]} applied from step {step}; per relaunch (attempt, resumed from, "
+                f"tuning set {t.payload['set'][KL] if t else None} applied from step "
+                f"{t.result['resume_step'] if t else None}; per relaunch (attempt, resumed from, "
                 f"passed, verl's first logged): {per_launch}; the controller moved in attempt 1 ({moved[:4]}); the "
                 f"watchdog's arithmetic vs verl's next logged coefficient over {len(errors)} step pairs: max relative "
                 f"error {f'{max(errors):.2e}' if errors else None}",
-                {"relaunch_s": t.result.get("relaunch_s"), "steps_lost": t.result.get("steps_lost"),
+                {"relaunch_s": t.result.get("relaunch_s") if t else None,
+                 "steps_lost": t.result.get("steps_lost") if t else None,
                  "relaunches": len(per_launch), "wall_s": round(run.wall_s, 1)})]
 
 
@@ -816,16 +831,17 @@ def _guard_rows(name: str, fn: Callable[[VerlRun], list[Row]], run: VerlRun) -> 
         return [Row(f"{name}: the run can be checked", False, f"{type(exc).__name__}: {exc}")]
 
 
-def _merged(rows: list[Row], notes: list[str], ns: argparse.Namespace) -> tuple[list[Row], list[str]]:
-    """With ``--keep-rows``: --out's rows this invocation did not produce, then these (same order as before)."""
+def _merged(rows: list[Row], notes: list[str], ns: argparse.Namespace, command: str) -> tuple[list[Row], list[str], str]:
+    """With ``--keep-rows``: --out's rows this invocation did not produce, then these; its notes, then these;
+    its command, then this one."""
     out = Path(ns.out).with_suffix(".json")
     if not ns.keep_rows or not out.exists():
-        return rows, notes
+        return rows, notes, command
     old = json.loads(out.read_text())
     new = {r.name for r in rows}
     kept = [Row(c["name"], bool(c["pass"]), c.get("detail", ""), c.get("figures", {}))
             for c in old.get("checks", []) if c["name"] not in new]
-    return kept + rows, [*old.get("notes", []), *notes]
+    return kept + rows, [*old.get("notes", []), *notes], f"{old.get('command', '')}; then {command}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -862,7 +878,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, checks in RUNS:
             if (root / name / "verlrun.json").exists():
                 rows += checks(VerlRun.load(root / name))
-        merged, notes = _merged(rows, [f"rechecked the runs kept under {ns.root}: `{command}`"], ns)
+        merged, notes, command = _merged(rows, [f"rechecked the runs kept under {ns.root}: `{command}`"], ns, command)
         write_results(merged, command, "cpu", Path(ns.out), notes)
         return 0 if rows and all(r.ok for r in rows) else 1
     shutil.rmtree(root, ignore_errors=True)
@@ -888,7 +904,7 @@ def main(argv: list[str] | None = None) -> int:
             r = run_fn(root / name)
             rows += _guard_rows(name, checks, r)
             notes.append(f"{name} run: {r.wall_s:.0f} s wall, exit {r.exit_code} (`{command}`)")
-    merged, notes = _merged(rows, notes, ns)
+    merged, notes, command = _merged(rows, notes, ns, command)
     write_results(merged, command, "cpu", Path(ns.out), notes)
     for r in rows:
         sys.stdout.write(f"{'PASS' if r.ok else 'FAIL'}  {r.name}: {r.detail[:200]}\n")
