@@ -779,12 +779,19 @@ def async_save_checks(run: VerlRun) -> list[Row]:
     marker = (ck / rundir.LATEST_MARKER).exists()
     counted = [e.get("step") for e in run.events() if e["kind"] == "checkpoint"]
     said = "no checkpoint of this run will count as complete" in run.output
+    from watchdog.protocol import checkpoint as ckpt
+
+    judged = ckpt.list_verl_checkpoints(ck, 1, ("actor", "critic"))
+    # The same folders judged as if verl had written its marker: are their files all there?
+    by_files = [ckpt.verl_checkpoint_info(c.path, c.step, 1, ("actor", "critic")).complete for c in judged]
     ok = run.exit_code == 0 and (bool(counted) or said)
     return [Row("actor.checkpoint.async_save=true: checkpoints count when complete, or the run start says why no "
                 "rollback will be possible", ok,
                 f"exit {run.exit_code}; verl wrote {written[:8]}; {rundir.LATEST_MARKER}: "
                 f"{'present' if marker else 'absent'}; checkpoint events at steps {counted}; the start said no "
-                f"rollback will be possible: {said}", {"wall_s": round(run.wall_s, 1)})]
+                f"rollback will be possible: {said}; the watchdog's judgement "
+                f"{[(c.step, c.complete, c.reason) for c in judged]}; complete by their files alone: {by_files}",
+                {"wall_s": round(run.wall_s, 1), "checkpoints_counted": len(counted)})]
 
 
 # -- report -----------------------------------------------------------------------------------------
@@ -858,6 +865,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-rows", action="store_true",
                    help="Merge into --out: keep its rows (and notes) that this invocation does not produce.")
     p.add_argument("--recheck", action="store_true", help="Only the checks, on the runs kept under --root.")
+    p.add_argument("--note", action="append", default=[], help="A note for the results (repeatable).")
     ns, rest = p.parse_known_args(argv)
     command = "python bench/verl_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if ns.device == "cuda":
@@ -878,7 +886,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, checks in RUNS:
             if (root / name / "verlrun.json").exists():
                 rows += checks(VerlRun.load(root / name))
-        merged, notes, command = _merged(rows, [f"rechecked the runs kept under {ns.root}: `{command}`"], ns, command)
+        merged, notes, command = _merged(rows, [f"rechecked the runs kept under {ns.root}: `{command}`", *ns.note],
+                                         ns, command)
         write_results(merged, command, "cpu", Path(ns.out), notes)
         return 0 if rows and all(r.ok for r in rows) else 1
     shutil.rmtree(root, ignore_errors=True)
@@ -904,7 +913,7 @@ def main(argv: list[str] | None = None) -> int:
             r = run_fn(root / name)
             rows += _guard_rows(name, checks, r)
             notes.append(f"{name} run: {r.wall_s:.0f} s wall, exit {r.exit_code} (`{command}`)")
-    merged, notes, command = _merged(rows, notes, ns, command)
+    merged, notes, command = _merged(rows, [*notes, *ns.note], ns, command)
     write_results(merged, command, "cpu", Path(ns.out), notes)
     for r in rows:
         sys.stdout.write(f"{'PASS' if r.ok else 'FAIL'}  {r.name}: {r.detail[:200]}\n")
