@@ -736,14 +736,21 @@ def kl_adaptive_checks(run: VerlRun) -> list[Row]:
                 errors.append(abs(want - float(recs[s_ + 1][coef])) / abs(float(recs[s_ + 1][coef])))
     first = run.attempt_records(1)
     moved = sorted({round(float(r["data"][coef]), 12) for r in first if coef in r["data"]})
-    set_ok = t is not None and any(p is not None and math.isclose(p, float(t.payload["set"][KL]), rel_tol=1e-9)
-                                   for _, _, p, _ in per_launch)
-    ok = (len(per_launch) >= 2 and all(matched) and set_ok and len(moved) > 1 and bool(errors)
+    # The probe's tuning set: the planner leaves a tuning set of kl_coef out while verl's adaptive controller
+    # owns it (core/planner.py, plan_sets); applied, it must be what the relaunch passed.
+    from watchdog.control.store import Store
+
+    probe = [(d["step"], d["status"], d["outcome"]) for d in Store(run.state_dir).decisions()
+             if d["rule"] == "probe_kl_coef_adaptive"]
+    set_ok = (any(p is not None and math.isclose(p, float(t.payload["set"][KL]), rel_tol=1e-9)
+                  for _, _, p, _ in per_launch) if t is not None else bool(probe) and probe[0][1] == "skipped")
+    ok = (len(per_launch) >= 1 and all(matched) and set_ok and len(moved) > 1 and bool(errors)
           and max(errors) < 1e-6)
     return [Row("a kl_coef relaunch under verl's adaptive controller: the coefficient verl logs after each resume is "
                 "the one the watchdog computed", ok,
                 f"tuning set {t.payload['set'][KL] if t else None} applied from step "
-                f"{t.result['resume_step'] if t else None}; per relaunch (attempt, resumed from, "
+                f"{t.result['resume_step'] if t else None} (the probe's decisions (step, status, outcome): {probe}: a "
+                f"tuning set of kl_coef is left out under the adaptive controller); per relaunch (attempt, resumed from, "
                 f"passed, verl's first logged): {per_launch}; the controller moved in attempt 1 ({moved[:4]}); the "
                 f"watchdog's arithmetic vs verl's next logged coefficient over {len(errors)} step pairs: max relative "
                 f"error {f'{max(errors):.2e}' if errors else None}",
