@@ -748,7 +748,7 @@ def kl_adaptive_checks(run: VerlRun) -> list[Row]:
           and max(errors) < 1e-6)
     return [Row("a kl_coef relaunch under verl's adaptive controller: the coefficient verl logs after each resume is "
                 "the one the watchdog computed", ok,
-                f"tuning set {t.payload['set'][KL] if t else None} applied from step "
+                f"the urgent set {t.payload['set'][KL] if t else None} applied from step "
                 f"{t.result['resume_step'] if t else None} (the probe's decisions (step, status, outcome): {probe}: a "
                 f"tuning set of kl_coef is left out under the adaptive controller); per relaunch (attempt, resumed from, "
                 f"passed, verl's first logged): {per_launch}; the controller moved in attempt 1 ({moved[:4]}); the "
