@@ -46,6 +46,7 @@ from watchdog.core.planner import (
     ON_ESCALATE,
     PlanContext,
     Planned,
+    left_out_reason,
     oom_remedy,
     plan_decision,
 )
@@ -587,8 +588,9 @@ class RunController:
         with self.store.transaction():
             overrides = {**self.run.overrides, **self._waiting_sets()}
             for d in decisions:
-                planned = plan_decision(d, self._plan_context(overrides, cfg))
-                covered = ""
+                ctx = self._plan_context(overrides, cfg)
+                planned = plan_decision(d, ctx)
+                covered = "" if planned else left_out_reason(d, ctx)
                 if self._saw_finished and any(p.kind not in (JournalKind.NOTIFY, JournalKind.ROLLBACK) for p in planned):
                     # The trainer wrote its last step and ended: nothing is left to change live. Said, not
                     # done. A rollback still goes: it re-runs the tail from the known-good checkpoint,
