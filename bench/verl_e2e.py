@@ -11,6 +11,18 @@ CPU through :mod:`trainer.verl_cpu` (no file of verl edited), tiny local assets:
 2. **in-process** (:func:`run_in_process`): ``watchdog run -- python -m trainer.verl_glue`` with
    bench/verl_gpu_smoke.yaml (kl_coef x2 live from step 2, lr x0.5 live from step 3), checked by
    bench/verl_gpu_smoke.py's :func:`check_run` against what verl logs;
+3. ``--world-size-2``: two gloo ranks (:func:`run_world_size_2`);
+4. ``--ray-job`` (:func:`run_ray_job`): the same verl run as Ray Jobs on a local head started with token
+   authentication on (``ray start --head --num-cpus 12 --num-gpus 1``, a token file of its own), an
+   injected OOM at step 3: two jobs, the second with the smaller micro batch; the token in no argv,
+   output, state or run file; the head and everything it started stopped afterwards;
+5. ``--kl-adaptive`` (:func:`run_kl_adaptive`): ``algorithm.kl_ctrl.type=adaptive``, a kl_coef x2 relaunch
+   and an OOM relaunch: the coefficient verl logs after each resume is the one the watchdog passed;
+6. ``--async-save`` (:func:`run_async_save`): ``actor.checkpoint.async_save=true``: what verl writes and
+   what the watchdog makes of it.
+
+``--keep-rows`` merges the rows produced into ``--out`` (the rows it does not produce stay);
+``--recheck`` re-evaluates the runs kept under ``--root``.
 
 Rows: ``name``, ``pass``, ``detail`` and figures (relaunch cost stop -> first new step, steps
 lost, the watchdog's share of verl's step time, the watchdog's peak RSS, processes left) ->
@@ -457,6 +469,338 @@ def world_size_2_checks(run: VerlRun) -> list[Row]:
     return rows
 
 
+# -- the Ray Job backend on a real head with token auth -------------------------------------------
+
+
+RAY_HEAD_CPUS = 12  # logical, as ray_kwargs.ray_init.num_cpus=12 in overrides.py (TransferQueue takes whole CPUs)
+
+
+def ray_job_overrides(base: list[str]) -> list[str]:
+    """The CPU overrides for a verl driver that runs as a Ray Job: its ``ray.init()`` connects to the
+    head (the job supervisor sets RAY_ADDRESS), and Ray refuses ``num_cpus``/``num_gpus`` when connecting
+    to an existing cluster, so the head offers them instead (``ray start --num-cpus 12 --num-gpus 1``)."""
+    return [o for o in base if not o.startswith(("+ray_kwargs.ray_init.num_gpus=", "ray_kwargs.ray_init.num_cpus="))]
+
+
+class RayHeadProc:
+    """``ray start --head --block`` on 127.0.0.1 with token authentication on (``RAY_AUTH_MODE`` unset, a
+    token in ``$RAY_AUTH_TOKEN_PATH``), the verl plugin in its environment (jobs and workers inherit it)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        import secrets
+        import socket
+        import tempfile
+
+        def free() -> int:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return int(s.getsockname()[1])
+
+        # Short: Ray's unix sockets live under it (107 bytes at most).
+        self.temp = Path(tempfile.mkdtemp(prefix="wdvr-"))
+        self.token_file = self.temp / "auth_token"
+        self.token = secrets.token_hex(32)
+        self.token_file.write_text(self.token)
+        self.token_file.chmod(0o600)
+        self.port = free()
+        self.address = f"http://127.0.0.1:{self.port}"
+        ray_bin = Path(sys.executable).with_name("ray")
+        cmd = [str(ray_bin), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(free()),
+               "--dashboard-host", "127.0.0.1", "--dashboard-port", str(self.port),
+               "--ray-client-server-port", str(free()), "--dashboard-agent-listen-port", str(free()),
+               "--num-cpus", str(RAY_HEAD_CPUS), "--num-gpus", "1", "--include-dashboard", "true",
+               "--disable-usage-stats", "--temp-dir", str(self.temp)]
+        head_env = {k: v for k, v in env.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", "RAY_AUTH_MODE",
+                                                               "RAY_AUTH_TOKEN")}
+        head_env.update({"RAY_AUTH_TOKEN_PATH": str(self.token_file), "RAY_USAGE_STATS_ENABLED": "0"})
+        self.log = self.temp / "ray-start.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, cwd=self.temp, env=head_env, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self._wait()
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def _wait(self, timeout: float = 180.0) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        req = urllib.request.Request(f"{self.address}/api/version", headers=self.headers())
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"ray start exited {self.proc.returncode}: {self.log.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(req, timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"Ray job server at {self.address} not up within {timeout:.0f} s")
+
+    def jobs(self) -> list[dict[str, Any]]:
+        """The head's jobs: submission id, status, entrypoint (oldest first)."""
+        from ray.job_submission import JobSubmissionClient
+
+        client = JobSubmissionClient(self.address, headers=self.headers())
+        jobs = [{"id": j.submission_id, "status": str(getattr(j.status, "value", j.status)), "entrypoint": j.entrypoint,
+                 "start": j.start_time or 0} for j in client.list_jobs() if j.submission_id]
+        return sorted(jobs, key=lambda j: j["start"])
+
+    def stop(self) -> int:
+        """Stop the head and kill every process it started; returns how many were still there to kill."""
+        import shutil
+
+        import psutil
+
+        def tree() -> list[psutil.Process]:
+            try:
+                return psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                return []
+
+        started = tree()
+        self.proc.send_signal(15)  # `ray start --block` stops what it started
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        left = [p for p in started + tree() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        shutil.rmtree(self.temp, ignore_errors=True)
+        return len(left)
+
+
+def _cmdlines_with(secret: str) -> list[int]:
+    """Pids whose /proc/PID/cmdline holds ``secret``."""
+    found = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if secret.encode() in (d / "cmdline").read_bytes():
+                    found.append(int(d.name))
+            except OSError:
+                continue
+    return found
+
+
+def _files_with(secret: str, *roots: Path) -> list[str]:
+    hits = []
+    for root in roots:
+        for p in root.rglob("*") if root.exists() else []:
+            try:
+                if p.is_file() and not p.is_symlink() and p.stat().st_size < 200_000_000 and secret.encode() in p.read_bytes():
+                    hits.append(str(p))
+            except OSError:
+                continue
+    return hits
+
+
+RAY_OOM_STEP, RAY_STEPS = 3, 6
+
+
+def run_ray_job(root: Path) -> VerlRun:
+    """``watchdog run --ray-address ... --ray-token-file ...`` over verl's main_ppo on a local token-auth head:
+    an injected OOM at step 3 (micro batch 2 > 1) makes the watchdog resubmit the job with micro batch 1."""
+    from trainer.verl_cpu import assets, overrides
+
+    a = assets.build(root / "assets")
+    run_dir, state = root / "run", root / "state"
+    env = overrides.verl_env(inject={"VERL_CPU_INJECT_DIR": str(run_dir / "injected"),
+                                     "VERL_CPU_INJECT_OOM": f"{RAY_OOM_STEP}:1", "RAY_memory_monitor_refresh_ms": "0"})
+    head = RayHeadProc(env)
+    scan: dict[str, Any] = {"pids": set(), "scans": 0}
+    stop = threading.Event()
+
+    def scanner() -> None:
+        while not stop.wait(1.0):
+            scan["pids"].update(_cmdlines_with(head.token))
+            scan["scans"] += 1
+
+    verl = overrides.verl_command(sys.executable, [
+        *ray_job_overrides(overrides.ppo_overrides(a, steps=RAY_STEPS, save_freq=2, micro_batch=2)),
+        f"hydra.run.dir={run_dir / 'verl' / 'hydra'}"])
+    argv = [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir), "--state-dir",
+            str(state), "--ray-address", head.address, "--ray-token-file", str(head.token_file),
+            "--rules", str(REPO / "rules" / "default.yaml"), "--on-escalate", "stop", "--startup-s", "60",
+            "--startup-timeout", "400", "--no-report", "--", *verl]
+    t = threading.Thread(target=scanner, daemon=True)
+    t.start()
+    try:
+        run = supervise(argv, {k: v for k, v in env.items() if k != "RAY_memory_monitor_refresh_ms"}, run_dir, state, root)
+        jobs = head.jobs()
+    finally:
+        stop.set()
+        t.join()
+        killed = head.stop()
+    time.sleep(2.0)
+    extra = {"jobs": jobs, "token_in_cmdline_pids": sorted(scan["pids"]), "cmdline_scans": scan["scans"],
+             "token_in_files": _files_with(head.token, run_dir, state),
+             "token_in_output": head.token in run.output, "head_processes_killed": killed,
+             "left_after_head_stop": run_processes(str(run_dir / "injected"))}
+    (root / "ray.json").write_text(json.dumps(extra, indent=1))
+    return run
+
+
+def ray_job_checks(run: VerlRun) -> list[Row]:
+    """Two jobs on the token-auth head, the second with the smaller micro batch; the run finishes; no token leaks."""
+    extra = json.loads((run.run_dir.parent / "ray.json").read_text())
+    jobs = extra["jobs"]
+    micro = [next((x.split("=", 1)[1] for x in j["entrypoint"].split() if x.startswith(MICRO + "=")), None) for j in jobs]
+    last = max((r["step"] for r in run.metrics()), default=0)
+    oom = next((e for e in run.events() if e["kind"] == "oom"), None)
+    ok = (len(jobs) == 2 and micro == ["2", "1"] and jobs[-1]["status"] == "SUCCEEDED" and run.exit_code == 0
+          and last == RAY_STEPS)
+    restart = next((e for e in run.restarts() if MICRO in e.payload.get("set", {})), None)
+    rows = [Row("the Ray Job backend submits verl to a token-auth head and resubmits it after an OOM with a "
+                "smaller micro batch; the run finishes", ok,
+                f"jobs {[(j['id'], j['status'], m) for j, m in zip(jobs, micro, strict=False)]} (micro batch per job); oom event "
+                f"{oom and (oom.get('memory'), oom.get('site'))}; exit {run.exit_code}, last step {last}",
+                {"wall_s": round(run.wall_s, 1), "jobs": len(jobs),
+                 "relaunch_s": restart.result.get("relaunch_s") if restart else None,
+                 "steps_lost": restart.result.get("steps_lost") if restart else None})]
+    leaks = extra["token_in_cmdline_pids"] or extra["token_in_files"] or extra["token_in_output"]
+    rows.append(Row("the Ray token appears in no process's argv and in none of the watchdog's output, state or run "
+                    "files", not leaks and extra["cmdline_scans"] > 10,
+                    f"{extra['cmdline_scans']} scans of every /proc/*/cmdline during the run: pids with it "
+                    f"{extra['token_in_cmdline_pids']}; files with it {extra['token_in_files']}; in the output: "
+                    f"{extra['token_in_output']}"))
+    # The head's own processes (raylet, GCS, dashboard, idle workers) carry the run's marker too (the head was
+    # started with the run's environment): they stay until the head is stopped, by design of a cluster.
+    rows.append(Row("the Ray Job run and its head leave no Ray or verl process behind",
+                    not extra["left_after_head_stop"],
+                    f"{len(run.left_processes)} process(es) of the head up 60 s after the watchdog exited (the head "
+                    f"outlives its jobs); {extra['head_processes_killed']} still there after the head's SIGTERM "
+                    f"(killed); left after: {extra['left_after_head_stop']}",
+                    {"processes_peak": run.peak_processes, "processes_left": len(extra["left_after_head_stop"])}))
+    return rows
+
+
+# -- kl_coef relaunch with an adaptive controller ------------------------------------------------------
+
+KL_ADAPTIVE_RULES = REPO / "bench" / "verl_kl_adaptive.yaml"
+ADAPTIVE = ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.1", "algorithm.kl_ctrl.horizon=40"]
+
+
+def run_kl_adaptive(root: Path) -> VerlRun:
+    """PPO with the KL in the reward under verl's adaptive controller (horizon 40: it visibly moves each
+    step); a tuning set doubles kl_coef from step 2, applied by relaunch at the next checkpoint; an
+    injected OOM at step 5 makes one more relaunch, which carries the controller's value on."""
+    from trainer.verl_cpu import assets, overrides
+
+    a = assets.build(root / "assets")
+    run_dir, state = root / "run", root / "state"
+    env = overrides.verl_env(inject={"VERL_CPU_INJECT_DIR": str(run_dir / "injected"), "VERL_CPU_INJECT_OOM": "5:1",
+                                     "RAY_memory_monitor_refresh_ms": "0"})
+    base = [o for o in overrides.ppo_overrides(a, steps=6, save_freq=2) if not o.startswith("algorithm.kl_ctrl.type=")]
+    verl = overrides.verl_command(sys.executable, [*base, *ADAPTIVE, f"hydra.run.dir={run_dir / 'verl' / 'hydra'}"])
+    argv = [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir), "--state-dir",
+            str(state), "--rules", str(REPO / "rules" / "default.yaml"), "--rules", str(KL_ADAPTIVE_RULES),
+            "--on-escalate", "stop", "--tuning-relaunch-every", "2", "--startup-s", "60", "--startup-timeout", "400",
+            "--no-report", "--", *verl]
+    return supervise(argv, env, run_dir, state, root)
+
+
+ADAPTIVE_CFG = {"algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.target_kl": 0.1,
+                "algorithm.kl_ctrl.horizon": 40, "data.train_batch_size": 4, "actor_rollout_ref.rollout.n": 1}
+
+
+def kl_adaptive_checks(run: VerlRun) -> list[Row]:
+    """The coefficient verl logs at the first step after each resume is the one the watchdog passed; the
+    watchdog's arithmetic of verl's controller matches what verl logs from one step to the next."""
+    from watchdog.backends.zero_patch import kl_coef_after
+
+    coef, pen = "actor/reward_kl_penalty_coeff", "actor/reward_kl_penalty"
+    t = next((e for e in run.restarts() if KL in e.payload.get("set", {})), None)
+    launches = RunInfo.read(run.run_dir).launches
+    per_launch = []  # (attempt, resumed from, kl_coef passed, first coefficient verl logged in that attempt)
+    for launch in launches[1:]:
+        passed = [float(str(x).split("=", 1)[1]) for x in launch["command"] if str(x).startswith(KL + "=")]
+        recs = [r for r in run.attempt_records(int(launch["attempt"])) if coef in r["data"]]
+        per_launch.append((launch["attempt"], launch.get("resume_from"), passed[-1] if passed else None,
+                           float(recs[0]["data"][coef]) if recs else None))
+    matched = [p is not None and v is not None and math.isclose(p, v, rel_tol=1e-9) for _, _, p, v in per_launch]
+    # verl's own controller, step to step inside each attempt, against the watchdog's arithmetic of it.
+    errors = []
+    for launch in launches:
+        recs = {int(r["step"]): r["data"] for r in run.attempt_records(int(launch["attempt"])) if coef in r["data"]}
+        for s_ in sorted(recs):
+            if s_ + 1 in recs:
+                want = kl_coef_after(recs[s_][coef], recs[s_][pen], ADAPTIVE_CFG)
+                errors.append(abs(want - float(recs[s_ + 1][coef])) / abs(float(recs[s_ + 1][coef])))
+    first = run.attempt_records(1)
+    moved = sorted({round(float(r["data"][coef]), 12) for r in first if coef in r["data"]})
+    # The probe's tuning set: the planner leaves a tuning set of kl_coef out while verl's adaptive controller
+    # owns it (core/planner.py, plan_sets); applied, it must be what the relaunch passed.
+    from watchdog.control.store import Store
+
+    probe = [(d["step"], d["status"], d["outcome"]) for d in Store(run.state_dir).decisions()
+             if d["rule"] == "probe_kl_coef_adaptive"]
+    set_ok = (any(p is not None and math.isclose(p, float(t.payload["set"][KL]), rel_tol=1e-9)
+                  for _, _, p, _ in per_launch) if t is not None else bool(probe) and probe[0][1] == "skipped")
+    ok = (len(per_launch) >= 1 and all(matched) and set_ok and len(moved) > 1 and bool(errors)
+          and max(errors) < 1e-6)
+    return [Row("a kl_coef relaunch under verl's adaptive controller: the coefficient verl logs after each resume is "
+                "the one the watchdog computed", ok,
+                f"the urgent set {t.payload['set'][KL] if t else None} applied from step "
+                f"{t.result['resume_step'] if t else None} (the probe's decisions (step, status, outcome): {probe}: a "
+                f"tuning set of kl_coef is left out under the adaptive controller); per relaunch (attempt, resumed from, "
+                f"passed, verl's first logged): {per_launch}; the controller moved in attempt 1 ({moved[:4]}); the "
+                f"watchdog's arithmetic vs verl's next logged coefficient over {len(errors)} step pairs: max relative "
+                f"error {f'{max(errors):.2e}' if errors else None}",
+                {"relaunch_s": t.result.get("relaunch_s") if t else None,
+                 "steps_lost": t.result.get("steps_lost") if t else None,
+                 "relaunches": len(per_launch), "wall_s": round(run.wall_s, 1)})]
+
+
+# -- async checkpoint save -------------------------------------------------------------------------------
+
+
+def run_async_save(root: Path) -> VerlRun:
+    """``actor_rollout_ref.actor.checkpoint.async_save=true``: 4 steps, a checkpoint every 2, no fault."""
+    from trainer.verl_cpu import assets, overrides
+
+    a = assets.build(root / "assets")
+    run_dir, state = root / "run", root / "state"
+    env = overrides.verl_env(inject={"VERL_CPU_INJECT_DIR": str(run_dir / "injected"),
+                                     "RAY_memory_monitor_refresh_ms": "0"})
+    verl = overrides.verl_command(sys.executable, [*overrides.ppo_overrides(a, steps=4, save_freq=2),
+                                                   "actor_rollout_ref.actor.checkpoint.async_save=true",
+                                                   f"hydra.run.dir={run_dir / 'verl' / 'hydra'}"])
+    argv = [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir), "--state-dir",
+            str(state), "--rules", str(REPO / "rules" / "default.yaml"), "--on-escalate", "stop",
+            "--startup-s", "60", "--startup-timeout", "400", "--no-report", "--", *verl]
+    return supervise(argv, env, run_dir, state, root)
+
+
+def async_save_checks(run: VerlRun) -> list[Row]:
+    """What verl writes under async save, and what the watchdog makes of it."""
+    ck = run.run_dir / "checkpoints"
+    written = sorted(p.relative_to(ck).as_posix() for p in ck.glob("global_step_*/actor/*")) if ck.exists() else []
+    marker = (ck / rundir.LATEST_MARKER).exists()
+    counted = [e.get("step") for e in run.events() if e["kind"] == "checkpoint"]
+    said = "no checkpoint of this run will count as complete" in run.output
+    from watchdog.protocol import checkpoint as ckpt
+
+    judged = ckpt.list_verl_checkpoints(ck, 1, ("actor", "critic"))
+    # The same folders judged as if verl had written its marker: are their files all there?
+    by_files = [ckpt.verl_checkpoint_info(c.path, c.step, 1, ("actor", "critic")).complete for c in judged]
+    ok = run.exit_code == 0 and (bool(counted) or said)
+    return [Row("actor.checkpoint.async_save=true: checkpoints count when complete, or the run start says why no "
+                "rollback will be possible", ok,
+                f"exit {run.exit_code}; verl wrote {written[:8]}; {rundir.LATEST_MARKER}: "
+                f"{'present' if marker else 'absent'}; checkpoint events at steps {counted}; the start said no "
+                f"rollback will be possible: {said}; the watchdog's judgement "
+                f"{[(c.step, c.complete, c.reason) for c in judged]}; complete by their files alone: {by_files}",
+                {"wall_s": round(run.wall_s, 1), "checkpoints_counted": len(counted)})]
+
+
 # -- report -----------------------------------------------------------------------------------------
 
 
@@ -486,6 +830,34 @@ def _verl_version() -> str:
         return "not installed"
 
 
+RUNS: list[tuple[str, Callable[[VerlRun], list[Row]]]] = [
+    ("zero-patch", zero_patch_checks), ("in-process", in_process_checks), ("world-size-2", world_size_2_checks),
+    ("ray-job", lambda r: _guard_rows("ray-job", ray_job_checks, r)),
+    ("kl-adaptive", lambda r: _guard_rows("kl-adaptive", kl_adaptive_checks, r)),
+    ("async-save", lambda r: _guard_rows("async-save", async_save_checks, r)),
+]
+
+
+def _guard_rows(name: str, fn: Callable[[VerlRun], list[Row]], run: VerlRun) -> list[Row]:
+    try:
+        return fn(run)
+    except Exception as exc:  # noqa: BLE001 - a check that cannot find what it needs fails, with why
+        return [Row(f"{name}: the run can be checked", False, f"{type(exc).__name__}: {exc}")]
+
+
+def _merged(rows: list[Row], notes: list[str], ns: argparse.Namespace, command: str) -> tuple[list[Row], list[str], str]:
+    """With ``--keep-rows``: --out's rows this invocation did not produce, then these; its notes, then these;
+    its command, then this one."""
+    out = Path(ns.out).with_suffix(".json")
+    if not ns.keep_rows or not out.exists():
+        return rows, notes, command
+    old = json.loads(out.read_text())
+    new = {r.name for r in rows}
+    kept = [Row(c["name"], bool(c["pass"]), c.get("detail", ""), c.get("figures", {}))
+            for c in old.get("checks", []) if c["name"] not in new]
+    return kept + rows, [*old.get("notes", []), *notes], f"{old.get('command', '')}; then {command}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -494,7 +866,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-in-process", action="store_true")
     p.add_argument("--skip-zero-patch", action="store_true")
     p.add_argument("--world-size-2", action="store_true", help="Also two gloo ranks (about 5 more minutes).")
+    p.add_argument("--ray-job", action="store_true", help="Also the Ray Job backend on a local token-auth head.")
+    p.add_argument("--kl-adaptive", action="store_true", help="Also a kl_coef relaunch under the adaptive controller.")
+    p.add_argument("--async-save", action="store_true", help="Also a run with the actor's async checkpoint save.")
+    p.add_argument("--keep-rows", action="store_true",
+                   help="Merge into --out: keep its rows (and notes) that this invocation does not produce.")
     p.add_argument("--recheck", action="store_true", help="Only the checks, on the runs kept under --root.")
+    p.add_argument("--note", action="append", default=[], help="A note for the results (repeatable).")
     ns, rest = p.parse_known_args(argv)
     command = "python bench/verl_e2e.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if ns.device == "cuda":
@@ -512,11 +890,12 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(ns.root).resolve()
     if ns.recheck:
         rows = []
-        for name, checks in (("zero-patch", zero_patch_checks), ("in-process", in_process_checks),
-                             ("world-size-2", world_size_2_checks)):
+        for name, checks in RUNS:
             if (root / name / "verlrun.json").exists():
                 rows += checks(VerlRun.load(root / name))
-        write_results(rows, command, "cpu", Path(ns.out), [f"rechecked the runs kept under {ns.root}"])
+        merged, notes, command = _merged(rows, [f"rechecked the runs kept under {ns.root}: `{command}`", *ns.note],
+                                         ns, command)
+        write_results(merged, command, "cpu", Path(ns.out), notes)
         return 0 if rows and all(r.ok for r in rows) else 1
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir(parents=True)
@@ -534,7 +913,15 @@ def main(argv: list[str] | None = None) -> int:
         ws = run_world_size_2(root / "world-size-2")
         rows += world_size_2_checks(ws)
         notes.append(f"world size 2 run: {ws.wall_s:.0f} s wall, exit {ws.exit_code}")
-    write_results(rows, command, "cpu", Path(ns.out), notes)
+    for flag, name, run_fn, checks in ((ns.ray_job, "ray-job", run_ray_job, ray_job_checks),
+                                       (ns.kl_adaptive, "kl-adaptive", run_kl_adaptive, kl_adaptive_checks),
+                                       (ns.async_save, "async-save", run_async_save, async_save_checks)):
+        if flag:
+            r = run_fn(root / name)
+            rows += _guard_rows(name, checks, r)
+            notes.append(f"{name} run: {r.wall_s:.0f} s wall, exit {r.exit_code} (`{command}`)")
+    merged, notes, command = _merged(rows, [*notes, *ns.note], ns, command)
+    write_results(merged, command, "cpu", Path(ns.out), notes)
     for r in rows:
         sys.stdout.write(f"{'PASS' if r.ok else 'FAIL'}  {r.name}: {r.detail[:200]}\n")
     return 0 if all(r.ok for r in rows) else 1

@@ -123,7 +123,8 @@ FAKE_TRAINER = textwrap.dedent('''
     ignore = args.get("ignore_control") == "1"
     kl_coef = float(args.get("algorithm.kl_ctrl.kl_coef", 0.01))
     ctl = ControlApplier(run_dir)
-    RunInfo(live_keys=list(catalog.LIVE_KEYS)).write(run_dir)
+    adaptive = {"algorithm": {"kl_ctrl": {"type": "adaptive"}}} if args.get("adaptive_kl") == "1" else {}
+    RunInfo(live_keys=list(catalog.LIVE_KEYS), config=adaptive).write(run_dir)
     if ignore:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     else:
@@ -244,6 +245,18 @@ def test_unconfirmed_live_change_falls_back_to_a_restart_with_the_override(tmp_p
     # The fallback restart is the watchdog's own decision, counted against the restart budget.
     (timeout,) = [d for d in decisions if d["rule"] == "watchdog:live_timeout"]
     assert "not applied within 0.5 s" in timeout["message"] and wd.store.require_run("run").restarts >= 1
+    wd.actuator.stop(ctl.h)
+
+
+def test_a_tuning_set_of_kl_coef_under_an_adaptive_controller_is_skipped_with_the_reason_in_its_outcome(tmp_path):
+    # Found on real verl (bench/verl_e2e.py's adaptive-KL run): the decision read "skipped, no action".
+    wd = _setup(tmp_path, KL_DOUBLE_RULE)
+    run_dir = tmp_path / "run"
+    ctl = wd.add_run(run_dir, command=[sys.executable, str(tmp_path / "fake_trainer.py"),
+                                       f"trainer.run_dir={run_dir}", "adaptive_kl=1", "steps=5"])
+    _drive(wd, lambda: any(d["rule"] == "kl_high" for d in wd.store.decisions("run")))
+    (d,) = [d for d in wd.store.decisions("run") if d["rule"] == "kl_high"]
+    assert d["status"] == "skipped" and "adaptive KL controller" in d["outcome"], d
     wd.actuator.stop(ctl.h)
 
 

@@ -268,6 +268,22 @@ def test_with_an_adaptive_kl_controller_a_tuning_rule_never_sets_kl_coef():
     assert p.payload["set"] == {KL: pytest.approx(0.0048)}
 
 
+def test_a_tuning_set_left_out_under_an_adaptive_kl_controller_says_why_in_its_outcome():
+    # Found on real verl (bench/verl_e2e.py's adaptive-KL run): the decision read "skipped, no action",
+    # the reason only in an INFO log line nobody sees.
+    from watchdog.core.planner import left_out_reason
+
+    d = _decision(actions=[SetAction("kl_coef", "scale", 2.0, max=0.05)])
+    why = left_out_reason(d, _ctx(latest={"kl_coef": 0.004}, config=ADAPTIVE))
+    assert "adaptive KL controller" in why and KL in why
+    assert left_out_reason(d, _ctx(latest={"kl_coef": 0.004}, config={"algorithm": {"kl_ctrl": {"type": "fixed"}}})) == ""
+    # An urgent set of it is planned (and says nothing), and so is a tuning rule that also sets something else.
+    urgent = _decision(actions=[SetAction("kl_coef", "scale", 2.0)], urgent=True)
+    assert left_out_reason(urgent, _ctx(latest={"kl_coef": 0.004}, config=ADAPTIVE)) == ""
+    both = _decision(actions=[SetAction("kl_coef", "scale", 2.0), SetAction(LR, "scale", 0.5)])
+    assert left_out_reason(both, _ctx(latest={"kl_coef": 0.004}, config=ADAPTIVE)) == ""
+
+
 def test_with_an_adaptive_kl_controller_a_divergence_rollback_sets_the_value_it_resumes_from():
     d = Decision("kl_explosion", 12, "fire", [RollbackAction(2), SetAction("kl_coef", "scale", 2.0, max=0.05)],
                  {}, "critical", "m", divergence=True, urgent=True)

@@ -1015,3 +1015,22 @@ def test_the_daemon_restarts_a_zero_patch_run_with_the_kl_rules_new_coef(
     logged = {r["step"]: r["data"] for r in rundir.read_jsonl(run / rundir.METRICS).records}
     assert max(logged) == 5 and logged[5]["actor/reward_kl_penalty_coeff"] == pytest.approx(0.2)
     assert {e.get("source") for e in rundir.iter_events(run)} == {"watchdog:verl"}
+
+
+# -- verl as a Ray Job ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("given", ["ray_kwargs.ray_init.num_cpus=12", "+ray_kwargs.ray_init.num_gpus=1"])
+def test_a_verl_command_for_a_ray_job_that_passes_ray_init_resources_is_refused_naming_the_key(tmp_path, given):
+    # Found running verl's main_ppo as a Ray Job: its ray.init() connects to the head, and Ray raises
+    # "When connecting to an existing cluster, num_cpus and num_gpus must not be provided" at once.
+    cmd = ["python3", "-m", "verl.trainer.main_ppo", "trainer.n_gpus_per_node=1", given]
+    with pytest.raises(verl_mode.VerlModeError) as err:
+        verl_mode.prepare_run(tmp_path, cmd, "auto", ray_job=True)
+    assert given.lstrip("+").split("=")[0] in str(err.value) and "ray start --num-cpus" in str(err.value)
+    assert not (tmp_path / rundir.RUN_JSON).exists()  # refused before anything is written
+    # The same command runs locally (its own ray.init() starts a cluster with those resources) ...
+    assert verl_mode.prepare_run(tmp_path / "local", cmd, "auto") == verl_mode.MODE_VERL
+    # ... and as a Ray Job once the key is gone or null.
+    ok = [*cmd[:-1], "ray_kwargs.ray_init.num_cpus=null"]
+    assert verl_mode.prepare_run(tmp_path / "job", ok, "auto", ray_job=True) == verl_mode.MODE_VERL

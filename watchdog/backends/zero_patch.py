@@ -264,17 +264,40 @@ def is_same_run(info: RunInfo, command: Sequence[str]) -> bool:
     return info.zero_patch and info.base_command == list(command)
 
 
+#: ``ray_kwargs.ray_init`` keys a verl driver must not pass when it runs as a Ray Job: its ``ray.init()``
+#: then connects to the head (the job supervisor sets RAY_ADDRESS), and Ray refuses them when connecting
+#: to an existing cluster (ray/_private/worker.py, init: "num_cpus and num_gpus must not be provided").
+RAY_JOB_REFUSED = ("ray_kwargs.ray_init.num_cpus", "ray_kwargs.ray_init.num_gpus", "ray_kwargs.ray_init.resources")
+
+
+def check_ray_job_command(command: Sequence[str]) -> None:
+    """Refuse a verl command that would fail at its first ``ray.init()`` inside a Ray Job, naming the key."""
+    try:
+        given = hydra.values(command)
+    except hydra.OverrideError as exc:
+        raise VerlModeError(f"the verl command: {exc}") from None
+    bad = [k for k in RAY_JOB_REFUSED if given.get(k) is not None]
+    if bad:
+        raise VerlModeError(
+            f"{', '.join(f'{k}={given[k]}' for k in bad)}: as a Ray Job, verl's ray.init() connects to the head, "
+            "and Ray refuses num_cpus, num_gpus and resources when connecting to an existing cluster; drop "
+            f"{'them' if len(bad) > 1 else 'it'} and give the head the resources (ray start --num-cpus N --num-gpus G)")
+
+
 def prepare_run(run_dir: Path | str, command: Sequence[str] | None, mode: str = "auto",
-                metrics_port: int | None = None, cwd: Path | str | None = None) -> str:
+                metrics_port: int | None = None, cwd: Path | str | None = None, ray_job: bool = False) -> str:
     """Set a run directory up for its mode before the watchdog registers it; returns the mode resolved.
 
     The one place ``watchdog run`` and the daemon share: ``verl`` writes the glue's run.json
     (:func:`init_run`; the controller then builds the :class:`VerlGlue` from it), ``embedded``
     drops a ``mode`` an earlier zero-patch run left in the same directory. Without a command
     (a run the watchdog only watches) ``auto`` changes nothing: run.json's own mode stands.
+    ``ray_job``: the run goes to a Ray cluster as Ray Jobs (:func:`check_ray_job_command`).
     """
     cmd = list(command or [])
     resolved = resolve_mode(mode, cmd)
+    if ray_job and resolved == MODE_VERL:
+        check_ray_job_command(cmd)
     if not cmd and mode == "auto":
         if metrics_port is not None:
             raise VerlModeError("the run metrics port (--run-metrics-port, run_metrics_port) is for mode verl, "

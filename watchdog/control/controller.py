@@ -48,6 +48,7 @@ from watchdog.core.planner import (
     PlanContext,
     Planned,
     config_value,
+    left_out_reason,
     oom_remedy,
     plan_decision,
 )
@@ -643,8 +644,9 @@ class RunController:
         with self.store.transaction():
             overrides = {**self.run.overrides, **self._waiting_sets()}
             for d in decisions:
-                planned = plan_decision(d, self._plan_context(overrides, cfg))
-                covered = ""
+                ctx = self._plan_context(overrides, cfg)
+                planned = plan_decision(d, ctx)
+                covered = "" if planned else left_out_reason(d, ctx)
                 if self._saw_finished and any(p.kind not in (JournalKind.NOTIFY, JournalKind.ROLLBACK) for p in planned):
                     # The trainer wrote its last step and ended: nothing is left to change live. Said, not
                     # done. A rollback still goes: it re-runs the tail from the known-good checkpoint,

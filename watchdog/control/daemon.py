@@ -340,7 +340,7 @@ class Watchdog:
                  on_escalate: str | None) -> RunController:
         if mode is not None:
             try:
-                prepare_run(run_dir, command, mode, metrics_port=run_metrics_port)
+                prepare_run(run_dir, command, mode, metrics_port=run_metrics_port, ray_job=bool(ray_address))
             except VerlModeError as exc:
                 raise VerlModeError(f"run {run_id}: {exc}") from exc
         backend: Backend | None = None

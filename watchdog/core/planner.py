@@ -440,6 +440,18 @@ def _plan_sets(actions: Sequence[Any], ctx: PlanContext, repeat: int, rule: str,
     return sets, old, valued
 
 
+def left_out_reason(decision: Decision, ctx: PlanContext) -> str:
+    """Why a fired decision plans nothing, when it is the adaptive KL controller's doing (else ""): every set
+    of a tuning rule is the reward penalty's coefficient, which the controller owns (:func:`plan_sets`)."""
+    if decision.kind != DecisionKind.FIRE or decision.divergence or decision.urgent:
+        return ""
+    keys = [resolve_key(a.key, ctx.signals) for a in decision.actions if isinstance(a, SetAction)]
+    if keys and all(k == KL_CTRL_COEF for k in keys) and adaptive_kl(ctx.config, ctx.overrides):
+        return (f"left out: {KL_CTRL_COEF} is steered by verl's adaptive KL controller "
+                f"({KL_CTRL_TYPE}=adaptive); a tuning rule does not set it")
+    return ""
+
+
 def plan_decision(decision: Decision, ctx: PlanContext) -> list[Planned]:
     """Journal entries for one engine decision."""
     if decision.kind == DecisionKind.RESOLVE:
@@ -514,5 +526,5 @@ def _pause(base: dict[str, Any], reason: str, severity: str, on_escalate: str) -
 __all__ = [
     "KL_COEF", "KL_CTRL_COEF", "MICRO_BATCH_KEYS", "MINI_BATCH_OF", "ON_ESCALATE", "PlanContext", "Planned", "clip_bound_sets",
     "config_value", "current_value", "micro_batch_share", "oom_remedy", "plan_decision", "plan_sets",
-    "settle_value", "snap_micro_batch", "snap_sets", "adaptive_kl", "remedy_exhausted", "unchanged",
+    "settle_value", "snap_micro_batch", "snap_sets", "adaptive_kl", "left_out_reason", "remedy_exhausted", "unchanged",
 ]
