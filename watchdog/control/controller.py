@@ -431,7 +431,9 @@ class RunController:
         last commit left them, so the next tick reads the same lines again and decides on them.
         A failure that repeats at the same position is said, once, to the console and the webhook.
         """
-        offsets = json.loads(json.dumps(self.tailer.offsets))
+        offsets = self.tailer.offsets
+        if not getattr(self.tailer, "offsets_are_snapshots", False):
+            offsets = json.loads(json.dumps(offsets))  # a copy that the poll below cannot change
         state = self.state
         kept = {name: copy.copy(getattr(self, name)) for name in _TICK_FIELDS}
         run_kept = {name: getattr(self.run, name) for name in _TICK_RUN_FIELDS}

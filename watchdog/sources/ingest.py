@@ -439,6 +439,9 @@ class RunTailer:
     """
 
     OFFSETS_VERSION = 1
+    offsets_are_snapshots = True
+    """:attr:`offsets` is a snapshot nothing changes later (fresh cursors; the last record is replaced
+    by a poll, never changed in place), so a caller keeps it as it is, without a deep copy."""
 
     def __init__(
         self,
