@@ -628,3 +628,25 @@ def test_a_restart_action_relaunches_the_trainer_from_its_latest_checkpoint_then
     assert len(rundir.iter_events(run_dir, ["started"])) == 2
     (stop,) = [j for j in wd.store.journal("run") if j.kind == "stop"]
     assert "rollouts keep failing after a restart" in stop.payload["verdict"]
+
+
+def test_a_run_with_nothing_new_writes_nothing_to_the_store_and_its_next_step_is_committed(tmp_path):
+    run_dir = tmp_path / "run-idle"
+    run_dir.mkdir()
+    for step in (1, 2, 3):
+        rundir.append_metrics(run_dir, step, {"actor/reward_kl_penalty": 0.01, "critic/vf_loss": 0.1})
+    wd = build_watchdog(tmp_path / "state")
+    wd.add_run(run_dir, None, None, managed=False)
+    wd.tick(1_800_000_000.0)
+    db = wd.store._db
+    before = db.total_changes
+    saved = wd.store.load_engine_state("run-idle")
+    wd.tick(1_800_000_060.0)
+    assert db.total_changes == before  # a stat per file, no write
+    assert wd.store.load_engine_state("run-idle") == saved
+    rundir.append_metrics(run_dir, 4, {"actor/reward_kl_penalty": 0.01, "critic/vf_loss": 0.1})
+    wd.tick(1_800_000_120.0)
+    assert db.total_changes > before
+    assert wd.store.require_run("run-idle").last_step == 4
+    assert wd.store.load_engine_state("run-idle")["tailer"]["last"]["step"] == 4
+    wd.close()

@@ -148,6 +148,18 @@ def test_engine_state_json_round_trip_and_version_check() -> None:
         EngineState.from_json({**doc, "extra": 1})
 
 
+def test_a_rule_at_rest_is_stored_as_an_empty_object_and_a_firing_one_says_so() -> None:
+    # A daemon stores every run's state every tick: a rule that never held costs two braces, and what
+    # `watchdog status` reads (a firing rule's status) is still there.
+    rs = ruleset(rule(), rule("q", "kl < -1"))
+    _, st_, _ = drive(rs, [0, 1, 1])
+    doc = json.loads(json.dumps(st_.to_json()))
+    assert doc["rules"]["q"] == {}
+    assert doc["rules"]["r"]["status"] == "firing" and doc["rules"]["r"]["fire_count"] == 1
+    assert "last_error" not in doc["rules"]["r"]
+    assert EngineState.from_json(doc) == st_
+
+
 def test_run_series_delivers_events_at_their_step_and_leftovers_at_the_end() -> None:
     rs = ruleset(rule(expr='event("oom") > 0'))
     records = [{"step": s, "data": {"actor/reward_kl_penalty": 0.0}} for s in (1, 2, 3)]

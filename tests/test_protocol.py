@@ -124,3 +124,57 @@ def test_a_command_line_keeps_what_is_not_an_override_and_replaces_what_is() -> 
                    "c=y y", "e=0.5", "trainer.resume_mode=resume_path"]
     with pytest.raises(hydra.OverrideError, match="a sweep"):
         hydra.values(["lr=1,2"])
+
+
+def test_a_run_json_rewritten_right_after_a_read_is_read_again(tmp_path: Path) -> None:
+    # Same size, same second: only the content differs. Written atomically (a new inode) or not, the
+    # second read sees the second version.
+    RunInfo(pid=1111).write(tmp_path)
+    assert RunInfo.read(tmp_path).pid == 1111
+    RunInfo(pid=2222).write(tmp_path)
+    assert RunInfo.read(tmp_path).pid == 2222
+    path = tmp_path / rundir.RUN_JSON
+    path.write_text(path.read_text().replace("2222", "3333"))  # rewritten in place, same size
+    assert RunInfo.read(tmp_path).pid == 3333
+
+
+def test_an_unchanged_run_json_is_parsed_once_and_each_reader_gets_its_own_copy(tmp_path: Path,
+                                                                             monkeypatch) -> None:
+    from watchdog.protocol import runinfo
+
+    # A file is remembered once it is older than the file system's timestamp granularity (1 s); a
+    # test cannot set a change time back, so the age asked for is lowered instead.
+    monkeypatch.setattr(runinfo, "READ_CACHE_AFTER_S", 0.0)
+    RunInfo(pid=1111, config={"a": 1}).write(tmp_path)
+    parsed = []
+    real = RunInfo._parse.__func__  # type: ignore[attr-defined]
+    monkeypatch.setattr(RunInfo, "_parse", classmethod(lambda cls, p: parsed.append(p) or real(cls, p)))
+    first = RunInfo.read(tmp_path)
+    first.pid = 9  # a caller that changes its copy changes nobody else's
+    again = RunInfo.read(tmp_path)
+    assert (again.pid, again.config, len(parsed)) == (1111, {"a": 1}, 1)
+    (tmp_path / rundir.RUN_JSON).write_text(json.dumps({"pid": 4444}))  # a new version: read again
+    assert RunInfo.read(tmp_path).pid == 4444 and len(parsed) == 2
+
+
+def test_a_garbled_run_json_is_still_an_error_on_every_read(tmp_path: Path) -> None:
+    (tmp_path / rundir.RUN_JSON).write_text("{not json")
+    for _ in range(2):
+        with pytest.raises(RunInfoError, match="not JSON"):
+            RunInfo.read(tmp_path)
+
+
+def test_metric_lines_orjson_refuses_read_as_the_standard_decoder_reads_them(tmp_path: Path) -> None:
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"step": 1, "data": {"x": NaN, "y": Infinity}}\n'
+                     b'{"step": 2, "data": {"big": 123456789012345678901234567890}}\n'
+                     b'{"step": 3, "data": {"x": 0.5}}\n'
+                     b'{"step": 4, "data": \n')
+    chunk = rundir.read_jsonl(path)
+    assert [r["step"] for r in chunk.records] == [1, 2, 3]
+    x = chunk.records[0]["data"]["x"]
+    assert x != x and chunk.records[0]["data"]["y"] == float("inf")
+    # (orjson reads an integer past 64 bits as a float; no trainer logs one, and a metric is a float anyway)
+    assert float(chunk.records[1]["data"]["big"]) == float(123456789012345678901234567890)
+    path.write_bytes(b'{"step": 5, "data": {"x": 1.0}\n')
+    assert rundir.read_jsonl(path).errors[0].startswith(f"{path}:1: not JSON (")

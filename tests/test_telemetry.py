@@ -86,6 +86,22 @@ def test_evaluation_time_lands_in_the_histogram_buckets() -> None:
     assert get("watchdog_evaluation_seconds_bucket", {"le": "0.25"}) == 2
 
 
+def test_tick_phase_times_are_summed_over_the_runs_and_observed_once_a_tick() -> None:
+    m = WatchdogMetrics()
+    get = m.registry.get_sample_value
+    m.phase_time("read", 0.002)
+    m.phase_time("read", 0.003)
+    m.phase_time("decide", 0.2)
+    m.tick_phases_done()
+    assert get("watchdog_tick_phase_seconds_count", {"phase": "read"}) == 1
+    assert get("watchdog_tick_phase_seconds_sum", {"phase": "read"}) == pytest.approx(0.005)
+    assert get("watchdog_tick_phase_seconds_bucket", {"phase": "decide", "le": "0.1"}) == 0
+    assert get("watchdog_tick_phase_seconds_bucket", {"phase": "decide", "le": "0.25"}) == 1
+    m.tick_phases_done()  # the next tick starts from zero
+    assert get("watchdog_tick_phase_seconds_sum", {"phase": "read"}) == pytest.approx(0.005)
+    assert get("watchdog_tick_phase_seconds_count", {"phase": "commit"}) == 2
+
+
 def test_gauges_hold_what_the_controller_set() -> None:
     get = busy_metrics().registry.get_sample_value
     assert get("watchdog_data_age_seconds", {"run": "run-a"}) == 4.5
@@ -179,6 +195,12 @@ def test_the_real_daemon_feeds_these_metrics_and_its_exposition_passes_promtool(
     assert get("watchdog_runs_watched") == 1
     assert get("watchdog_last_tick_timestamp_seconds") is not None
     assert get("watchdog_evaluation_seconds_count") == 1
+    for phase in telemetry.TICK_PHASES:  # one observation a phase a tick, the runs' times summed
+        assert get("watchdog_tick_phase_seconds_count", {"phase": phase}) == 1, phase
+    assert get("watchdog_tick_phase_seconds_sum", {"phase": "read"}) > 0
+    assert get("watchdog_tick_phase_seconds_sum", {"phase": "decide"}) > 0
+    phases = sum(get("watchdog_tick_phase_seconds_sum", {"phase": p}) for p in telemetry.TICK_PHASES)
+    assert phases <= get("watchdog_evaluation_seconds_sum")
     assert get("watchdog_data_age_seconds", {"run": "run-ok"}) is not None
     text = generate_latest(metrics.registry)
     exposed = {s.name for f in text_string_to_metric_families(text.decode()) for s in f.samples}

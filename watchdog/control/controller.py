@@ -282,6 +282,10 @@ class RunController:
         self._blind_warned = bool(ctl.get("blind_warned"))
         self._paused_since: float | None = None
         """When the run last entered a pause for a human (the pause timeout counts from there)."""
+        self._published_states: dict[str, Any] = {}
+        """Each rule's state as last set on the telemetry gauges (only a change is set again)."""
+        self._saved_state: Any = None
+        """The engine-state blob last committed (a tick that changed nothing does not write it again)."""
         self._failed_ticks = 0
         """Ticks in a row that failed at the same read position (``_failed_at``)."""
         self._failed_at: Mapping[str, Any] | None = None
@@ -387,13 +391,20 @@ class RunController:
         try:
             # verl writes no events: its dialect relays the metrics, notes the checkpoints and classifies the
             # exit (not that of a trainer the watchdog stopped itself to pause the run).
+            t0 = time.perf_counter()
             self.h.dialect.poll(self.h.proc, watch_exit=self.run.phase not in (Phase.PAUSED, Phase.ESCALATED))
+            self.telemetry.phase_time("read", time.perf_counter() - t0)
             self._read_and_decide(now, result)
-            self._protect_known_good()
         except Exception as exc:
             # Nothing of it was kept (see _read_and_decide). The trainer is still watched: a run whose
             # files cannot be read right now (a garbled run.json) is still seen to end, or to hang.
             failed = exc
+        t_act = time.perf_counter()
+        if failed is None:
+            try:
+                self._protect_known_good()
+            except Exception as exc:
+                failed = exc
         self._watch_liveness(now)
         self._check_pause_timeout(now)
         for entry in self.store.open_actions(self.run.run_id):
@@ -411,6 +422,7 @@ class RunController:
         if self.latest:
             self.telemetry.data_age(self.run.run_id, max(0.0, now - (self.run.last_progress_ts or now)))
         self._publish_rule_states()
+        self.telemetry.phase_time("act", time.perf_counter() - t_act)
         result.done = self.run.phase in DONE_PHASES and not any(
             e.status != ActionStatus.WAITING for e in self.store.open_actions(self.run.run_id))
         if failed is not None:
@@ -428,15 +440,26 @@ class RunController:
         last commit left them, so the next tick reads the same lines again and decides on them.
         A failure that repeats at the same position is said, once, to the console and the webhook.
         """
-        offsets = json.loads(json.dumps(self.tailer.offsets))
+        offsets = self.tailer.offsets
+        if not getattr(self.tailer, "offsets_are_snapshots", False):
+            offsets = json.loads(json.dumps(offsets))  # a copy that the poll below cannot change
         state = self.state
         kept = {name: copy.copy(getattr(self, name)) for name in _TICK_FIELDS}
         run_kept = {name: getattr(self.run, name) for name in _TICK_RUN_FIELDS}
         try:
+            t0 = time.perf_counter()
             records, events = self.tailer.poll()
+            t1 = time.perf_counter()
+            self.telemetry.phase_time("read", t1 - t0)
             self._handle_events(events, now)
             decisions = self._evaluate(records, events, now, result)
-            self._commit(decisions, result)
+            t2 = time.perf_counter()
+            self.telemetry.phase_time("decide", t2 - t1)
+            # Nothing read, nothing decided, the engine not run, the positions where they were: the
+            # stored state is still this one (an idle run costs a stat per file, no write).
+            changed = bool(records or events or decisions) or self.state is not state or self.tailer.offsets != offsets
+            self._commit(decisions, result, changed)
+            self.telemetry.phase_time("commit", time.perf_counter() - t2)
             if decisions:
                 self.actuator.crash_hook("decided")
         except Exception as exc:
@@ -559,9 +582,11 @@ class RunController:
             if self._rewind_to is not None and step <= self._rewind_to + 1:
                 # The first step of the new timeline: metrics from here on are after the rollback.
                 self._rewind_pending, self._rewind_to = False, None
-            self.window.append_record(rec)
             data = rec.get("data", {})
-            self.latest.update(catalog.to_short(data if isinstance(data, Mapping) else {}))
+            # Mapped once, for the window (what the rules read) and for ``latest`` (what a set starts from).
+            short = catalog.to_short(data if isinstance(data, Mapping) else {}, self.window.sources)
+            self.window.append(step, short)
+            self.latest.update(short)
             t = data.get("perf/time_per_step")
             if _finite(t):
                 self._step_times = (self._step_times + [float(t)])[-50:]
@@ -638,12 +663,15 @@ class RunController:
             return 0
         return max(0, self.run.last_step - (self._last_checkpoint if self._last_checkpoint is not None else 0))
 
-    def _commit(self, decisions: list[Any], result: TickResult) -> None:
-        """Decisions, intents, engine state and offsets in one transaction (before acting)."""
-        cfg = run_config(self.run.run_dir)
+    def _commit(self, decisions: list[Any], result: TickResult, changed: bool = True) -> None:
+        """Decisions, intents, engine state and offsets in one transaction (before acting); the engine
+        state and read positions only when the tick ``changed`` them."""
+        cfg: dict[str, Any] | None = None  # run.json's config, read only when there is a decision to plan
         with self.store.transaction():
             overrides = {**self.run.overrides, **self._waiting_sets()}
             for d in decisions:
+                if cfg is None:
+                    cfg = run_config(self.run.run_dir)
                 ctx = self._plan_context(overrides, cfg)
                 planned = plan_decision(d, ctx)
                 covered = "" if planned else left_out_reason(d, ctx)
@@ -681,11 +709,15 @@ class RunController:
                 for p in planned:
                     self._journal(p, did, d.kind == DecisionKind.ESCALATE)
             self._release_waiting()
+            controller = {"last_checkpoint": self._last_checkpoint,
+                          "last_tuning_relaunch": self._last_tuning_clock, "blind_warned": self._blind_warned}
+            if not changed and controller == self._saved_state:
+                return
             self.store.save_engine_state(self.run.run_id, {
                 "version": STATE_VERSION, "engine": self.state.to_json(), "tailer": self.tailer.offsets,
-                "controller": {"last_checkpoint": self._last_checkpoint,
-                               "last_tuning_relaunch": self._last_tuning_clock, "blind_warned": self._blind_warned},
+                "controller": controller,
             })
+            self._saved_state = controller
             self.store.update_run(self.run.run_id, last_step=self.run.last_step,
                                   last_evaluated_step=result.new_steps[-1] if result.new_steps else
                                   self.run.last_evaluated_step,
@@ -843,8 +875,12 @@ class RunController:
         rule = getattr(self.state, "rule", None)
         if not callable(names) or not callable(rule):
             return
+        published = self._published_states
         for name in names():
-            self.telemetry.rule_state(self.run.run_id, name, rule(name).status)
+            status = rule(name).status
+            if published.get(name) != status:  # a gauge keeps its value: set only what changed
+                self.telemetry.rule_state(self.run.run_id, name, status)
+                published[name] = status
 
     def _merge_into_pending_relaunch(self, planned: list[Planned]) -> tuple[list[Planned], str]:
         """Sets that need a relaunch join one about to happen (not carried out yet) instead of waiting."""

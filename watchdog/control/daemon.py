@@ -440,6 +440,7 @@ class Watchdog:
                 self.telemetry.runs_watched(len(self.controllers))
                 self.telemetry.last_tick(time.time())
                 self.telemetry.eval_seconds(time.perf_counter() - t0)
+                self.telemetry.tick_phases_done()
             if all_done and self.controllers:
                 self.done.set()
             return all_done

@@ -109,12 +109,17 @@ class RuleState:
     """The last evaluation error (kept after recovery, for `rules explain`)."""
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        """The fields that differ from a fresh rule's (from_json fills in the rest): a daemon writes every
+        run's state every tick, and most rules of most runs are at rest."""
+        if self == _INITIAL:
+            return {}
+        full = {
             "status": self.status, "since": self.since, "clear_since": self.clear_since,
             "last_fire": self.last_fire, "last_fire_step": self.last_fire_step, "fires": list(self.fires),
             "fire_count": self.fire_count, "escalated_at": self.escalated_at,
             "health": self.health, "last_error": self.last_error,
         }
+        return {k: v for k, v in full.items() if v != _INITIAL_JSON[k]}
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> RuleState:
@@ -180,6 +185,10 @@ class EngineState:
 
 
 _INITIAL = RuleState()
+_INITIAL_JSON: dict[str, Any] = {
+    "status": _INITIAL.status, "since": None, "clear_since": None, "last_fire": None, "last_fire_step": None,
+    "fires": [], "fire_count": 0, "escalated_at": None, "health": _INITIAL.health, "last_error": None,
+}
 
 
 def _advance(state: EngineState, step: int) -> int:

@@ -233,7 +233,7 @@ def ppo_run() -> dict[str, Any]:
 
 
 def watchdog() -> dict[str, Any]:
-    """The "Watchdog" dashboard: rule states, actions, evaluation time, data age, runs watched."""
+    """The "Watchdog" dashboard: rule states, actions, evaluation time (tick and by phase), data age, runs watched."""
     ids = _Ids()
     t = telemetry
 
@@ -294,12 +294,22 @@ def watchdog() -> dict[str, Any]:
             unit="s", w=12,
         ))
         .with_panel(_series(
+            ids, "Tick time by phase", "Where a tick's time goes, summed over the runs: read (new bytes parsed), "
+            "decide (rules), commit (store), act (journal driven, checkpoints kept, liveness); p50 and p99. A tick "
+            "that nears the tick interval is falling behind.",
+            [(f"histogram_quantile(0.5, sum by (le, phase) (rate({t.TICK_PHASE.series()[0]}[$__rate_interval])))",
+              "{{phase}} p50"),
+             (f"histogram_quantile(0.99, sum by (le, phase) (rate({t.TICK_PHASE.series()[0]}[$__rate_interval])))",
+              "{{phase}} p99")],
+            unit="s", w=12,
+        ))
+        .with_panel(_series(
             ids, "Data age", "Seconds since each run's newest metric record; a stuck trainer climbs here.",
             [(f"{t.DATA_AGE.name}{{{RUN_SEL}}}", "{{run}}")], unit="s", w=12,
         ))
         .with_panel(_series(
             ids, "Scrape targets up", "Prometheus's view of the trainer and watchdog endpoints.",
-            [(f'up{{job=~"{t.TRAINER_JOB}|{t.WATCHDOG_JOB}"}}', "{{job}} {{instance}}")], w=24,
+            [(f'up{{job=~"{t.TRAINER_JOB}|{t.WATCHDOG_JOB}"}}', "{{job}} {{instance}}")], w=12,
         ))
     )
     return _to_dict(b)

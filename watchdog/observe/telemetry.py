@@ -69,6 +69,14 @@ EVALUATION = TelemetryMetric(
     "watchdog_evaluation_seconds", "histogram", (),
     "Wall time of one evaluation tick over all watched runs.",
 )
+TICK_PHASE = TelemetryMetric(
+    "watchdog_tick_phase_seconds", "histogram", ("phase",),
+    "Wall time of one tick spent in each phase, summed over the watched runs: read (new metric and "
+    "event bytes parsed), decide (rules evaluated), commit (decisions, intents and positions stored), "
+    "act (journal entries driven, checkpoints protected, liveness).",
+)
+#: The phases of :data:`TICK_PHASE`, in a tick's order.
+TICK_PHASES = ("read", "decide", "commit", "act")
 DATA_AGE = TelemetryMetric(
     "watchdog_data_age_seconds", "gauge", ("run",),
     "Seconds since the newest metric record of a run was seen.",
@@ -88,7 +96,7 @@ ERRORS = TelemetryMetric(
 
 #: Every metric this module defines.
 METRICS: tuple[TelemetryMetric, ...] = (
-    RULE_STATE, ACTIONS, ESCALATIONS, EVALUATION, DATA_AGE, RUNS_WATCHED, LAST_TICK, ERRORS,
+    RULE_STATE, ACTIONS, ESCALATIONS, EVALUATION, TICK_PHASE, DATA_AGE, RUNS_WATCHED, LAST_TICK, ERRORS,
 )
 
 
@@ -112,6 +120,9 @@ class WatchdogMetrics:
         self._actions = Counter(_base(ACTIONS.name), ACTIONS.help, ACTIONS.labels, registry=r)
         self._escalations = Counter(_base(ESCALATIONS.name), ESCALATIONS.help, ESCALATIONS.labels, registry=r)
         self._eval = Histogram(EVALUATION.name, EVALUATION.help, registry=r, buckets=EVAL_BUCKETS)
+        self._phase = Histogram(TICK_PHASE.name, TICK_PHASE.help, TICK_PHASE.labels, registry=r, buckets=EVAL_BUCKETS)
+        self._phase_children = {p: self._phase.labels(phase=p) for p in TICK_PHASES}
+        self._phase_acc = dict.fromkeys(TICK_PHASES, 0.0)
         self._data_age = Gauge(DATA_AGE.name, DATA_AGE.help, DATA_AGE.labels, registry=r)
         self._runs = Gauge(RUNS_WATCHED.name, RUNS_WATCHED.help, registry=r)
         self._last_tick = Gauge(LAST_TICK.name, LAST_TICK.help, registry=r)
@@ -148,6 +159,16 @@ class WatchdogMetrics:
     def eval_seconds(self, seconds: float) -> None:
         """Observe the wall time of one evaluation tick."""
         self._eval.observe(seconds)
+
+    def phase_time(self, phase: str, seconds: float) -> None:
+        """Add one run's time in a tick phase (read, decide, commit, act) to the tick being timed."""
+        self._phase_acc[phase] += seconds
+
+    def tick_phases_done(self) -> None:
+        """Observe the tick's time in each phase (summed over its runs) and start the next tick's sums."""
+        for phase, seconds in self._phase_acc.items():
+            self._phase_children[phase].observe(seconds)
+        self._phase_acc = dict.fromkeys(TICK_PHASES, 0.0)
 
     def data_age(self, run: str, seconds: float) -> None:
         """Set how old a run's newest data is."""

@@ -323,6 +323,21 @@ def sources_of(raw: str) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
+_PLANS: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {}
+_PLANS_MAX = 256
+
+
+def _plan(keys: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """(raw key, short name) pairs to_short takes from a record of these keys, all values numeric."""
+    chosen: dict[str, tuple[int, str]] = {}
+    for raw in keys:
+        for short, r in sources_of(raw):
+            if chosen.get(short, (3, ""))[0] <= r:
+                continue
+            chosen[short] = (r, raw)
+    return tuple((raw, short) for short, (_, raw) in chosen.items())
+
+
 def to_short(data: Mapping[str, object], sources: dict[str, str] | None = None) -> dict[str, float]:
     """Map one step's verl-keyed record onto short names, dropping unknown and non-numeric keys.
 
@@ -330,6 +345,26 @@ def to_short(data: Mapping[str, object], sources: dict[str, str] | None = None) 
     key over an older alias over a fallback (``actor/reward_kl_penalty`` over ``critic/kl`` over
     ``actor/kl_loss``). ``sources``, when given, receives the verl key each short name came from.
     """
+    # A trainer logs the same keys line after line: which raw key feeds which short name is worked
+    # out once per key set (as if every value were numeric) and replayed; a line whose chosen
+    # values are not all plain floats takes the general path below.
+    keys = tuple(data)
+    plan = _PLANS.get(keys)
+    if plan is None:
+        plan = _PLANS[keys] = _plan(keys)
+        if len(_PLANS) > _PLANS_MAX:
+            _PLANS.clear()
+    fast: dict[str, float] = {}
+    for raw, short in plan:
+        value = data[raw]
+        if type(value) is not float:
+            break
+        fast[short] = value
+    else:
+        if sources is not None:
+            for raw, short in plan:
+                sources[short] = raw
+        return fast
     out: dict[str, float] = {}
     rank: dict[str, int] = {}
     for raw, value in data.items():

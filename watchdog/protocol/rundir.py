@@ -30,6 +30,11 @@ from typing import Any
 
 from watchdog.protocol.events import EVENT_KINDS, Event, EventError
 
+try:  # optional: a trainer's environment may lack it (verl's has it); the standard decoder stands in
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - exercised where orjson is absent
+    _orjson = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 RUN_JSON = "run.json"
@@ -115,6 +120,17 @@ class JsonlChunk:
     """The file read."""
 
 
+def loads_line(raw: bytes) -> Any:
+    """One JSON line: orjson where it can (several times faster on a ~100-key metrics line), else the
+    standard decoder, which also takes what orjson refuses (``NaN``, huge integers) and words the errors."""
+    if _orjson is not None:
+        try:
+            return _orjson.loads(raw)
+        except _orjson.JSONDecodeError:
+            pass  # the standard decoder decides, and says why
+    return json.loads(raw)
+
+
 def read_jsonl(path: Path | str, offset: int = 0, first_line: int = 1, until: int | None = None) -> JsonlChunk:
     """Read complete JSONL lines from ``offset``; an unterminated last line is left for later.
 
@@ -138,7 +154,7 @@ def read_jsonl(path: Path | str, offset: int = 0, first_line: int = 1, until: in
         if not raw.strip():
             continue
         try:
-            obj = json.loads(raw)
+            obj = loads_line(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             errors.append(f"{path}:{n}: not JSON ({exc})")
             continue

@@ -10,8 +10,11 @@ watchdog's update. A field of the wrong type, or a file that is not a JSON objec
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +25,12 @@ MODE_VERL = "verl"
 """``mode`` of a run an unmodified verl trains, watched through the watchdog's zero-patch glue."""
 MODE_VERL_INPROCESS = "verl_inprocess"
 """``mode`` of a verl run through the in-process glue (``trainer.verl_glue``): it speaks the protocol."""
+
+
+#: A run.json this many seconds old when read is parsed once per version (see :meth:`RunInfo.read`).
+READ_CACHE_AFTER_S = 1.0
+_READ_CACHE_MAX = 65536
+_READ_CACHE: dict[str, tuple[tuple[int, ...], Any]] = {}
 
 
 class RunInfoError(rundir.PathError):
@@ -149,6 +158,32 @@ class RunInfo:
     def read(cls, run_dir: Path | str) -> RunInfo:
         """The run directory's run.json (an empty :class:`RunInfo` when there is none yet)."""
         path = Path(run_dir) / rundir.RUN_JSON
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return cls()
+        except OSError as exc:
+            raise RunInfoError(path, f"cannot be read ({exc})") from exc
+        # A daemon asks for a run's run.json several times a tick; it changes rarely (atomic
+        # replaces: a new inode each). Parsed once per version of the file: the signature is its
+        # inode, size and times, and only a file already READ_CACHE_AFTER_S old when read is
+        # remembered, so a rewrite within the file system's timestamp granularity is never missed.
+        key = str(path)
+        sig = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        hit = _READ_CACHE.get(key)
+        if hit is not None and hit[0] == sig:
+            return copy.copy(hit[1])
+        info = cls._parse(path)
+        if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > READ_CACHE_AFTER_S * 1e9:
+            if len(_READ_CACHE) >= _READ_CACHE_MAX:
+                _READ_CACHE.clear()
+            _READ_CACHE[key] = (sig, copy.copy(info))
+        else:
+            _READ_CACHE.pop(key, None)
+        return info
+
+    @classmethod
+    def _parse(cls, path: Path) -> RunInfo:
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:

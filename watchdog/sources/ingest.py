@@ -24,6 +24,7 @@ recorded under ``actor/lr`` in real units so rules and replay see one name.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -124,7 +125,9 @@ def normalize_data(data: Mapping[str, Any]) -> dict[str, float]:
     """Numeric metrics only, as floats: ``null`` -> NaN (orjson's NaN), scaled keys unscaled."""
     out: dict[str, float] = {}
     for key, value in data.items():
-        if value is None:
+        if type(value) is float:  # nearly every value: no further test
+            out[key] = value
+        elif value is None:
             out[key] = math.nan
         elif isinstance(value, bool):
             continue
@@ -134,11 +137,22 @@ def normalize_data(data: Mapping[str, Any]) -> dict[str, float]:
             parsed = parse_value(value)
             if parsed is not None:
                 out[key] = parsed
-    for key in list(out):
-        m = _SCALED_KEY.match(key)
-        if m and m.group("base") not in out:
-            out[m.group("base")] = out[key] * float(m.group("scale"))
+    for key, base, scale in _scaled_keys(tuple(out)):
+        if base not in out:
+            out[base] = out[key] * scale
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def _scaled_keys(keys: tuple[str, ...]) -> tuple[tuple[str, str, float], ...]:
+    """(key, base, scale) of the scaled keys among ``keys`` (``x(1e-3)``), in order; a trainer logs one key set
+    line after line, so the patterns are matched once per key set."""
+    out = []
+    for key in keys:
+        m = _SCALED_KEY.match(key)
+        if m:
+            out.append((key, m.group("base"), float(m.group("scale"))))
+    return tuple(out)
 
 
 def parse_console_line(line: str) -> tuple[int, dict[str, float], list[str]] | None:
@@ -410,6 +424,9 @@ class RunTailer:
     """
 
     OFFSETS_VERSION = 1
+    offsets_are_snapshots = True
+    """:attr:`offsets` is a snapshot nothing changes later (fresh cursors; the last record is replaced
+    by a poll, never changed in place), so a caller keeps it as it is, without a deep copy."""
 
     def __init__(
         self,
@@ -459,6 +476,8 @@ class RunTailer:
             log.info("%s was replaced or truncated; reading it from the start", path)
             cur.offset, cur.line = 0, 1
         cur.inode = st.st_ino
+        if st.st_size == cur.offset:  # nothing new: the stat was enough
+            return rundir.JsonlChunk([], cur.offset, [], [], str(path))
         chunk = rundir.read_jsonl(path, cur.offset, cur.line)
         if chunk.offset != cur.offset:
             with open(path, "rb") as f:
