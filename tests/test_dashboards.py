@@ -160,6 +160,9 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus_scraping_a_re
                 wd.rule_state(run, "kl_high", "firing" if n % 4 == 3 else "inactive")
                 wd.rule_state(run, "nan", "pending" if n % 5 == 4 else "inactive")
                 wd.eval_seconds(0.001 * (1 + n % 7))
+                for i, phase in enumerate(telemetry.TICK_PHASES):
+                    wd.phase_time(phase, 0.001 * (1 + (n + i) % 5))
+                wd.tick_phases_done()
                 wd.data_age(run, 0.5 * (n % 3))
                 wd.last_tick(time.time())
                 wd.action(run, "kl_high", "set", "applied")
