@@ -19,36 +19,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from trainer.byte_tokenizer import byte_level_tokenizer
+
 SPECIALS = ("<|endoftext|>", "<|im_end|>")
 STAMP = ".complete"
 
 
-def byte_chars() -> list[str]:
-    """GPT-2's byte-to-unicode table as a list indexed by byte (what byte-level BPE uses)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = keep[:], 0
-    for b in range(256):
-        if b not in keep:
-            keep.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(keep, cs, strict=True))
-    return [chr(table[b]) for b in range(256)]
-
-
 def build_tokenizer(out: Path) -> None:
     """Write a byte-level tokenizer (tokenizer.json + tokenizer_config.json) to ``out``."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {c: i for i, c in enumerate(byte_chars())}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(list(SPECIALS))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   bos_token=None, unk_token=None, model_max_length=512)
-    fast.save_pretrained(str(out))
+    byte_level_tokenizer(SPECIALS, model_max_length=512).save_pretrained(str(out))
 
 
 def sft(model: object, tok: object, steps: int, seed: int = 0, lr: float = 3e-3, batch: int = 64) -> float:
