@@ -411,7 +411,7 @@ def test_the_test_head_has_token_authentication_on_as_todays_ray_starts_by_defau
         assert refused.value.code == code
 
 
-def test_the_token_comes_from_the_named_file_else_from_where_ray_looks_in_rays_order(tmp_path):
+def test_the_token_comes_from_the_named_file_else_from_where_ray_looks_in_rays_order(tmp_path, caplog):
     from watchdog.backends.ray_jobs import RayAuthError, find_token
 
     named, by_path = tmp_path / "named", tmp_path / "by-path"
@@ -428,8 +428,17 @@ def test_the_token_comes_from_the_named_file_else_from_where_ray_looks_in_rays_o
     (tmp_path / ".ray").mkdir()
     (tmp_path / ".ray" / "auth_token").write_text("tok-home")
     assert find_token(None, {"HOME": str(tmp_path)}).value == "tok-home"
-    found = find_token(None, {"RAY_AUTH_TOKEN_PATH": str(by_path)})
+    by_path.chmod(0o644)
+    with caplog.at_level(logging.WARNING):
+        found = find_token(None, {"RAY_AUTH_TOKEN_PATH": str(by_path)})
     assert found.headers() == {"Authorization": "Bearer tok-path"} and "tok-path" not in repr(found)
+    assert f"Ray token file {by_path} can be read by other users (mode 644)" in caplog.text
+    assert "tok-path" not in caplog.text
+    caplog.clear()
+    by_path.chmod(0o600)
+    with caplog.at_level(logging.WARNING):
+        find_token(None, {"RAY_AUTH_TOKEN_PATH": str(by_path)})
+    assert caplog.text == ""
     for bad, why in ((tmp_path / "missing", "No such file"), (tmp_path, "Is a directory")):
         with pytest.raises(RayAuthError, match=f"Ray token file {bad}: cannot be used .*{why}"):
             find_token(bad, env)

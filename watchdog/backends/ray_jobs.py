@@ -177,12 +177,19 @@ class RayToken:
 
 
 def _read_token_file(path: Path) -> str:
-    """The token in ``path`` (whitespace stripped); raises OSError or ValueError saying why not."""
-    text = path.expanduser().read_text(encoding="utf-8", errors="strict").strip()
+    """The token in ``path`` (whitespace stripped); raises OSError or ValueError saying why not.
+
+    A file other users can read is said (once a read, without the token): Ray's own
+    ``ray.init()`` writes ``~/.ray/auth_token`` with the default umask, often 0644."""
+    path = path.expanduser()
+    text = path.read_text(encoding="utf-8", errors="strict").strip()
     if not text:
         raise ValueError("empty")
     if any(c.isspace() for c in text):
         raise ValueError("more than one word")
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        log.warning("Ray token file %s can be read by other users (mode %o): chmod 600 it", path, mode & 0o777)
     return text
 
 
