@@ -508,7 +508,8 @@ def test_the_daemon_retries_a_refused_token_each_tick_and_launches_once_the_toke
     config = tmp_path / "daemon.yaml"
     config.write_text(json.dumps({
         "state_dir": str(tmp_path / "state"), "rules": [str(rules)],
-        "runs": [{"run_dir": str(tmp_path / "run"), "ray_address": ray_head.address,
+        # Its own run id: the head is the module's, and job ids number the launches of a run id.
+        "runs": [{"run_dir": str(tmp_path / "token-run"), "ray_address": ray_head.address,
                   "ray_token_file": str(token_file),
                   "restart_command": [sys.executable, "-c", "import time; time.sleep(60)"]}],
     }))
@@ -517,21 +518,21 @@ def test_the_daemon_retries_a_refused_token_each_tick_and_launches_once_the_toke
         with caplog.at_level(logging.WARNING):
             assert wd.tick() is False and wd.tick() is False  # neither raised
         assert f"Ray token file {token_file}: cannot be used" in caplog.text
-        assert wd.store.require_run("run").phase == "new" and wd.store.require_run("run").job_id is None
+        assert wd.store.require_run("token-run").phase == "new" and wd.store.require_run("token-run").job_id is None
         token_file.parent.mkdir()
         token_file.write_text("not-the-token")
         caplog.clear()
         with caplog.at_level(logging.WARNING):
             wd.tick()
         assert f"Ray job server at {ray_head.address} rejected the token" in caplog.text
-        assert "not-the-token" not in caplog.text and wd.store.require_run("run").job_id is None
+        assert "not-the-token" not in caplog.text and wd.store.require_run("token-run").job_id is None
         shutil.copy(ray_head.token_file, token_file)
         wd.tick()
-        run = wd.store.require_run("run")
-        assert run.phase == "running" and run.job_id == "run-1"
+        run = wd.store.require_run("token-run")
+        assert run.phase == "running" and run.job_id == "token-run-1"
         assert ray_head.token() not in caplog.text
     finally:
-        proc = wd.controllers["run"].h.proc
+        proc = wd.controllers["token-run"].h.proc
         if proc is not None:
             proc.stop(grace=2)
         wd.close()
