@@ -321,7 +321,9 @@ rules:
 def test_a_live_set_trl_refuses_in_part_says_which_key_and_why_in_history(tiny_model: Path, tmp_path: Path) -> None:
     rules = tmp_path / "tighten.yaml"
     rules.write_text(TIGHTEN)
-    proc = _watchdog(tmp_path, tiny_model, steps=8, rules=rules)
+    # TRL's steps take a few hundredths of a second: a pause at step 4 keeps the run alive until the set
+    # decided at step 2 is applied, however slow the machine (else the run can end before it).
+    proc = _watchdog(tmp_path, tiny_model, "trainer.faults=hang@4:5", steps=8, rules=rules)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (decision,) = [h for h in _history(tmp_path) if h["rule"] == "tighten"]
     assert decision["status"] == "applied"
