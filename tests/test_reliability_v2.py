@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_reliability import NAN_RULE  # noqa: E402 - one notify-on-NaN rule for both files
 from typer.testing import CliRunner
 
 from watchdog.backends.local import LocalProcess, not_the_trainer, start_ticks
@@ -30,15 +31,6 @@ from watchdog.control.store import Phase, Store
 from watchdog.protocol import lock as locks
 from watchdog.protocol import rundir
 from watchdog.protocol.runinfo import RunInfo
-
-NAN_RULE = textwrap.dedent("""\
-    version: 1
-    rules:
-      - name: nan
-        description: a NaN anywhere
-        expr: nonfinite()
-        actions: [notify]
-""")
 
 #: A trainer that says it is up, then trains (sleeps) until stopped; SIGTERM ends it at once.
 SLEEPER = textwrap.dedent("""\
