@@ -550,8 +550,10 @@ class Actuator:
                          if k not in p.get("refused_keys", ())}
             version = self.reserve_version(h, None, overrides)
             self.write_control(h, version)
-            skip_arg = skip_batches_arg(h.run.run_dir, skip) if skip else None
-            if skip and skip_arg is None:
+            # A trainer that names a key skips by argument; verl's dialect moved its dataloader state in the
+            # resume checkpoint instead (``skip_patch``) or said why not (``skip_note``).
+            skip_arg = skip_batches_arg(h.run.run_dir, skip) if skip and not p.get("skip_patch") else None
+            if skip and skip_arg is None and not p.get("skip_patch") and not p.get("skip_note"):
                 p["skip_note"] = f"skip_batches={skip} not done (the trainer offers no key for it)"
             # launch() commits the new pid first: a watchdog killed from then on finds a pid other than
             # ``stopped_pid`` and adopts that trainer instead of launching a second (exactly once; RELIABILITY.md).
@@ -571,8 +573,9 @@ class Actuator:
                 self._finish(h, other, "done", outcome=f"applied by restart (v{version})")
         where = ("the start" if p.get("resume") == "scratch" else
                  f"step {p['resume_step']}" if p.get("resume_step") is not None else "scratch")
-        notes = "".join(f"; {p[k]}" for k in ("lr_patch", "refused", "skip_note") if p.get(k) and p[k] != "none needed")
-        if skip and not p.get("skip_note"):
+        notes = "".join(f"; {p[k]}" for k in ("lr_patch", "refused", "skip_patch", "skip_note")
+                        if p.get(k) and p[k] != "none needed")
+        if skip and not p.get("skip_note") and not p.get("skip_patch"):
             notes += f"; skipped {skip} batches"
         who = f"ray job {h.run.job_id}" if h.run.job_id else f"pid {h.run.pid}"
         self._finish(h, entry, "done", outcome=f"restarted from {where} ({who}, prior exit {code}){notes}",
