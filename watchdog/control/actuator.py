@@ -595,18 +595,21 @@ class Actuator:
         p = dict(entry.payload)
         if entry.status == ActionStatus.INTENT:
             info = self._resolve_checkpoint(h, "known_good")
-            if info is None and self._resolve_checkpoint(h, "latest") is None:
-                # Diverged before the first checkpoint: the initial weights (the SFT model, which is
-                # also the reference) are the oldest known-good state. Start over with the sets.
+            if info is None:
+                # No checkpoint predates the divergence (none yet, or each one was taken while a divergence
+                # rule fired: one step after the first checkpoint, the rules' margin makes it suspect): the
+                # initial weights (the SFT model, which is also the reference) are the oldest known-good
+                # state. Start over with the sets; the suspect checkpoints are set aside, out of any resume.
+                latest = self._resolve_checkpoint(h, "latest")
+                why = ("no checkpoint yet" if latest is None else
+                       f"no known-good checkpoint (the newest, step {latest.step}, and any before it were "
+                       "taken while diverging)")
                 p.update(resume="scratch", resume_path=None, resume_step=0)
                 if p.get("set"):
                     p["set"] = self._snap(h, p["set"])
                 restart_id = self.store.add_action(h.run.run_id, "restart", p, decision_id=entry.decision_id)
-                self._finish(h, entry, "done", outcome=f"by restart from the start (journal {restart_id}): "
-                                                       "no checkpoint yet", handed_to=restart_id)
-                return
-            if info is None:
-                self._finish(h, entry, "failed", error="no known-good checkpoint to roll back to")
+                self._finish(h, entry, "done", outcome=f"by restart from the start (journal {restart_id}): {why}",
+                             handed_to=restart_id)
                 return
             p.update(resume_path=str(info.path), resume_step=info.step)
             if h.proc is None or not h.proc.alive() or not h.dialect.live or not _rolls_back_in_process(h):
