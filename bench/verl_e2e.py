@@ -7,7 +7,8 @@ CPU through :mod:`trainer.verl_cpu` (no file of verl edited), tiny local assets:
    and the KL in the reward, 12 steps, a checkpoint every 2 (``make run-verl`` plus
    tests/data/verl_e2e_rules.yaml), with verl pruning its checkpoints to one
    (``trainer.max_actor_ckpt_to_keep=1``). Injected: a NaN actor loss at step 5, a memory budget from step 8;
-   one tuning relaunch carries lr x0.5, kl_coef x2 and clip_ratio x0.5. :func:`zero_patch_checks`;
+   one tuning relaunch carries lr x0.5, kl_coef x2 and clip_ratio x0.5; the rollback's ``skip_batches: 1``
+   is checked in verl's own dataloader state (:func:`check_skip`). :func:`zero_patch_checks`;
 2. **in-process** (:func:`run_in_process`): ``watchdog run -- python -m trainer.verl_glue`` with
    bench/verl_gpu_smoke.yaml (kl_coef x2 live from step 2, lr x0.5 live from step 3), checked by
    bench/verl_gpu_smoke.py's :func:`check_run` against what verl logs;
@@ -281,7 +282,8 @@ def check_skip(run: VerlRun) -> Row:
                "re-run", ok,
                f"rollback to step {start}, skip_batches={asked}, done {done} ({rollback.result.get('outcome')}); "
                f"batches drawn per checkpoint (step, drawn) after the rollback {after}, by the stopped attempt "
-               f"{before}, in the resume copy {resumed}", {"skipped": done})
+               f"{before}, in the resume copy {resumed}",
+               {"skipped": done, "drawn_after_rollback": after, "drawn_by_stopped_attempt": before})
 
 
 def _tuning(run: VerlRun) -> Any:
