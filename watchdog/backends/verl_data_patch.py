@@ -96,8 +96,11 @@ class Skip:
     drawn: int
     """Batches verl had drawn in the current epoch when it saved (``_num_yielded``)."""
     asked: int
+    """Batches the rule asked to skip (``skip_batches``)."""
     done: int
+    """Batches skipped: ``asked``, or fewer where the epoch ends."""
     batch_size: int | None = None
+    """Samples a batch (single-process state only: ``samples_yielded / _num_yielded``)."""
 
     def text(self) -> str:
         """The journal's words for it."""
@@ -125,8 +128,7 @@ def skip_state(state: Any, n: int, epoch_batches: int, where: Path) -> tuple[dic
     if new["_index_sampler_state"] is not None or new["fetcher_state"] is not None:
         raise _refuse(where, "a stateful batch sampler or an iterable dataset (verl builds neither)")
     it = new["_sampler_iter_state"]
-    if not isinstance(it, dict) or not set(it) <= {"samples_yielded", "sampler_iter_state", "sampler_state"} \
-            or "sampler_state" in it:
+    if not isinstance(it, dict) or not set(it) <= {"samples_yielded", "sampler_iter_state"}:
         raise _refuse(where, f"_sampler_iter_state is {it!r}")
     samples = _int(it, "samples_yielded", where)
     if drawn == 0 or samples % drawn:
