@@ -7,7 +7,8 @@ CPU through :mod:`trainer.verl_cpu` (no file of verl edited), tiny local assets:
    and the KL in the reward, 12 steps, a checkpoint every 2 (``make run-verl`` plus
    tests/data/verl_e2e_rules.yaml), with verl pruning its checkpoints to one
    (``trainer.max_actor_ckpt_to_keep=1``). Injected: a NaN actor loss at step 5, a memory budget from step 8;
-   one tuning relaunch carries lr x0.5, kl_coef x2 and clip_ratio x0.5. :func:`zero_patch_checks`;
+   one tuning relaunch carries lr x0.5, kl_coef x2 and clip_ratio x0.5; the rollback's ``skip_batches: 1``
+   is checked in verl's own dataloader state (:func:`check_skip`). :func:`zero_patch_checks`;
 2. **in-process** (:func:`run_in_process`): ``watchdog run -- python -m trainer.verl_glue`` with
    bench/verl_gpu_smoke.yaml (kl_coef x2 live from step 2, lr x0.5 live from step 3), checked by
    bench/verl_gpu_smoke.py's :func:`check_run` against what verl logs;
@@ -18,8 +19,9 @@ CPU through :mod:`trainer.verl_cpu` (no file of verl edited), tiny local assets:
    output, state or run file; the head and everything it started stopped afterwards;
 5. ``--kl-adaptive`` (:func:`run_kl_adaptive`): ``algorithm.kl_ctrl.type=adaptive``, a kl_coef x2 relaunch
    and an OOM relaunch: the coefficient verl logs after each resume is the one the watchdog passed;
-6. ``--async-save`` (:func:`run_async_save`): ``actor.checkpoint.async_save=true``: what verl writes and
-   what the watchdog makes of it.
+6. ``--async-save`` (:func:`run_async_save`): ``actor.checkpoint.async_save=true`` (verl writes no
+   ``latest_checkpointed_iteration.txt``) and an injected NaN at step 5: the checkpoints count by their
+   files and the divergence is rolled back to step 2.
 
 ``--keep-rows`` merges the rows produced into ``--out`` (the rows it does not produce stay);
 ``--recheck`` re-evaluates the runs kept under ``--root``.
@@ -250,6 +252,40 @@ def check_rollback(run: VerlRun) -> Row:
                {"relaunch_s": rollback.result.get("relaunch_s"), "steps_lost": rollback.result.get("steps_lost")})
 
 
+def _drawn(path: Path) -> int | None:
+    """Batches verl's train dataloader had drawn when it saved ``path`` (its data.pt, weights-only), or None."""
+    from watchdog.protocol import checkpoint as ckpt
+
+    data = path / ckpt.VERL_DATA_FILE
+    if not data.is_file():
+        return None
+    state = ckpt.load_verl_file(data)
+    return int(state["_num_yielded"]) if isinstance(state, dict) and "_num_yielded" in state else None
+
+
+def check_skip(run: VerlRun) -> Row:
+    """The rollback's ``skip_batches=1`` for real: each checkpoint verl saved after the rollback has its
+    dataloader one batch further on than its step (step 3 drew batch 4, not batch 3 again), while the
+    stopped attempt's own checkpoints past step 2 (set aside) have drawn exactly their step's batches."""
+    rollback = next(e for e in run.restarts() if e.payload.get("rule") == "nan_or_inf")
+    start, asked = int(rollback.result["resume_step"]), int(rollback.payload.get("skip_batches") or 0)
+    done = int(rollback.payload.get("skip_done") or 0)
+    ck = run.run_dir / "checkpoints"
+    after = sorted((int(p.name.rsplit("_", 1)[1]), _drawn(p)) for p in ck.glob("global_step_*")
+                   if int(p.name.rsplit("_", 1)[1]) > start)
+    before = sorted((int(p.name.rsplit("_", 1)[1]), _drawn(p)) for p in ck.glob("abandoned-attempt-1/global_step_*"))
+    resumed = _drawn(Path(rollback.payload["resume_path"])) if Path(rollback.payload["resume_path"]).is_dir() else None
+    ok = (asked == 1 and done == 1 and "skipped 1 batch" in str(rollback.result.get("outcome"))
+          and bool(after) and all(d == s_ + done for s_, d in after)
+          and bool(before) and all(d == s_ for s_, d in before))
+    return Row("a zero-patch rollback with skip_batches=1: verl resumes on the batch after the one it would have "
+               "re-run", ok,
+               f"rollback to step {start}, skip_batches={asked}, done {done} ({rollback.result.get('outcome')}); "
+               f"batches drawn per checkpoint (step, drawn) after the rollback {after}, by the stopped attempt "
+               f"{before}, in the resume copy {resumed}",
+               {"skipped": done, "drawn_after_rollback": after, "drawn_by_stopped_attempt": before})
+
+
 def _tuning(run: VerlRun) -> Any:
     return next(e for e in run.restarts() if KL in e.payload.get("set", {}))
 
@@ -382,6 +418,7 @@ ZERO_PATCH_CHECKS: list[tuple[str, Callable[[VerlRun], Row]]] = [
     ("finished", check_finished), ("rollback", check_rollback), ("lr", check_lr), ("kl_coef", check_kl),
     ("clip_ratio", check_clip), ("oom", check_oom), ("processes", check_processes), ("timeline", check_timeline),
     ("replay", check_replay), ("watchdog_share", check_watchdog_share), ("pruning", check_pruning),
+    ("skip_batches", check_skip),
 ]
 
 
@@ -762,15 +799,20 @@ def kl_adaptive_checks(run: VerlRun) -> list[Row]:
 # -- async checkpoint save -------------------------------------------------------------------------------
 
 
+ASYNC_NAN_STEP = 5
+
+
 def run_async_save(root: Path) -> VerlRun:
-    """``actor_rollout_ref.actor.checkpoint.async_save=true``: 4 steps, a checkpoint every 2, no fault."""
+    """``actor_rollout_ref.actor.checkpoint.async_save=true``: 6 steps, a checkpoint every 2, a NaN actor loss
+    injected at step 5: the rollback must find a checkpoint although verl writes no marker."""
     from trainer.verl_cpu import assets, overrides
 
     a = assets.build(root / "assets")
     run_dir, state = root / "run", root / "state"
     env = overrides.verl_env(inject={"VERL_CPU_INJECT_DIR": str(run_dir / "injected"),
+                                     "VERL_CPU_INJECT_NAN": str(ASYNC_NAN_STEP),
                                      "RAY_memory_monitor_refresh_ms": "0"})
-    verl = overrides.verl_command(sys.executable, [*overrides.ppo_overrides(a, steps=4, save_freq=2),
+    verl = overrides.verl_command(sys.executable, [*overrides.ppo_overrides(a, steps=6, save_freq=2),
                                                    "actor_rollout_ref.actor.checkpoint.async_save=true",
                                                    f"hydra.run.dir={run_dir / 'verl' / 'hydra'}"])
     argv = [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir), "--state-dir",
@@ -780,25 +822,32 @@ def run_async_save(root: Path) -> VerlRun:
 
 
 def async_save_checks(run: VerlRun) -> list[Row]:
-    """What verl writes under async save, and what the watchdog makes of it."""
+    """What verl writes under async save, and the rollback the watchdog makes of it (checkpoints counted by
+    their files: verl writes no marker)."""
     ck = run.run_dir / "checkpoints"
     written = sorted(p.relative_to(ck).as_posix() for p in ck.glob("global_step_*/actor/*")) if ck.exists() else []
-    marker = (ck / rundir.LATEST_MARKER).exists()
+    marker = (ck / rundir.LATEST_MARKER).read_text().strip() if (ck / rundir.LATEST_MARKER).exists() else None
     counted = [e.get("step") for e in run.events() if e["kind"] == "checkpoint"]
-    said = "no checkpoint of this run will count as complete" in run.output
-    from watchdog.protocol import checkpoint as ckpt
-
-    judged = ckpt.list_verl_checkpoints(ck, 1, ("actor", "critic"))
-    # The same folders judged as if verl had written its marker: are their files all there?
-    by_files = [ckpt.verl_checkpoint_info(c.path, c.step, 1, ("actor", "critic")).complete for c in judged]
-    ok = run.exit_code == 0 and (bool(counted) or said)
-    return [Row("actor.checkpoint.async_save=true: checkpoints count when complete, or the run start says why no "
-                "rollback will be possible", ok,
-                f"exit {run.exit_code}; verl wrote {written[:8]}; {rundir.LATEST_MARKER}: "
-                f"{'present' if marker else 'absent'}; checkpoint events at steps {counted}; the start said no "
-                f"rollback will be possible: {said}; the watchdog's judgement "
-                f"{[(c.step, c.complete, c.reason) for c in judged]}; complete by their files alone: {by_files}",
-                {"wall_s": round(run.wall_s, 1), "checkpoints_counted": len(counted)})]
+    rollback = next((e for e in run.restarts() if e.payload.get("rule") == "nan_or_inf"), None)
+    rerun = [e for e in run.events() if e["kind"] == "started" and rollback is not None
+             and e.get("resumed_from") == rollback.result.get("resume_step")]
+    rerun_steps = [r["step"] for r in run.attempt_records(rerun[0]["attempt"])] if rerun else []
+    last = max((r["step"] for r in run.metrics()), default=0)
+    # The marker here, if any, is the watchdog's (reset to the resume step when the stopped attempt's later
+    # saves were set aside), never verl's: verl's own writes under async save leave none.
+    ok = (run.exit_code == 0 and bool(counted) and rollback is not None and rollback.result.get("resume_step") == 2
+          and bool(rerun_steps) and min(rerun_steps) == 3 and last == 6
+          and "no checkpoint of this run will count" not in run.output)
+    return [Row("actor.checkpoint.async_save=true: verl writes no marker, its checkpoints count by their files and "
+                "a divergence is rolled back", ok,
+                f"exit {run.exit_code}; verl wrote {written[:6]}...; {rundir.LATEST_MARKER} at the end: {marker} "
+                f"(verl wrote none: the watchdog reset it to the resume step when it set the stopped attempt's later "
+                f"saves aside); checkpoint events at steps {counted}; rollback "
+                f"{rollback.result.get('outcome') if rollback else None}; the re-run trained steps {rerun_steps}; "
+                f"last step {last}",
+                {"wall_s": round(run.wall_s, 1), "checkpoints_counted": len(counted),
+                 "relaunch_s": rollback.result.get("relaunch_s") if rollback else None,
+                 "steps_lost": rollback.result.get("steps_lost") if rollback else None})]
 
 
 # -- report -----------------------------------------------------------------------------------------

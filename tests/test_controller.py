@@ -39,6 +39,7 @@ from watchdog.control.controller import (
 from watchdog.control.daemon import DaemonConfigError, build_watchdog, load_daemon_config
 from watchdog.control.store import BadSpan, RunRecord, Store
 from watchdog.protocol import catalog, rundir
+from watchdog.protocol import checkpoint as ckpt
 from watchdog.protocol.control import read_control
 from watchdog.protocol.runinfo import RunInfo
 
@@ -502,6 +503,39 @@ def test_a_divergence_before_the_first_checkpoint_rolls_back_to_the_start(tmp_pa
         # What the stopped trainer saved on the abandoned timeline is kept, but out of reach of a resume.
         assert not list((run / rundir.CHECKPOINTS).glob("global_step_*"))
         assert list((run / rundir.CHECKPOINTS).glob("abandoned-*/global_step_9"))
+    finally:
+        act.stop(h)
+
+
+def test_a_divergence_one_step_after_the_first_checkpoint_rolls_back_to_the_initial_weights(tmp_path):
+    # The first checkpoint is at step 2 and a divergence rule fires at step 3: its margin makes step 2
+    # suspect, so no checkpoint is known-good. README: the run goes back to its initial weights.
+    import torch
+
+    run = tmp_path / "run"
+    RunInfo(id="run").write(run)
+    ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 2, 0, {"actor": {"w": torch.zeros(2)}})
+    trainer = "import sys, time; print(sys.argv[1:], flush=True); print('ready', flush=True); time.sleep(60)"
+    store, act, h = _actuator_rig(tmp_path, run, [sys.executable, "-c", trainer, "a=1"])
+    try:
+        act.launch(h, None, time.time())
+        log = run / act.config.log_name
+        _wait_for_log(log, lambda text: "ready" in text, timeout=30)
+        store.open_bad_span("run", "kl_far_above", 2)
+        rb = store.add_action("run", "rollback", {"rule": "kl_far_above", "set": {KL: 0.0002}, "skip_batches": 1})
+        act.drive(h, store.get_action(rb), time.time())
+        done = store.get_action(rb)
+        assert done.status == "done", done.result
+        assert "from the start" in done.result["outcome"] and "step 2" in done.result["outcome"]
+        (restart,) = [e for e in store.open_actions("run") if e.kind == "restart"]
+        act.drive(h, restart, time.time())
+        assert "restarted from the start" in store.get_action(restart.id).result["outcome"]
+        text = _wait_for_log(log, lambda text: f"{KL}=0.0002" in text)
+        relaunch = [ln for ln in text.splitlines() if KL in ln]
+        assert len(relaunch) == 1 and "'trainer.resume_mode=disable'" in relaunch[0]
+        # The suspect checkpoint is kept for a human, out of reach of any later resume.
+        assert not list((run / rundir.CHECKPOINTS).glob("global_step_*"))
+        assert list((run / rundir.CHECKPOINTS).glob("abandoned-*/global_step_2"))
     finally:
         act.stop(h)
 

@@ -5,7 +5,8 @@ overlay tests/data/verl_e2e_rules.yaml) is shared by every assertion: verl's v1 
 workers on gloo, TransferQueue, its checkpoint manager and resume, PPO with GAE, a critic and the KL
 in the reward, through :mod:`trainer.verl_cpu` (no file of verl edited). Injected: a NaN actor loss
 at step 5 and a memory budget from step 8; one tuning relaunch carries lr x0.5, kl_coef x2 and
-clip_ratio x0.5; verl prunes its checkpoints to one. About 7 minutes on 2 cores. The checks are bench/verl_e2e.py's rows (the bench
+clip_ratio x0.5; verl prunes its checkpoints to one; the rollback skips one batch (the dataloader
+state in the resume copy's data.pt). About 7 minutes on 2 cores. The checks are bench/verl_e2e.py's rows (the bench
 runs them too, with figures, plus the in-process glue).
 """
 
@@ -75,3 +76,8 @@ def test_replay_reads_the_console_log_and_the_file_logger_output_to_the_same_dec
 
 def test_verls_own_pruning_cannot_remove_the_known_good_checkpoint_the_rollback_needs(verl_run: e2e.VerlRun) -> None:
     _passes(e2e.check_pruning(verl_run))
+
+
+def test_a_rollback_with_skip_batches_resumes_verl_on_the_batch_after_the_one_it_would_have_rerun(
+        verl_run: e2e.VerlRun) -> None:
+    _passes(e2e.check_skip(verl_run))

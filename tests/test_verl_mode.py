@@ -464,20 +464,32 @@ def test_a_stopped_attempts_steps_and_saves_past_the_relaunch_checkpoint_are_set
     assert (ckpts / rundir.LATEST_MARKER).read_text() == "4"
 
 
-def test_verls_async_save_is_said_at_start_to_leave_no_checkpoint_to_roll_back_to(
+def test_under_verls_async_save_a_checkpoint_counts_by_its_files_so_a_rollback_has_one(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     # verl 0.9.1's v1 trainer writes no latest_checkpointed_iteration.txt under async_save
-    # (trainer/ppo/v1/trainer_base.py:1011-1019): the run starts, and nothing it saves will count.
+    # (trainer/ppo/v1/trainer_base.py:1011-1019): its checkpoints count once all their files are there.
     run = tmp_path / "run"
-    verl_mode.init_run(run, [*SEED_COMMAND, "actor_rollout_ref.actor.checkpoint.async_save=true"])
-    with caplog.at_level("WARNING"):
-        _glue(run)
-    assert "async_save=true" in caplog.text and "no rollback" in caplog.text
-    caplog.clear()
-    verl_mode.init_run(tmp_path / "plain", SEED_COMMAND)
-    with caplog.at_level("WARNING"):
-        _glue(tmp_path / "plain")
-    assert "async_save" not in caplog.text
+    verl_mode.init_run(run, [*SEED_COMMAND, "actor_rollout_ref.actor.checkpoint.async_save=true",
+                             "trainer.n_gpus_per_node=2"])
+    with caplog.at_level("INFO"):
+        glue = _glue(run)
+    assert "async_save=true" in caplog.text and "no rollback" not in caplog.text
+    for step in (2, 4, 6):
+        _save_verl_step(run / "checkpoints", step, world_size=2)
+    (run / "checkpoints" / "global_step_6" / "data.pt").unlink()  # a save in progress: data.pt comes last
+    ckpt.verl_file(run / "checkpoints" / "global_step_4" / "critic", "optim", 2, 1).unlink()  # a torn one
+    assert not (run / "checkpoints" / rundir.LATEST_MARKER).exists()
+    judged = {c.step: c for c in glue.checkpoints()}
+    assert [s for s, c in judged.items() if c.complete] == [2]
+    assert "data.pt" in judged[6].reason and "optim_world_size_2_rank_1.pt" in judged[4].reason
+    # A marker there is not verl's (it writes none under async save): later saves still count by their files.
+    (run / "checkpoints" / rundir.LATEST_MARKER).write_text("2")
+    _save_verl_step(run / "checkpoints", 8, world_size=2)
+    assert [c.step for c in glue.checkpoints() if c.complete] == [2, 8]
+    # Without async save the marker still rules.
+    verl_mode.init_run(tmp_path / "plain", [*SEED_COMMAND, "trainer.n_gpus_per_node=2"])
+    _save_verl_step(tmp_path / "plain" / "checkpoints", 2, world_size=2)
+    assert not any(c.complete for c in _glue(tmp_path / "plain").checkpoints())
 
 
 def test_a_user_checkpoint_dir_is_kept_and_searched(tmp_path: Path) -> None:

@@ -13,7 +13,8 @@ one that does, using only what verl already offers:
   (catalog names, older keys such as ``critic/kl`` mapped on the way).
 - **checkpoints**: ``trainer.default_local_dir=run_dir/checkpoints`` unless the user set
   one; a ``global_step_N`` counts when verl's marker and its files say it is complete
-  (:func:`watchdog.protocol.checkpoint.list_verl_checkpoints`).
+  (:func:`watchdog.protocol.checkpoint.list_verl_checkpoints`; under ``async_save``, where
+  verl writes no marker, by its files alone).
 - **events**: the glue appends what it can observe: ``started`` at each launch,
   ``checkpoint`` when a complete ``global_step_N`` appears, and at the end of an attempt
   ``finished`` / ``oom`` / ``nan`` / ``error`` from the log (:mod:`watchdog.backends.verl_exits`).
@@ -47,6 +48,7 @@ from watchdog.backends.dialect import (
     verl_pruning,
 )
 from watchdog.backends.local import read_tail
+from watchdog.backends.verl_data_patch import SkipRefused, epoch_batches, patch_skip_copy
 from watchdog.backends.verl_exits import ExitClass, classify
 from watchdog.backends.verl_lr_patch import (
     LR_COMPONENTS,
@@ -79,6 +81,9 @@ KL_CTRL_DEFAULTS = {"algorithm.kl_ctrl.type": "fixed", "algorithm.kl_ctrl.target
 #: Steps of KL history kept (a rollback further back than this falls back to the last logged coefficient).
 KL_HISTORY = 2048
 MICRO_KEY = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+BATCH_KEY = "data.train_batch_size"
+#: The dataloader's batch when set (verl: ``gen_batch_size or train_batch_size``, trainer_base.py:742).
+GEN_BATCH_KEY = "data.gen_batch_size"
 ASYNC_SAVE_KEY = "actor_rollout_ref.actor.checkpoint.async_save"
 #: Loggers the glue needs: ``file`` for the metrics, ``console`` for a readable trainer.log.
 NEEDED_LOGGERS = ("console", "file")
@@ -352,12 +357,11 @@ class VerlGlue:
         """verl's own checkpoint pruning the command sets (empty: none)."""
         if self.prunes:
             log.warning("%s: %s", run_id, pruning_notice(self.prunes, self.ckpt_dir))
-        if str(self.config.get(ASYNC_SAVE_KEY, "")).strip().lower() in ("true", "1"):
-            # verl 0.9.1's v1 trainer skips its marker under async save (trainer/ppo/v1/trainer_base.py:1011-1019),
-            # and a global_step_N counts only at or below the marker.
-            log.warning("%s: %s=true: verl writes no %s then, so no checkpoint of this run will count as "
-                        "complete: no rollback, and every restart starts from scratch", run_id, ASYNC_SAVE_KEY,
-                        rundir.LATEST_MARKER)
+        self.async_save = str(self.config.get(ASYNC_SAVE_KEY, "")).strip().lower() in ("true", "1")
+        """verl writes no marker (trainer/ppo/v1/trainer_base.py:1011-1019): checkpoints count by their files."""
+        if self.async_save:
+            log.info("%s: %s=true: verl writes no %s then; a checkpoint counts once all its files are there "
+                     "(data.pt, which verl writes last, included)", run_id, ASYNC_SAVE_KEY, rundir.LATEST_MARKER)
         self.state = GlueState.load(self.dir / STATE_FILE)
         self.exporter: Any = None
         port = info.run_metrics_port
@@ -451,8 +455,13 @@ class VerlGlue:
                     resume_path=resume_path)
 
     def plan_resume(self, payload: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-        """A restart's payload with verl's lr trap defused: resume from a patched copy when the
-        checkpoint's lr differs from the wanted one, or the lr change refused (named, audited)."""
+        """A restart's payload with verl's lr trap defused (resume from a patched copy when the checkpoint's
+        lr differs from the wanted one, or the lr change refused, named and audited) and, for a rollback
+        with ``skip_batches``, the resume checkpoint's dataloader state moved on (:meth:`_plan_skip`)."""
+        p = self._plan_lr(payload, overrides)
+        return self._plan_skip(p)
+
+    def _plan_lr(self, payload: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
         p = dict(payload)
         src = p.get("resume_path")
         wanted = {k: float(v) for k, v in overrides.items() if k in LR_COMPONENTS}
@@ -485,6 +494,37 @@ class VerlGlue:
             f"{k} {old:g} -> {new:g}" for k, (old, new) in sorted(changes.items()))
         return p
 
+    def _plan_skip(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """A rollback's ``skip_batches``: resume from a copy whose ``data.pt`` has verl's dataloader N batches
+        further on (:mod:`watchdog.backends.verl_data_patch`), or ``skip_note`` saying why it was not done."""
+        p = payload
+        n = int(p.get("skip_batches") or 0)
+        src = p.get("resume_path")
+        if n < 1 or not src or p.get("resume") not in ("known_good", "path"):
+            return p
+        batch = _positive_int(self.config.get(GEN_BATCH_KEY)) or _positive_int(self.config.get(BATCH_KEY)) \
+            or int(KL_CTRL_DEFAULTS[BATCH_KEY])
+        log_path = self.run_dir / LOG_NAME
+        # verl prints its datasets' sizes as it starts: the attempt being stopped (from its offset), else the first.
+        epoch = epoch_batches(_read_part(log_path, self.state.log_offset), batch) \
+            or epoch_batches(_read_part(log_path, 0), batch)
+        if epoch is None:
+            p["skip_note"] = (f"skip_batches={n} not done: the epoch's length is unknown (no 'dataset len' line of "
+                              f"verl's in {log_path}), and a skip past the epoch's end would stop verl")
+            log.error("%s: %s", self.run_id, p["skip_note"])
+            return p
+        try:
+            dst, skip = patch_skip_copy(src, self.dir / RESUME_DIR / f"{Path(src).name}-skip{n}", n, epoch)
+        except (SkipRefused, ckpt.CheckpointError) as exc:
+            p["skip_note"] = f"skip_batches={n} not done: {exc}"
+            log.error("%s: %s", self.run_id, p["skip_note"])
+            return p
+        p.setdefault("checkpoint_path", src)
+        p["resume_path"] = str(dst)
+        p["skip_done"] = skip.done
+        p["skip_patch"] = skip.text()
+        return p
+
     def _prune_resume_copies(self, keep: str | None) -> None:
         # Patched copies hold full optimizer states; only the one this launch reads is worth keeping.
         root = self.dir / RESUME_DIR
@@ -499,7 +539,7 @@ class VerlGlue:
     def checkpoints(self) -> list[ckpt.CheckpointInfo]:
         """verl's checkpoints of this run (complete or not, with the reason), and the known-good ones
         the watchdog kept where verl's own pruning deleted them (:meth:`protect`)."""
-        own = ckpt.list_verl_checkpoints(self.ckpt_dir, self.world_size, self.components)
+        own = ckpt.list_verl_checkpoints(self.ckpt_dir, self.world_size, self.components, by_files=self.async_save)
         return merge_kept(own, self._kept())
 
     def _kept(self) -> list[ckpt.CheckpointInfo]:
@@ -642,3 +682,26 @@ def _step_of(path: str | None) -> int | None:
         return None
     name = Path(path).name
     return int(name.rsplit("_", 1)[1]) if name.startswith("global_step_") and name.rsplit("_", 1)[1].isdigit() else None
+
+
+def _positive_int(v: Any) -> int | None:
+    """A config value as a positive int (Hydra may hand it over as text), else None."""
+    try:
+        n = int(str(v))
+    except (TypeError, ValueError):
+        return None
+    return n if n > 0 else None
+
+
+#: How much of a trainer log's attempt is searched for verl's start-up lines.
+LOG_HEAD_BYTES = 8 << 20
+
+
+def _read_part(path: Path, offset: int) -> str:
+    """Up to :data:`LOG_HEAD_BYTES` of ``path`` from ``offset`` ("" when unreadable)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, offset))
+            return f.read(LOG_HEAD_BYTES).decode(errors="replace")
+    except OSError:
+        return ""

@@ -550,8 +550,10 @@ class Actuator:
                          if k not in p.get("refused_keys", ())}
             version = self.reserve_version(h, None, overrides)
             self.write_control(h, version)
-            skip_arg = skip_batches_arg(h.run.run_dir, skip) if skip else None
-            if skip and skip_arg is None:
+            # A trainer that names a key skips by argument; verl's dialect moved its dataloader state in the
+            # resume checkpoint instead (``skip_patch``) or said why not (``skip_note``).
+            skip_arg = skip_batches_arg(h.run.run_dir, skip) if skip and not p.get("skip_patch") else None
+            if skip and skip_arg is None and not p.get("skip_patch") and not p.get("skip_note"):
                 p["skip_note"] = f"skip_batches={skip} not done (the trainer offers no key for it)"
             # launch() commits the new pid first: a watchdog killed from then on finds a pid other than
             # ``stopped_pid`` and adopts that trainer instead of launching a second (exactly once; RELIABILITY.md).
@@ -571,8 +573,9 @@ class Actuator:
                 self._finish(h, other, "done", outcome=f"applied by restart (v{version})")
         where = ("the start" if p.get("resume") == "scratch" else
                  f"step {p['resume_step']}" if p.get("resume_step") is not None else "scratch")
-        notes = "".join(f"; {p[k]}" for k in ("lr_patch", "refused", "skip_note") if p.get(k) and p[k] != "none needed")
-        if skip and not p.get("skip_note"):
+        notes = "".join(f"; {p[k]}" for k in ("lr_patch", "refused", "skip_patch", "skip_note")
+                        if p.get(k) and p[k] != "none needed")
+        if skip and not p.get("skip_note") and not p.get("skip_patch"):
             notes += f"; skipped {skip} batches"
         who = f"ray job {h.run.job_id}" if h.run.job_id else f"pid {h.run.pid}"
         self._finish(h, entry, "done", outcome=f"restarted from {where} ({who}, prior exit {code}){notes}",
@@ -592,18 +595,21 @@ class Actuator:
         p = dict(entry.payload)
         if entry.status == ActionStatus.INTENT:
             info = self._resolve_checkpoint(h, "known_good")
-            if info is None and self._resolve_checkpoint(h, "latest") is None:
-                # Diverged before the first checkpoint: the initial weights (the SFT model, which is
-                # also the reference) are the oldest known-good state. Start over with the sets.
+            if info is None:
+                # No checkpoint predates the divergence (none yet, or each one was taken while a divergence
+                # rule fired: one step after the first checkpoint, the rules' margin makes it suspect): the
+                # initial weights (the SFT model, which is also the reference) are the oldest known-good
+                # state. Start over with the sets; the suspect checkpoints are set aside, out of any resume.
+                latest = self._resolve_checkpoint(h, "latest")
+                why = ("no checkpoint yet" if latest is None else
+                       f"no known-good checkpoint (the newest, step {latest.step}, and any before it were "
+                       "taken while diverging)")
                 p.update(resume="scratch", resume_path=None, resume_step=0)
                 if p.get("set"):
                     p["set"] = self._snap(h, p["set"])
                 restart_id = self.store.add_action(h.run.run_id, "restart", p, decision_id=entry.decision_id)
-                self._finish(h, entry, "done", outcome=f"by restart from the start (journal {restart_id}): "
-                                                       "no checkpoint yet", handed_to=restart_id)
-                return
-            if info is None:
-                self._finish(h, entry, "failed", error="no known-good checkpoint to roll back to")
+                self._finish(h, entry, "done", outcome=f"by restart from the start (journal {restart_id}): {why}",
+                             handed_to=restart_id)
                 return
             p.update(resume_path=str(info.path), resume_step=info.step)
             if h.proc is None or not h.proc.alive() or not h.dialect.live or not _rolls_back_in_process(h):

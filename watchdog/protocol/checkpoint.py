@@ -488,7 +488,7 @@ def verl_components(path: Path | str) -> dict[str, int]:
 
 
 def verl_checkpoint_info(path: Path | str, marker: int | None, world_size: int | None = None,
-                         components: tuple[str, ...] = ("actor",)) -> CheckpointInfo:
+                         components: tuple[str, ...] = ("actor",), by_files: bool = False) -> CheckpointInfo:
     """What a manifest-less verl ``global_step_N`` is worth: complete, or not with the reason.
 
     ``marker`` is the step in ``latest_checkpointed_iteration.txt`` (None: none written yet,
@@ -496,6 +496,11 @@ def verl_checkpoint_info(path: Path | str, marker: int | None, world_size: int |
     every rank of it is there); ``components`` the directories a resume loads: verl loads
     ``critic/`` whenever the run has a critic (trainer/ppo/v1/trainer_base.py, _load_checkpoint:
     no check that it exists), so a run with one needs ``("actor", "critic")``.
+
+    ``by_files``: judge by the files alone, the marker not consulted: verl 0.9.1's v1 trainer writes
+    no marker under ``actor.checkpoint.async_save`` (trainer/ppo/v1/trainer_base.py:1011-1019), so
+    one there is not verl's word. ``data.pt`` is what its ``_save_checkpoint`` writes last, after the
+    actor's and critic's saves have returned, so a save in progress lacks it.
     """
     path = Path(path)
     m = _STEP_DIR.match(path.name)
@@ -508,9 +513,11 @@ def verl_checkpoint_info(path: Path | str, marker: int | None, world_size: int |
     def incomplete(reason: str) -> CheckpointInfo:
         return CheckpointInfo(path, step, -1, False, ts, reason)
 
-    if marker is None:
+    if by_files:
+        pass
+    elif marker is None:
         return incomplete(f"no {rundir.LATEST_MARKER} beside it (verl writes it after a complete save)")
-    if step > marker:
+    elif step > marker:
         return incomplete(f"newer than {rundir.LATEST_MARKER} ({marker}): a save in progress or abandoned")
     try:
         found = verl_components(path)
@@ -538,14 +545,15 @@ def components_needed(components: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def list_verl_checkpoints(root: Path | str, world_size: int | None = None,
-                          components: tuple[str, ...] = ("actor",)) -> list[CheckpointInfo]:
+                          components: tuple[str, ...] = ("actor",), by_files: bool = False) -> list[CheckpointInfo]:
     """Every ``global_step_N`` under verl's ``default_local_dir``, sorted by step, judged by
-    :func:`verl_checkpoint_info` (no hashing: verl writes no checksums to compare with)."""
+    :func:`verl_checkpoint_info` (no hashing: verl writes no checksums to compare with; ``by_files``:
+    the marker not consulted, for verl's async save)."""
     root = Path(root)
     if not root.is_dir():
         return []
     marker = read_marker(root)
-    out = [verl_checkpoint_info(p, marker, world_size, components) for p in root.iterdir()
+    out = [verl_checkpoint_info(p, marker, world_size, components, by_files) for p in root.iterdir()
            if p.is_dir() and _STEP_DIR.match(p.name)]
     return sorted(out, key=lambda c: c.step)
 
