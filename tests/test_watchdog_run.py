@@ -166,11 +166,12 @@ def test_watchdog_killed_between_control_write_and_applied_applies_the_action_ex
 def test_hung_trainer_is_detected_and_restarted(tmp_path):
     t0 = time.time()
     proc = _watchdog(tmp_path, _rules(tmp_path, KL_RULE.replace("kl > 0.0", "kl > 100")), steps=10,
-                     faults="hang@6:120", extra=["--heartbeat-min", "3", "--stop-grace", "3"])
+                     faults="hang@6:120", extra=["--heartbeat-min", "10", "--stop-grace", "3"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert time.time() - t0 < 120  # not the 120 s hang
     (hang,) = [h for h in _history(tmp_path) if h["rule"] == "watchdog:hang"]
-    assert hang["inputs"]["idle_s"] > hang["inputs"]["timeout_s"] >= 3
+    # 10 s, not less: a loaded machine's healthy step or restart must not read as a second hang.
+    assert hang["inputs"]["idle_s"] > hang["inputs"]["timeout_s"] >= 10
     starts = _events(tmp_path, "started")
     assert len(starts) == 2 and starts[1]["resumed_from"] <= 5
     assert _events(tmp_path, "finished")
