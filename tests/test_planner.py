@@ -139,6 +139,7 @@ rules:
     expr: event("oom") > 0
     actions:
       - set: {key: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, add: -1, min: 1}
+    urgent: true
   - name: discount
     description: a restart-only key, planned as a (tuning) relaunch
     expr: step == 6
@@ -157,7 +158,8 @@ rules:
 
 def test_replay_plans_exactly_what_the_live_controller_journals(tmp_path) -> None:
     """The same decisions give the same entries and values. (What replay cannot know, and does not
-    model: live, a relaunch decided while a rollback is still in flight is covered by it.)"""
+    model: live, a relaunch or a tuning live set decided while a rollback is still in flight is
+    covered by it; the OOM rule here is urgent, as the default pack's, so its live set goes.)"""
     from watchdog.control.daemon import build_watchdog
     from watchdog.core.replay import flatten_config, replay
     from watchdog.core.rulefile import load_rules
