@@ -33,11 +33,14 @@ from watchdog.control.actuator import (
 )
 from watchdog.control.controller import (
     ControllerConfig,
+    TickResult,
     heartbeat_timeout,
     span_start,
 )
 from watchdog.control.daemon import DaemonConfigError, build_watchdog, load_daemon_config
 from watchdog.control.store import BadSpan, RunRecord, Store
+from watchdog.core.actions import SetAction
+from watchdog.core.engine import Decision
 from watchdog.protocol import catalog, rundir
 from watchdog.protocol import checkpoint as ckpt
 from watchdog.protocol.control import read_control
@@ -607,6 +610,24 @@ def test_a_divergence_that_recurs_after_its_rollback_suspects_the_checkpoint_it_
     assert ctl._recurring_start("nan", 77, 76) == 76  # another cause
     spans = [BadSpan("kl_explosion", 75, None, 0.0, None)]
     assert choose_known_good([SimpleNamespace(step=s, complete=True) for s in (70, 75)], spans).step == 70
+
+
+def test_a_live_set_decided_on_the_timeline_a_rollback_abandons_is_never_sent(tmp_path: Path) -> None:
+    """Found on TRL (bench/trl_stability.py): a rollback set lr 1e-3 -> 1e-4; while it was relaunching,
+    the abandoned steps fired a tuning rule whose live lr x0.8 (of 1e-3) was written to control.json,
+    and the relaunched trainer applied it over the rollback's 1e-4."""
+    run = tmp_path / "run"
+    RunInfo(id="run", live_keys=[LR]).write(run)
+    wd = build_watchdog(tmp_path / "state", [])
+    ctl = wd.add_run(run, managed=False)
+    rid = ctl.run.run_id
+    wd.store.add_action(rid, "rollback", {"rule": "kl_leap", "set": {LR: 1e-4}, "skip_batches": 2})
+    tuning = Decision("kl_above_target", 19, "fire", [SetAction(LR, "scale", 0.8, min=1e-7)], {}, "warning", "m")
+    ctl._commit([tuning], TickResult())
+    assert [j.kind for j in wd.store.journal(rid)] == ["rollback"]
+    (d,) = [d for d in wd.store.decisions(rid) if d["rule"] == "kl_above_target"]
+    assert d["outcome"] == "covered by the rollback in progress"
+    assert read_control(run) is None  # nothing written for the trainer the rollback relaunches
 
 
 KL_CAPPED_RULE = """

@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LABELS = LOGS / "labels.yaml"
 CORPUS = ROOT / "bench" / "corpus" / "labels.yaml"
 INJECTED = ROOT / "bench" / "corpus_injected" / "labels.yaml"
+TRL = ROOT / "bench" / "corpus_trl" / "labels.yaml"
 
 #: A pack with one rule of each consequence, on a metric the tests steer by hand.
 PACK = textwrap.dedent("""\
@@ -175,12 +176,23 @@ def test_the_default_pack_passes_the_embedded_trainers_own_labelled_corpus() -> 
     assert {x["verdict"] for x in doc["logs"]} == {"healthy", "failure"}
 
 
+def test_the_default_pack_rolls_back_every_hostile_trl_run_including_a_collapse_at_its_second_step() -> None:
+    # TRL's GRPO logs KL 0 at step 1, so an lr 100x too high collapses at step 2, before any
+    # baseline exists: kl_leap (a per-token KL past 1 nat from the reference) catches it there.
+    r = CliRunner().invoke(app, ["eval", str(TRL), "--mode", "embedded", "--json"])
+    doc = json.loads(r.stdout)
+    assert r.exit_code == 0, [(x["file"], x["reason"]) for x in doc["logs"] if not x["passed"]]
+    lr_high = [x for x in doc["logs"] if x["file"].startswith("lr_high")]
+    assert lr_high and all(x["detected"]["step"] == 2 and x["detected"]["kind"] == "rollback" for x in lr_high)
+
+
 #: What CI holds the default pack to on every labelled corpus (issue 21): every failure caught on
 #: time, no false rollback or pause, at most one zero-patch relaunch per 100 healthy steps, and not
 #: one set that would change nothing.
 CORPORA = [pytest.param(LABELS, "verl", marks=needs_logs, id="verl-logs"),
            pytest.param(CORPUS, "embedded", id="embedded"),
-           pytest.param(INJECTED, "embedded", id="injected")]
+           pytest.param(INJECTED, "embedded", id="injected"),
+           pytest.param(TRL, "embedded", id="trl")]
 
 
 @pytest.mark.parametrize(("labels", "mode"), CORPORA)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from watchdog.core.actions import CheckpointAction, NotifyAction, PauseAction, RollbackAction, SetAction
 from watchdog.core.engine import Decision
 from watchdog.core.planner import PlanContext, current_value, plan_decision, snap_micro_batch
+from watchdog.core.rulefile import load_rules
 from watchdog.protocol import catalog, rundir
 from watchdog.protocol.runinfo import RunInfo
 
@@ -136,6 +139,7 @@ rules:
     expr: event("oom") > 0
     actions:
       - set: {key: actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu, add: -1, min: 1}
+    urgent: true
   - name: discount
     description: a restart-only key, planned as a (tuning) relaunch
     expr: step == 6
@@ -154,7 +158,8 @@ rules:
 
 def test_replay_plans_exactly_what_the_live_controller_journals(tmp_path) -> None:
     """The same decisions give the same entries and values. (What replay cannot know, and does not
-    model: live, a relaunch decided while a rollback is still in flight is covered by it.)"""
+    model: live, a relaunch or a tuning live set decided while a rollback is still in flight is
+    covered by it; the OOM rule here is urgent, as the default pack's, so its live set goes.)"""
     from watchdog.control.daemon import build_watchdog
     from watchdog.core.replay import flatten_config, replay
     from watchdog.core.rulefile import load_rules
@@ -327,3 +332,19 @@ def test_the_default_pack_restarts_a_run_whose_rollouts_fail_and_stops_it_the_th
     assert kinds and kinds[0] == (41, "restart")
     assert not any(k == "rollback" for _, k in kinds)        # never a policy rollback
     assert [k for _, k in kinds].count("restart") == 2 and kinds[-1][1] == "stop"
+
+
+def test_the_default_packs_kl_leap_takes_an_lr_100x_too_high_to_a_sane_one_in_two_rollbacks():
+    # A leap of the per-token KL past 1 nat says the step was at least 10x too large; each fire is a
+    # fresh measurement, so each cuts 10x: 1e-2 (100x the TRL bench's healthy 1e-4) -> 1e-3 -> 1e-4,
+    # never the 1e-5 that a factor growing to x0.01 would overshoot to.
+    rule = load_rules([Path(__file__).resolve().parents[1] / "rules" / "default.yaml"]).get("kl_leap")
+    assert rule is not None
+    lr, seen = 1e-2, []
+    for repeat in (1, 2):
+        d = Decision(rule.name, 2, "fire", list(rule.actions), {}, "critical", "m", repeat=repeat)
+        (p,) = plan_decision(d, _ctx({LR: lr}, {"kl_coef": 0.04}, signals={"kl": "actor/kl_loss"}))
+        assert p.kind == "rollback" and p.payload["skip_batches"] == 2
+        lr = p.payload["set"][LR]
+        seen.append(lr)
+    assert seen == pytest.approx([1e-3, 1e-4])

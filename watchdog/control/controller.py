@@ -683,7 +683,12 @@ class RunController:
                     planned = [p for p in planned if p.kind in (JournalKind.NOTIFY, JournalKind.ROLLBACK)]
                 planned, merged = self._merge_into_pending_relaunch(planned)
                 covered = covered or merged
-                if any(p.relaunch for p in planned) and self._rollback_in_flight():
+                tuning_live = not getattr(d, "urgent", False) and any(p.kind == JournalKind.LIVE_SET for p in planned)
+                if (tuning_live or any(p.relaunch for p in planned)) and self._rollback_in_flight():
+                    # Decided on the abandoned timeline: a tuning live set written now would reach the
+                    # trainer the rollback relaunches and overwrite the rollback's own remedy (found on
+                    # TRL: a tuning lr x0.8 of the abandoned steps undid a rollback's lr x0.1). An urgent
+                    # one (an OOM's smaller micro batch) is about the machine, not the timeline: it goes.
                     covered = "covered by the rollback in progress"
                     planned = []
                 for p in planned:
