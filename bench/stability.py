@@ -123,17 +123,31 @@ def _trainer_args(family: str, seed: int, run_dir: Path, steps: int) -> list[str
     return args + ([hydra.format_override("trainer.faults", faults)] if faults else [])
 
 
-def _run(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, float]:
+def _run(cmd: list[str], timeout: float, log: Path, idle: float | None = None,
+         watch: tuple[Path, ...] = ()) -> tuple[int | None, float]:
+    """Run ``cmd`` to its end; kill it past ``timeout`` s, or once ``log`` and ``watch`` stayed
+    unchanged for ``idle`` s (a hang is judged by silence, so a slow step on a loaded machine is not
+    taken for one)."""
     t0 = time.time()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+    def last_change() -> float:
+        return max([t0, *(p.stat().st_mtime for p in (log, *watch) if p.exists())])
+
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
-        try:
-            code: int | None = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            code = None
+        code: int | None = None
+        while True:
+            try:
+                code = proc.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                now = time.time()
+                if now - t0 > timeout or (idle is not None and now - last_change() > idle):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+                    code = None
+                    break
     return code, time.time() - t0
 
 
@@ -166,8 +180,9 @@ def run_one(family: str, seed: int, watched: bool, work: Path, steps: int, plain
         store.close()
     else:
         cmd = [sys.executable, "-m", "trainer", *_trainer_args(family, seed, run_dir, steps)]
-        code, r.wall_s = _run(cmd, timeout=plain_timeout, log=base / "trainer.log")
-        r.phase = "exit " + ("killed at the time limit" if code is None else str(code))
+        code, r.wall_s = _run(cmd, timeout=1800, log=base / "trainer.log", idle=plain_timeout,
+                              watch=(run_dir / "metrics.jsonl",))
+        r.phase = "exit " + ("killed: silent past the limit (hung)" if code is None else str(code))
     return classify(r, run_dir, steps)
 
 
@@ -251,8 +266,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--families", nargs="*", default=list(FAMILIES))
     ap.add_argument("--jobs", type=int, default=2)
-    ap.add_argument("--plain-timeout", type=float, default=150.0,
-                    help="wall limit of an unsupervised run (a hung one is killed there)")
+    ap.add_argument("--plain-timeout", type=float, default=90.0,
+                    help="an unsupervised run silent this long (no log line, no metrics line) is hung and killed")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "stability")
     args = ap.parse_args()
     seeds = [1] if args.quick else list(range(1, args.seeds + 1))
