@@ -286,6 +286,8 @@ class RunController:
         """Each rule's state as last set on the telemetry gauges (only a change is set again)."""
         self._saved_state: Any = None
         """The engine-state blob last committed (a tick that changed nothing does not write it again)."""
+        self._undo: tuple[Any, ...] | None = None
+        """What the last :meth:`decide` changed, as it stood before (see :meth:`undo_decide`)."""
         self._failed_ticks = 0
         """Ticks in a row that failed at the same read position (``_failed_at``)."""
         self._failed_at: Mapping[str, Any] | None = None
@@ -372,33 +374,64 @@ class RunController:
     # -- tick --------------------------------------------------------------------------
 
     def tick(self, now: float | None = None) -> TickResult:
-        """Launch if new, ingest, evaluate, plan (committed), watch liveness, drive actions."""
+        """Launch if new, ingest, evaluate, plan (committed), watch liveness, drive actions.
+
+        The three stages (:meth:`prepare`, :meth:`decide`, :meth:`act`) are what a daemon runs over all
+        its runs, with every run's :meth:`decide` in one transaction (``Watchdog.tick``); alone, a run
+        commits its own."""
         now = time.time() if now is None else now
         result = TickResult()
+        failed = self.prepare(now, result)
+        if result.done:
+            return result
+        if failed is None:
+            failed = self.decide(now, result)
+        if failed is None and result.decisions:
+            self.actuator.crash_hook("decided")
+        return self.act(now, result, failed)
+
+    def prepare(self, now: float, result: TickResult) -> Exception | None:
+        """Launch a new run (its pid committed at once, never inside a tick's transaction) and let the
+        dialect relay what the trainer wrote; returns the error that stops this tick's read, if any.
+        ``result.done`` is set when the launch was refused for good."""
         if self.run.phase == Phase.NEW:
             try:
                 self.actuator.launch(self.h, None, now)
             except LaunchRefused as exc:  # no such program: every retry would fail the same way
                 self._give_up("watchdog:launch", str(exc))
                 result.done = True
-                return result
+                return None
         if self.run.launched_ts != self._attempt_ts:
             # A new attempt (this watchdog's launch or restart): what the last one said about how it
             # ended (an ``oom``, ``finished``) is not this one's.
             self._attempt_ts = self.run.launched_ts
             self._saw_finished, self._saw_oom = False, None
-        failed: Exception | None = None
         try:
             # verl writes no events: its dialect relays the metrics, notes the checkpoints and classifies the
             # exit (not that of a trainer the watchdog stopped itself to pause the run).
             t0 = time.perf_counter()
             self.h.dialect.poll(self.h.proc, watch_exit=self.run.phase not in (Phase.PAUSED, Phase.ESCALATED))
             self.telemetry.phase_time("read", time.perf_counter() - t0)
+        except Exception as exc:
+            return exc
+        return None
+
+    def decide(self, now: float, result: TickResult) -> Exception | None:
+        """Read what is new, evaluate, and write the decisions with the read positions (a savepoint in
+        the caller's transaction, or a transaction of its own); returns the error if it failed, in which
+        case nothing of it was kept (:meth:`_read_and_decide`)."""
+        self._undo = None
+        try:
             self._read_and_decide(now, result)
         except Exception as exc:
             # Nothing of it was kept (see _read_and_decide). The trainer is still watched: a run whose
             # files cannot be read right now (a garbled run.json) is still seen to end, or to hang.
-            failed = exc
+            return exc
+        return None
+
+    def act(self, now: float, result: TickResult, failed: Exception | None) -> TickResult:
+        """After the decisions are committed: protect known-good checkpoints, watch liveness, drive the
+        journal's open actions; raises ``failed`` (the read's error) unless the run has ended."""
         t_act = time.perf_counter()
         if failed is None:
             try:
@@ -439,43 +472,63 @@ class RunController:
         decisions nor its positions: the window, engine state and positions go back to where the
         last commit left them, so the next tick reads the same lines again and decides on them.
         A failure that repeats at the same position is said, once, to the console and the webhook.
+        Inside a daemon's tick transaction this is a savepoint: when the tick's commit itself fails
+        afterwards, the daemon calls :meth:`undo_decide` to put this run back the same way.
         """
         offsets = self.tailer.offsets
         if not getattr(self.tailer, "offsets_are_snapshots", False):
             offsets = json.loads(json.dumps(offsets))  # a copy that the poll below cannot change
+        undo = (offsets, self.state, {name: copy.copy(getattr(self, name)) for name in _TICK_FIELDS},
+                {name: getattr(self.run, name) for name in _TICK_RUN_FIELDS})
         state = self.state
-        kept = {name: copy.copy(getattr(self, name)) for name in _TICK_FIELDS}
-        run_kept = {name: getattr(self.run, name) for name in _TICK_RUN_FIELDS}
         try:
-            t0 = time.perf_counter()
-            records, events = self.tailer.poll()
-            t1 = time.perf_counter()
-            self.telemetry.phase_time("read", t1 - t0)
-            self._handle_events(events, now)
-            decisions = self._evaluate(records, events, now, result)
-            t2 = time.perf_counter()
-            self.telemetry.phase_time("decide", t2 - t1)
-            # Nothing read, nothing decided, the engine not run, the positions where they were: the
-            # stored state is still this one (an idle run costs a stat per file, no write).
-            changed = bool(records or events or decisions) or self.state is not state or self.tailer.offsets != offsets
-            self._commit(decisions, result, changed)
-            self.telemetry.phase_time("commit", time.perf_counter() - t2)
-            if decisions:
-                self.actuator.crash_hook("decided")
+            # Everything this read writes (confirmations of applied versions, closed spans, decisions,
+            # intents, engine state, positions) is kept together or not at all.
+            with self.store.savepoint():
+                t0 = time.perf_counter()
+                records, events = self.tailer.poll()
+                t1 = time.perf_counter()
+                self.telemetry.phase_time("read", t1 - t0)
+                self._handle_events(events, now)
+                decisions = self._evaluate(records, events, now, result)
+                t2 = time.perf_counter()
+                self.telemetry.phase_time("decide", t2 - t1)
+                # Nothing read, nothing decided, the engine not run, the positions where they were: the
+                # stored state is still this one (an idle run costs a stat per file, no write).
+                changed = (bool(records or events or decisions) or self.state is not state
+                           or self.tailer.offsets != offsets)
+                self._commit(decisions, result, changed)
+                self.telemetry.phase_time("commit", time.perf_counter() - t2)
         except Exception as exc:
-            self.tailer.offsets = offsets
-            self.state = state
-            for name, value in kept.items():
-                setattr(self, name, value)
-            for name, value in run_kept.items():
-                setattr(self.run, name, value)
-            self.window = self.rules.new_window(self.config.window_size)
-            self._rebuild_window(offsets)
-            result.decisions.clear()
-            result.new_steps.clear()
-            self._note_failed_tick(offsets, exc)
+            self._restore(undo, result, exc)
             raise
+        self._undo = undo
         self._failed_ticks = 0
+
+    def undo_decide(self, result: TickResult, exc: Exception) -> None:
+        """The transaction this run's last :meth:`decide` was part of did not commit: back to before it."""
+        if self._undo is not None:
+            self._restore(self._undo, result, exc)
+            self._undo = None
+
+    def _restore(self, undo: tuple[Any, ...], result: TickResult, exc: Exception) -> None:
+        offsets, state, kept, run_kept = undo
+        self.tailer.offsets = offsets
+        self.state = state
+        self._saved_state = None  # what the store holds is the last committed blob, not this tick's
+        for name, value in kept.items():
+            setattr(self, name, value)
+        for name, value in run_kept.items():
+            setattr(self.run, name, value)
+        self.window = self.rules.new_window(self.config.window_size)
+        self._rebuild_window(offsets)
+        result.decisions.clear()
+        result.new_steps.clear()
+        self._note_failed_tick(offsets, exc)
+
+    def note_failed_tick(self, exc: Exception) -> None:
+        """A tick whose transaction could not begin (nothing read): counted like any failed tick."""
+        self._note_failed_tick(self.tailer.offsets, exc)
 
     def _note_failed_tick(self, offsets: Mapping[str, Any], exc: Exception) -> None:
         same = offsets == self._failed_at

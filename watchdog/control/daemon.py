@@ -32,7 +32,7 @@ from watchdog.control.actuator import (
     resolve_webhook_url,
     webhook_target,
 )
-from watchdog.control.controller import ControllerConfig, EngineRules, RulesEngine, RunController
+from watchdog.control.controller import ControllerConfig, EngineRules, RulesEngine, RunController, TickResult
 from watchdog.control.store import Phase, RunRecord, Store, StoreError
 from watchdog.core.planner import ON_ESCALATE
 from watchdog.core.rulefile import default_rules_paths
@@ -425,17 +425,8 @@ class Watchdog:
         try:
             now = time.time() if now is None else now
             t0 = time.perf_counter()
-            all_done = True
             self.retry_unwatched(now)
-            for run_id, ctl in list(self.controllers.items()):
-                try:
-                    all_done &= ctl.tick(now).done
-                except Exception as exc:
-                    self._tick_failed(run_id, exc)
-                    all_done = False
-                else:
-                    if self._tick_errors.pop(run_id, None) is not None:
-                        log.warning("%s: ticks work again", run_id)
+            all_done = self._tick_runs(now)
             if self.telemetry is not None:
                 self.telemetry.runs_watched(len(self.controllers))
                 self.telemetry.last_tick(time.time())
@@ -446,6 +437,58 @@ class Watchdog:
             return all_done
         finally:
             self._lock.release()
+
+    def _tick_runs(self, now: float) -> bool:
+        """Every run's tick in three passes: prepare (launches, relays), decide (all runs' reads, decisions,
+        intents and positions in ONE transaction, a savepoint per run so one bad run undoes only its own),
+        then act (from the committed journal). One commit a tick instead of one a run; acting still comes
+        after the commit that records what to do (RELIABILITY.md: exactly once, all or nothing)."""
+        runs = list(self.controllers.items())
+        results: dict[str, TickResult] = {}
+        failed: dict[str, Exception | None] = {}
+        all_done = True
+        for run_id, ctl in runs:
+            results[run_id] = TickResult()
+            try:
+                failed[run_id] = ctl.prepare(now, results[run_id])
+            except Exception as exc:  # a launch that failed: this run sits this tick out
+                results.pop(run_id)
+                self._tick_failed(run_id, exc)
+                all_done = False
+        deciding = [(r, ctl) for r, ctl in runs if r in results and not results[r].done and failed[r] is None]
+        decided: set[str] = set()
+        try:
+            with self.store.transaction():
+                for run_id, ctl in deciding:
+                    failed[run_id] = ctl.decide(now, results[run_id])
+                    if failed[run_id] is None:
+                        decided.add(run_id)
+        except Exception as exc:  # the tick's commit (locked past the timeout, a full disk): nothing of it kept
+            for run_id, ctl in deciding:
+                if failed[run_id] is None:
+                    if run_id in decided:
+                        ctl.undo_decide(results[run_id], exc)
+                    else:  # the transaction could not even begin: nothing was read
+                        ctl.note_failed_tick(exc)
+                    failed[run_id] = exc
+        else:
+            if any(results[r].decisions for r in decided):
+                self.actuator.crash_hook("decided")
+        for run_id, ctl in runs:
+            result = results.get(run_id)
+            if result is None:
+                continue
+            if result.done:  # given up before reading (a launch refused for good)
+                continue
+            try:
+                all_done &= ctl.act(now, result, failed[run_id]).done
+            except Exception as exc:
+                self._tick_failed(run_id, exc)
+                all_done = False
+            else:
+                if self._tick_errors.pop(run_id, None) is not None:
+                    log.warning("%s: ticks work again", run_id)
+        return all_done
 
     def _tick_failed(self, run_id: str, exc: Exception) -> None:
         """Count a failed tick; say it (with the traceback when it is not a known kind of error) only when it
