@@ -247,21 +247,25 @@ class RunController:
     def __init__(
         self, store: Store, run_id: str, rules: RulesEngine, actuator: Actuator,
         config: ControllerConfig | None = None, telemetry: Any = None, backend: Backend | None = None,
-        source: Any = None,
+        source: Any = None, setup: Any = None,
     ) -> None:
         """``backend``: this run's own (a Ray Job backend for its cluster); default the actuator's.
         ``source``: what the run's metrics and events are read through (``poll()``, ``offsets``, as
         :class:`~watchdog.sources.ingest.RunTailer`; e.g. a :class:`~watchdog.sources.prometheus.PrometheusSource`);
-        default a RunTailer on the run directory."""
+        default a RunTailer on the run directory. ``setup``: the run directory as the attach read it
+        (:class:`~watchdog.backends.zero_patch.RunSetup`: run.json read once, the mode, dialect and
+        checkpoint directory decided there); default read here."""
         self.store = store
         self.rules = rules
         self.actuator = actuator
         self.config = config or ControllerConfig()
         self.telemetry = telemetry or NullTelemetry()
         run = store.require_run(run_id)
-        from watchdog.backends.zero_patch import dialect_for
+        from watchdog.backends.zero_patch import RunSetup
 
-        self.h = RunHandle(run, backend=backend, dialect=dialect_for(run.run_dir, run_id),
+        self.setup = setup if setup is not None else RunSetup.read(run.run_dir)
+        """run.json as this attach read it, and the mode, dialect and checkpoint directory that follow."""
+        self.h = RunHandle(run, backend=backend, dialect=self.setup.dialect(run_id),
                            on_live_timeout=self._on_live_timeout)
         from watchdog.sources.ingest import RunTailer
 
@@ -333,7 +337,7 @@ class RunController:
             if isinstance(backend, LocalBackend):
                 # A pid is an identity only with its start: a trainer that ended may have left its pid to
                 # another process, which must never be watched, signalled or killed as the trainer.
-                why = not_the_trainer(run.pid, run.run_dir)
+                why = not_the_trainer(run.pid, run.run_dir, info=self.setup.info)
                 if why is not None:
                     if "is not running" not in why:
                         log.error("%s: not adopted: %s", run.run_id, why)

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from watchdog.backends.local import Backend, LocalBackend, SupervisorError, TrainerAlive, not_the_trainer
-from watchdog.backends.zero_patch import MODE_VERL, MODES, VerlModeError, prepare_run, resolve_mode
+from watchdog.backends.zero_patch import MODE_VERL, MODES, RunSetup, VerlModeError, resolve_mode, setup_run
 from watchdog.control.actuator import (
     Actuator,
     ActuatorConfig,
@@ -38,7 +38,6 @@ from watchdog.core.planner import ON_ESCALATE
 from watchdog.core.rulefile import default_rules_paths
 from watchdog.observe.telemetry import WatchdogMetrics
 from watchdog.protocol import lock as locks
-from watchdog.protocol.runinfo import RunInfo
 from watchdog.sources.prometheus import SOURCES, SourceConfig, make_source, source_config
 
 log = logging.getLogger(__name__)
@@ -338,11 +337,15 @@ class Watchdog:
                  managed: bool, ray_address: str | None, ray_token_file: Path | str | None,
                  source: SourceConfig | None, mode: str | None, run_metrics_port: int | None, retry_ended: bool,
                  on_escalate: str | None) -> RunController:
+        # The one read of run.json for this attach (or the one write, for mode verl): the mode, dialect,
+        # checkpoint directory and the trainer to adopt all come from this RunSetup, handed down.
         if mode is not None:
             try:
-                prepare_run(run_dir, command, mode, metrics_port=run_metrics_port, ray_job=bool(ray_address))
+                setup = setup_run(run_dir, command, mode, metrics_port=run_metrics_port, ray_job=bool(ray_address))
             except VerlModeError as exc:
                 raise VerlModeError(f"run {run_id}: {exc}") from exc
+        else:
+            setup = RunSetup.read(run_dir)
         backend: Backend | None = None
         if ray_address:
             from watchdog.backends.ray_jobs import RayJobBackend
@@ -360,7 +363,7 @@ class Watchdog:
         config = self.controller_config if on_escalate is None else replace(self.controller_config,
                                                                              on_escalate=on_escalate)
         ctl = RunController(self.store, run_id, self.rules, self.actuator, config, self.telemetry,
-                            backend, source=make_source(source, run_dir, run_id, self.telemetry))
+                            backend, source=make_source(source, run_dir, run_id, self.telemetry), setup=setup)
         self.controllers[run_id] = ctl
         return ctl
 
@@ -705,14 +708,14 @@ def _adopt_pid(wd: Watchdog, ctl: RunController) -> None:
     once it is sure the pid is that trainer, instead of launching a second one."""
     run_dir = Path(ctl.run.run_dir)
     holder = locks.holder_if_held(run_dir / locks.TRAINER_LOCK)
-    info = RunInfo.read(run_dir)
+    info = ctl.setup.info  # run.json as this attach read it (not read again)
     pid = holder.get("pid") if holder else info.pid
     if not isinstance(pid, int):
         if holder is not None:  # alive, but it has not said which process it is yet: not one to launch beside
             raise TrainerAlive(f"{run_dir}: a trainer holds the run ({locks.describe_holder(holder)}) "
                                "without naming its pid; not adopted and nothing launched")
         return
-    why = not_the_trainer(pid, run_dir)
+    why = not_the_trainer(pid, run_dir, info=info)
     if why is not None:
         if holder is not None:
             raise TrainerAlive(f"{run_dir}: a trainer holds the run but {why}; not adopted and nothing launched",
@@ -732,7 +735,7 @@ def _adopt_pid(wd: Watchdog, ctl: RunController) -> None:
 def _adopt_ray_job(wd: Watchdog, ctl: RunController) -> None:
     """A Ray run with no record here: attach to the job run.json names while it runs, rather than
     submitting a second trainer into the same run directory."""
-    job_id = RunInfo.read(ctl.run.run_dir).ray_job_id
+    job_id = ctl.setup.info.ray_job_id  # run.json as this attach read it
     adopt = getattr(ctl.h.backend, "adopt_job", None)
     if not job_id or adopt is None:
         return
