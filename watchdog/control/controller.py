@@ -157,6 +157,14 @@ _TICK_FIELDS = ("_rewind_pending", "_rewind_to", "_step_times", "_last_checkpoin
 _TICK_RUN_FIELDS = ("last_step", "last_progress_ts", "last_evaluated_step")
 
 
+def _copy(value: Any) -> Any:
+    """A copy a tick's changes cannot reach (``copy.copy``, the plain containers without its dispatch)."""
+    t = type(value)
+    if t is list or t is dict or t is set:
+        return value.copy()
+    return value if value is None or t is bool or t is int or t is float else copy.copy(value)
+
+
 def span_start(fire_step: int, for_steps: int, margin: int) -> int:
     """First step whose checkpoint is suspect when a divergence rule fires at ``fire_step``."""
     return fire_step - max(1, for_steps) + 1 - max(0, margin)
@@ -286,6 +294,8 @@ class RunController:
         self._blind_warned = bool(ctl.get("blind_warned"))
         self._paused_since: float | None = None
         """When the run last entered a pause for a human (the pause timeout counts from there)."""
+        self._published_for: Any = None
+        """The engine state last published (the same object: nothing to set)."""
         self._published_states: dict[str, Any] = {}
         """Each rule's state as last set on the telemetry gauges (only a change is set again)."""
         self._saved_state: Any = None
@@ -444,7 +454,8 @@ class RunController:
                 failed = exc
         self._watch_liveness(now)
         self._check_pause_timeout(now)
-        for entry in self.store.open_actions(self.run.run_id):
+        entries = self.store.open_actions(self.run.run_id)
+        for entry in entries:
             if entry.status == ActionStatus.WAITING:
                 continue
             if self.run.phase in DONE_PHASES and entry.kind not in (JournalKind.NOTIFY, JournalKind.STOP):
@@ -460,8 +471,10 @@ class RunController:
             self.telemetry.data_age(self.run.run_id, max(0.0, now - (self.run.last_progress_ts or now)))
         self._publish_rule_states()
         self.telemetry.phase_time("act", time.perf_counter() - t_act)
-        result.done = self.run.phase in DONE_PHASES and not any(
-            e.status != ActionStatus.WAITING for e in self.store.open_actions(self.run.run_id))
+        if self.run.phase in DONE_PHASES:
+            if any(e.status != ActionStatus.WAITING for e in entries):  # driven above: as they stand now
+                entries = self.store.open_actions(self.run.run_id)
+            result.done = not any(e.status != ActionStatus.WAITING for e in entries)
         if failed is not None:
             if not result.done:
                 raise failed
@@ -482,17 +495,24 @@ class RunController:
         offsets = self.tailer.offsets
         if not getattr(self.tailer, "offsets_are_snapshots", False):
             offsets = json.loads(json.dumps(offsets))  # a copy that the poll below cannot change
-        undo = (offsets, self.state, {name: copy.copy(getattr(self, name)) for name in _TICK_FIELDS},
+        undo = (offsets, self.state, {name: _copy(getattr(self, name)) for name in _TICK_FIELDS},
                 {name: getattr(self.run, name) for name in _TICK_RUN_FIELDS})
         state = self.state
         try:
+            t0 = time.perf_counter()
+            records, events = self.tailer.poll()  # files (or a metric source) only: nothing written yet
+            t1 = time.perf_counter()
+            self.telemetry.phase_time("read", t1 - t0)
+            if (not (records or events or self._held or self._events_since_eval) and self.tailer.offsets == offsets
+                    and self._controller_state() == self._saved_state and not self._waiting()):
+                # Nothing new, nothing held back, nothing waiting to be released, nothing unsaved: the engine
+                # would not run and nothing would be written. A run with nothing new costs two stats.
+                self._undo = undo
+                self._failed_ticks = 0
+                return
             # Everything this read writes (confirmations of applied versions, closed spans, decisions,
             # intents, engine state, positions) is kept together or not at all.
             with self.store.savepoint():
-                t0 = time.perf_counter()
-                records, events = self.tailer.poll()
-                t1 = time.perf_counter()
-                self.telemetry.phase_time("read", t1 - t0)
                 self._handle_events(events, now)
                 decisions = self._evaluate(records, events, now, result)
                 t2 = time.perf_counter()
@@ -725,7 +745,8 @@ class RunController:
         state and read positions only when the tick ``changed`` them."""
         cfg: dict[str, Any] | None = None  # run.json's config, read only when there is a decision to plan
         with self.store.transaction():
-            overrides = {**self.run.overrides, **self._waiting_sets()}
+            waiting = self._waiting()
+            overrides = {**self.run.overrides, **{k: v for e in waiting for k, v in e.payload.get("set", {}).items()}}
             for d in decisions:
                 if cfg is None:
                     cfg = run_config(self.run.run_dir)
@@ -765,9 +786,8 @@ class RunController:
                                              did)
                 for p in planned:
                     self._journal(p, did, d.kind == DecisionKind.ESCALATE)
-            self._release_waiting()
-            controller = {"last_checkpoint": self._last_checkpoint,
-                          "last_tuning_relaunch": self._last_tuning_clock, "blind_warned": self._blind_warned}
+            self._release_waiting(None if decisions else waiting)  # (a decision may have added one)
+            controller = self._controller_state()
             if not changed and controller == self._saved_state:
                 return
             self.store.save_engine_state(self.run.run_id, {
@@ -860,9 +880,15 @@ class RunController:
         for wid in (entry.payload.get("carried", []) if entry else []):
             self._close(wid, "done", f"carried by the relaunch of journal {relaunch_id} (it went anyway)")
 
-    def _release_waiting(self) -> None:
-        """Waiting tuning sets: dropped when their rule stopped firing, carried at a checkpoint, merged."""
-        entries = self._waiting()
+    def _controller_state(self) -> dict[str, Any]:
+        """The controller's part of the stored state."""
+        return {"last_checkpoint": self._last_checkpoint, "last_tuning_relaunch": self._last_tuning_clock,
+                "blind_warned": self._blind_warned}
+
+    def _release_waiting(self, entries: list[ActionRecord] | None = None) -> None:
+        """Waiting tuning sets: dropped when their rule stopped firing, carried at a checkpoint, merged.
+        ``entries``: the waiting entries, when the caller has just read them."""
+        entries = self._waiting() if entries is None else entries
         if not entries:
             return
         rel = release(self._as_waiting(entries), firing=self.state.firing(), checkpoint_step=self._last_checkpoint,
@@ -932,6 +958,9 @@ class RunController:
         rule = getattr(self.state, "rule", None)
         if not callable(names) or not callable(rule):
             return
+        if self.state is self._published_for:
+            return  # the engine has not run since: every gauge holds this state already
+        self._published_for = self.state
         published = self._published_states
         for name in names():
             status = rule(name).status
