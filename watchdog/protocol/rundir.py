@@ -132,17 +132,26 @@ def loads_line(raw: bytes) -> Any:
 
 
 def _all_finite(obj: Any) -> bool:
-    """No NaN or infinity anywhere in ``obj`` (which orjson would write as ``null``). A container of
+    """No NaN or infinity anywhere in ``obj`` (which orjson would write as ``null``). A large container of
     numbers only is summed in C (a non-finite value, or a sum overflowing, gives a non-finite sum)."""
     if isinstance(obj, float):
         return obj - obj == 0
-    if isinstance(obj, (dict, list, tuple)):
-        items = obj.values() if isinstance(obj, dict) else obj
+    if not isinstance(obj, (dict, list, tuple)):
+        return True
+    items = obj.values() if isinstance(obj, dict) else obj
+    if len(items) > 16:  # a metrics record's values
         try:
             s = sum(items)
-        except TypeError:  # not numbers only: look inside
-            return all(_all_finite(v) for v in items)
-        return s - s == 0
+        except TypeError:  # not numbers only: look at each
+            pass
+        else:
+            return s - s == 0
+    for v in items:
+        if type(v) is float:
+            if v - v != 0:
+                return False
+        elif v and isinstance(v, (dict, list, tuple, float)) and not _all_finite(v):
+            return False
     return True
 
 
