@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from watchdog.backends.local import (
     Backend,
@@ -57,6 +57,9 @@ from watchdog.core.vocabulary import OPEN_ACTION_STATUSES, ActionStatus, Decisio
 from watchdog.protocol import catalog, rundir
 from watchdog.protocol.events import STEP_SLACK, Event, outside_message, past_the_end
 from watchdog.protocol.runinfo import RunInfo
+
+if TYPE_CHECKING:
+    from watchdog.backends.zero_patch import RunSetup
 
 log = logging.getLogger(__name__)
 
@@ -255,7 +258,7 @@ class RunController:
     def __init__(
         self, store: Store, run_id: str, rules: RulesEngine, actuator: Actuator,
         config: ControllerConfig | None = None, telemetry: Any = None, backend: Backend | None = None,
-        source: Any = None, setup: Any = None,
+        source: Any = None, setup: RunSetup | None = None,
     ) -> None:
         """``backend``: this run's own (a Ray Job backend for its cluster); default the actuator's.
         ``source``: what the run's metrics and events are read through (``poll()``, ``offsets``, as
@@ -269,9 +272,9 @@ class RunController:
         self.config = config or ControllerConfig()
         self.telemetry = telemetry or NullTelemetry()
         run = store.require_run(run_id)
-        from watchdog.backends.zero_patch import RunSetup
+        from watchdog.backends.zero_patch import RunSetup as _RunSetup
 
-        self.setup = setup if setup is not None else RunSetup.read(run.run_dir)
+        self.setup = setup if setup is not None else _RunSetup.read(run.run_dir)
         """run.json as this attach read it, and the mode, dialect and checkpoint directory that follow."""
         self.h = RunHandle(run, backend=backend, dialect=self.setup.dialect(run_id),
                            on_live_timeout=self._on_live_timeout)
