@@ -403,6 +403,7 @@ class RunController:
             return result
         if failed is None:
             failed = self.decide(now, result)
+        self.committed()
         if failed is None and result.decisions:
             self.actuator.crash_hook("decided")
         return self.act(now, result, failed)
@@ -531,6 +532,11 @@ class RunController:
             raise
         self._undo = undo
         self._failed_ticks = 0
+
+    def committed(self) -> None:
+        """The transaction of the last :meth:`decide` committed: what it would undo is let go (a run's last
+        record and engine state, held by no one else once the tick is over)."""
+        self._undo = None
 
     def undo_decide(self, result: TickResult, exc: Exception) -> None:
         """The transaction this run's last :meth:`decide` was part of did not commit: back to before it."""

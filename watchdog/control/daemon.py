@@ -475,6 +475,8 @@ class Watchdog:
                         ctl.note_failed_tick(exc)
                     failed[run_id] = exc
         else:
+            for _, ctl in deciding:
+                ctl.committed()
             if any(results[r].decisions for r in decided):
                 self.actuator.crash_hook("decided")
         for run_id, ctl in runs:
