@@ -17,6 +17,7 @@ import pytest
 import yaml
 from test_reliability import NAN_RULE
 
+from watchdog.control import daemon
 from watchdog.control.daemon import load_daemon_config, prepare_daemon
 from watchdog.control.store import Store
 from watchdog.protocol import rundir
@@ -117,6 +118,32 @@ def test_a_tick_whose_commit_fails_keeps_nothing_for_any_run_and_the_next_decide
         assert by_run == {c.run.run_id: [2] for c in wd.controllers.values()}  # each NaN once, not twice
         again = Store(tmp_path / "state", busy_timeout_s=1.0)  # what a restarted daemon would find
         assert sorted(d["run_id"] for d in again.decisions()) == sorted(by_run)
+    finally:
+        wd.close()
+
+
+def test_a_commit_failing_for_one_chunk_of_runs_keeps_the_other_chunks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(daemon, "DECIDE_CHUNK", 2)  # five runs: three transactions a tick
+    runs = _runs(tmp_path, 5)
+    wd = _daemon(tmp_path, runs)
+    try:
+        db = wd.store._db = _CountingDb(wd.store._db)
+        for d in runs:
+            _append(d, 1, math.nan)
+        real = db.execute
+
+        def execute(sql: str, *args: Any) -> Any:
+            if sql.strip().upper() == "COMMIT" and db.commits == 1:  # the second chunk's commit
+                db.fail = 1
+            return real(sql, *args)
+
+        db.execute = execute  # type: ignore[method-assign]
+        wd.tick()
+        assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run1", "run4"]
+        db.execute = real  # type: ignore[method-assign]
+        wd.tick()  # the second chunk's runs read their line again, and decide on it once
+        assert sorted(d["run_id"] for d in wd.store.decisions()) == [f"run{i}" for i in range(5)]
     finally:
         wd.close()
 

@@ -50,6 +50,11 @@ def state_dir_default() -> str:
     return os.environ.get("WATCHDOG_STATE_DIR", DEFAULT_STATE_DIR)
 
 
+#: Runs whose reads and decisions share one SQLite transaction in a tick (one commit per this many runs
+#: instead of one per run; what a failed commit makes the tick undo in memory is bounded by it).
+DECIDE_CHUNK = 256
+
+
 class DaemonConfigError(ValueError):
     """The daemon's config file is invalid; names the file and the key."""
 
@@ -442,10 +447,11 @@ class Watchdog:
             self._lock.release()
 
     def _tick_runs(self, now: float) -> bool:
-        """Every run's tick in three passes: prepare (launches, relays), decide (all runs' reads, decisions,
-        intents and positions in ONE transaction, a savepoint per run so one bad run undoes only its own),
-        then act (from the committed journal). One commit a tick instead of one a run; acting still comes
-        after the commit that records what to do (RELIABILITY.md: exactly once, all or nothing)."""
+        """Every run's tick in three passes: prepare (launches, relays), decide (the runs' reads, decisions,
+        intents and positions in one transaction per :data:`DECIDE_CHUNK` runs, a savepoint per run so one
+        bad run undoes only its own), then act (from the committed journal). A commit per chunk instead of
+        one a run; acting still comes after every commit that records what to do (RELIABILITY.md: exactly
+        once, all or nothing)."""
         runs = list(self.controllers.items())
         results: dict[str, TickResult] = {}
         failed: dict[str, Exception | None] = {}
@@ -460,25 +466,10 @@ class Watchdog:
                 all_done = False
         deciding = [(r, ctl) for r, ctl in runs if r in results and not results[r].done and failed[r] is None]
         decided: set[str] = set()
-        try:
-            with self.store.transaction():
-                for run_id, ctl in deciding:
-                    failed[run_id] = ctl.decide(now, results[run_id])
-                    if failed[run_id] is None:
-                        decided.add(run_id)
-        except Exception as exc:  # the tick's commit (locked past the timeout, a full disk): nothing of it kept
-            for run_id, ctl in deciding:
-                if failed[run_id] is None:
-                    if run_id in decided:
-                        ctl.undo_decide(results[run_id], exc)
-                    else:  # the transaction could not even begin: nothing was read
-                        ctl.note_failed_tick(exc)
-                    failed[run_id] = exc
-        else:
-            for _, ctl in deciding:
-                ctl.committed()
-            if any(results[r].decisions for r in decided):
-                self.actuator.crash_hook("decided")
+        for i in range(0, len(deciding), DECIDE_CHUNK):
+            self._decide_chunk(now, deciding[i:i + DECIDE_CHUNK], results, failed, decided)
+        if any(results[r].decisions for r in decided):
+            self.actuator.crash_hook("decided")
         for run_id, ctl in runs:
             result = results.get(run_id)
             if result is None:
@@ -494,6 +485,30 @@ class Watchdog:
                 if self._tick_errors.pop(run_id, None) is not None:
                     log.warning("%s: ticks work again", run_id)
         return all_done
+
+    def _decide_chunk(self, now: float, chunk: list[tuple[str, RunController]], results: dict[str, TickResult],
+                      failed: dict[str, Exception | None], decided: set[str]) -> None:
+        """Some runs' reads and decisions in one transaction (a savepoint each); when its commit fails, every
+        one of them is put back as it was. Chunks bound what the tick holds to undo that (a run's last
+        record and engine state) at :data:`DECIDE_CHUNK` runs, whatever the number of runs."""
+        try:
+            with self.store.transaction():
+                for run_id, ctl in chunk:
+                    failed[run_id] = ctl.decide(now, results[run_id])
+                    if failed[run_id] is None:
+                        decided.add(run_id)
+        except Exception as exc:  # the commit (locked past the timeout, a full disk): nothing of it kept
+            for run_id, ctl in chunk:
+                if failed[run_id] is None:
+                    if run_id in decided:
+                        decided.discard(run_id)
+                        ctl.undo_decide(results[run_id], exc)
+                    else:  # the transaction could not even begin: nothing was read
+                        ctl.note_failed_tick(exc)
+                    failed[run_id] = exc
+        else:
+            for _, ctl in chunk:
+                ctl.committed()
 
     def _tick_failed(self, run_id: str, exc: Exception) -> None:
         """Count a failed tick; say it (with the traceback when it is not a known kind of error) only when it
