@@ -135,6 +135,12 @@ def classify_exit(code: int | None, saw_finished: bool, saw_oom: bool) -> str:
     return "crash"
 
 
+def checkpoint_root(run_dir: Path | str, info: RunInfo) -> Path:
+    """Where a run's checkpoints are: run.json's ``checkpoint_dir`` (verl's ``default_local_dir``, written by
+    the glue), else ``run_dir/checkpoints``. The one rule for it, whichever dialect asks."""
+    return Path(info.checkpoint_dir) if info.checkpoint_dir else Path(run_dir) / rundir.CHECKPOINTS
+
+
 class ProtocolDialect:
     """A trainer that speaks the run-directory protocol: nothing to translate."""
 
@@ -148,8 +154,7 @@ class ProtocolDialect:
     def checkpoint_root(self) -> Path:
         """run.json's ``checkpoint_dir`` (the in-process verl glue writes verl's default_local_dir there),
         else run_dir/checkpoints."""
-        given = RunInfo.read(self.run_dir).checkpoint_dir
-        return Path(given) if given else self.run_dir / rundir.CHECKPOINTS
+        return checkpoint_root(self.run_dir, RunInfo.read(self.run_dir))
 
     def checkpoints(self) -> list[ckpt.CheckpointInfo]:
         root = self.checkpoint_root

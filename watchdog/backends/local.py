@@ -136,14 +136,16 @@ def cmdline(pid: int, proc: Path | str = "/proc") -> list[str] | None:
 START_SLACK_S = 2.0
 
 
-def not_the_trainer(pid: int, run_dir: Path | str, proc: Path | str = "/proc") -> str | None:
+def not_the_trainer(pid: int, run_dir: Path | str, proc: Path | str = "/proc",
+                    info: RunInfo | None = None) -> str | None:
     """Why ``pid`` is not (or cannot be told to be) the trainer of ``run_dir``; None when it is.
 
     A pid is an identity only with its start time: the trainer lock a watchdog's launch holds
     (:data:`~watchdog.protocol.lock.TRAINER_LOCK`) names the trainer's pid and start; a trainer
     started by hand is told by run.json: the process runs run.json's command (argv past the
     interpreter) and started before run.json says it did. A pid run.json names that fits
-    neither was reused, or was never the trainer (a stale or hand-edited run.json)."""
+    neither was reused, or was never the trainer (a stale or hand-edited run.json). ``info``: run.json
+    as the caller already read it (an attach reads it once)."""
     ticks = start_ticks(pid, proc)
     if ticks is None:
         return f"pid {pid} is not running"
@@ -154,7 +156,7 @@ def not_the_trainer(pid: int, run_dir: Path | str, proc: Path | str = "/proc") -
         return (f"pid {pid} is not the run's trainer: the trainer of that pid started at tick {note['start_ticks']}, "
                 f"this process at tick {ticks} (the pid was reused by another process)")
     try:
-        info = RunInfo.read(run_dir)
+        info = info if info is not None else RunInfo.read(run_dir)
     except OSError as exc:
         return f"pid {pid}: cannot tell it is the trainer ({exc})"
     argv = cmdline(pid, proc)

@@ -42,6 +42,7 @@ from watchdog.backends.dialect import (
     Dialect,
     IsBad,
     ProtocolDialect,
+    checkpoint_root,
     merge_kept,
     protect_known_good,
     pruning_notice,
@@ -299,6 +300,45 @@ def prepare_run(run_dir: Path | str, command: Sequence[str] | None, mode: str = 
     (a run the watchdog only watches) ``auto`` changes nothing: run.json's own mode stands.
     ``ray_job``: the run goes to a Ray cluster as Ray Jobs (:func:`check_ray_job_command`).
     """
+    return setup_run(run_dir, command, mode, metrics_port, cwd, ray_job).mode
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """A run directory as the watchdog attaches to it: run.json read ONCE (or as just written), and what
+    follows from it: the mode, the dialect, the checkpoint directory. Handed down the attach path
+    (``add_run`` -> the controller -> its dialect -> the adoption of a running trainer), so no step of
+    it reads run.json again and a run.json rewritten meanwhile is never read two ways in one attach."""
+
+    run_dir: Path
+    info: RunInfo
+    """run.json as the attach read (or wrote) it."""
+
+    @classmethod
+    def read(cls, run_dir: Path | str) -> RunSetup:
+        """The run directory taken as it is (no mode asked for): run.json's own mode stands."""
+        return cls(Path(run_dir), RunInfo.read(run_dir))
+
+    @property
+    def mode(self) -> str:
+        """verl (the zero-patch glue speaks for an unmodified verl) or embedded (the trainer speaks the protocol)."""
+        return MODE_VERL if self.info.zero_patch else MODE_EMBEDDED
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Where the run's checkpoints are (:func:`~watchdog.backends.dialect.checkpoint_root`)."""
+        return checkpoint_root(self.run_dir, self.info)
+
+    def dialect(self, run_id: str) -> Dialect:
+        """How the run's trainer speaks: the zero-patch glue for mode verl, else the protocol."""
+        if not self.info.zero_patch:
+            return ProtocolDialect(self.run_dir)
+        return VerlGlue(self.run_dir, run_id, self.info)
+
+
+def setup_run(run_dir: Path | str, command: Sequence[str] | None, mode: str = "auto",
+              metrics_port: int | None = None, cwd: Path | str | None = None, ray_job: bool = False) -> RunSetup:
+    """:func:`prepare_run`, returning the :class:`RunSetup` (run.json read once, as it now stands)."""
     cmd = list(command or [])
     resolved = resolve_mode(mode, cmd)
     if ray_job and resolved == MODE_VERL:
@@ -307,30 +347,27 @@ def prepare_run(run_dir: Path | str, command: Sequence[str] | None, mode: str = 
         if metrics_port is not None:
             raise VerlModeError("the run metrics port (--run-metrics-port, run_metrics_port) is for mode verl, "
                                 "which needs the trainer command")
-        return MODE_VERL if RunInfo.read(run_dir).zero_patch else MODE_EMBEDDED
+        return RunSetup.read(run_dir)
     if not cmd and resolved == MODE_VERL:
         raise VerlModeError("mode verl needs the trainer command: the glue launches every attempt itself")
     if resolved == MODE_VERL:
         try:
-            init_run(run_dir, cmd, metrics_port=metrics_port, cwd=cwd)
+            return RunSetup(Path(run_dir), init_run(run_dir, cmd, metrics_port=metrics_port, cwd=cwd))
         except hydra.OverrideError as exc:
             raise VerlModeError(f"the verl command: {exc}") from None
-        return resolved
     if metrics_port is not None:
         raise VerlModeError("the run metrics port (--run-metrics-port, run_metrics_port) is for mode verl "
                             "(the embedded trainer serves its own: trainer.metrics_port)")
     info = RunInfo.read(run_dir)
     if info.zero_patch:  # the same run dir, now for the embedded trainer
-        info.without("mode").write(run_dir)
-    return resolved
+        info = info.without("mode")
+        info.write(run_dir)
+    return RunSetup(Path(run_dir), info)
 
 
 def dialect_for(run_dir: Path | str, run_id: str) -> Dialect:
     """How the run's trainer speaks: the zero-patch glue when run.json says mode verl, else the protocol."""
-    info = RunInfo.read(run_dir)
-    if not info.zero_patch:
-        return ProtocolDialect(run_dir)
-    return VerlGlue(run_dir, run_id, info)
+    return RunSetup.read(run_dir).dialect(run_id)
 
 
 # -- the glue ---------------------------------------------------------------------------------
@@ -347,7 +384,7 @@ class VerlGlue:
         self.run_id = run_id
         self.dir = self.run_dir / GLUE_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.ckpt_dir = Path(info.checkpoint_dir or self.run_dir / rundir.CHECKPOINTS)
+        self.ckpt_dir = checkpoint_root(self.run_dir, info)
         self.world_size = info.world_size
         # verl loads critic/ on resume whenever the run has a critic: without it a checkpoint is no use.
         self.components: tuple[str, ...] = ("actor", "critic") if run_has_critic(info.config) else ("actor",)
@@ -369,7 +406,7 @@ class VerlGlue:
             from watchdog.protocol.exporter import MetricsExporter
 
             self.exporter = MetricsExporter(run_id, port=port)
-            runinfo.update(self.run_dir, metrics_port=self.exporter.port)
+            info.replace(metrics_port=self.exporter.port).write(self.run_dir)  # the run.json of this attach
             log.info("%s: verl metrics at http://127.0.0.1:%d/metrics", run_id, self.exporter.port)
 
     # -- files ----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from watchdog.backends.local import (
     Backend,
@@ -57,6 +57,9 @@ from watchdog.core.vocabulary import OPEN_ACTION_STATUSES, ActionStatus, Decisio
 from watchdog.protocol import catalog, rundir
 from watchdog.protocol.events import STEP_SLACK, Event, outside_message, past_the_end
 from watchdog.protocol.runinfo import RunInfo
+
+if TYPE_CHECKING:
+    from watchdog.backends.zero_patch import RunSetup
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +160,14 @@ _TICK_FIELDS = ("_rewind_pending", "_rewind_to", "_step_times", "_last_checkpoin
 _TICK_RUN_FIELDS = ("last_step", "last_progress_ts", "last_evaluated_step")
 
 
+def _copy(value: Any) -> Any:
+    """A copy a tick's changes cannot reach (``copy.copy``, the plain containers without its dispatch)."""
+    t = type(value)
+    if t is list or t is dict or t is set:
+        return value.copy()
+    return value if value is None or t is bool or t is int or t is float else copy.copy(value)
+
+
 def span_start(fire_step: int, for_steps: int, margin: int) -> int:
     """First step whose checkpoint is suspect when a divergence rule fires at ``fire_step``."""
     return fire_step - max(1, for_steps) + 1 - max(0, margin)
@@ -247,21 +258,25 @@ class RunController:
     def __init__(
         self, store: Store, run_id: str, rules: RulesEngine, actuator: Actuator,
         config: ControllerConfig | None = None, telemetry: Any = None, backend: Backend | None = None,
-        source: Any = None,
+        source: Any = None, setup: RunSetup | None = None,
     ) -> None:
         """``backend``: this run's own (a Ray Job backend for its cluster); default the actuator's.
         ``source``: what the run's metrics and events are read through (``poll()``, ``offsets``, as
         :class:`~watchdog.sources.ingest.RunTailer`; e.g. a :class:`~watchdog.sources.prometheus.PrometheusSource`);
-        default a RunTailer on the run directory."""
+        default a RunTailer on the run directory. ``setup``: the run directory as the attach read it
+        (:class:`~watchdog.backends.zero_patch.RunSetup`: run.json read once, the mode, dialect and
+        checkpoint directory decided there); default read here."""
         self.store = store
         self.rules = rules
         self.actuator = actuator
         self.config = config or ControllerConfig()
         self.telemetry = telemetry or NullTelemetry()
         run = store.require_run(run_id)
-        from watchdog.backends.zero_patch import dialect_for
+        from watchdog.backends.zero_patch import RunSetup as _RunSetup
 
-        self.h = RunHandle(run, backend=backend, dialect=dialect_for(run.run_dir, run_id),
+        self.setup = setup if setup is not None else _RunSetup.read(run.run_dir)
+        """run.json as this attach read it, and the mode, dialect and checkpoint directory that follow."""
+        self.h = RunHandle(run, backend=backend, dialect=self.setup.dialect(run_id),
                            on_live_timeout=self._on_live_timeout)
         from watchdog.sources.ingest import RunTailer
 
@@ -282,10 +297,14 @@ class RunController:
         self._blind_warned = bool(ctl.get("blind_warned"))
         self._paused_since: float | None = None
         """When the run last entered a pause for a human (the pause timeout counts from there)."""
+        self._published_for: Any = None
+        """The engine state last published (the same object: nothing to set)."""
         self._published_states: dict[str, Any] = {}
         """Each rule's state as last set on the telemetry gauges (only a change is set again)."""
         self._saved_state: Any = None
         """The engine-state blob last committed (a tick that changed nothing does not write it again)."""
+        self._undo: tuple[Any, ...] | None = None
+        """What the last :meth:`decide` changed, as it stood before (see :meth:`undo_decide`)."""
         self._failed_ticks = 0
         """Ticks in a row that failed at the same read position (``_failed_at``)."""
         self._failed_at: Mapping[str, Any] | None = None
@@ -331,7 +350,7 @@ class RunController:
             if isinstance(backend, LocalBackend):
                 # A pid is an identity only with its start: a trainer that ended may have left its pid to
                 # another process, which must never be watched, signalled or killed as the trainer.
-                why = not_the_trainer(run.pid, run.run_dir)
+                why = not_the_trainer(run.pid, run.run_dir, info=self.setup.info)
                 if why is not None:
                     if "is not running" not in why:
                         log.error("%s: not adopted: %s", run.run_id, why)
@@ -372,33 +391,65 @@ class RunController:
     # -- tick --------------------------------------------------------------------------
 
     def tick(self, now: float | None = None) -> TickResult:
-        """Launch if new, ingest, evaluate, plan (committed), watch liveness, drive actions."""
+        """Launch if new, ingest, evaluate, plan (committed), watch liveness, drive actions.
+
+        The three stages (:meth:`prepare`, :meth:`decide`, :meth:`act`) are what a daemon runs over all
+        its runs, with every run's :meth:`decide` in one transaction (``Watchdog.tick``); alone, a run
+        commits its own."""
         now = time.time() if now is None else now
         result = TickResult()
+        failed = self.prepare(now, result)
+        if result.done:
+            return result
+        if failed is None:
+            failed = self.decide(now, result)
+        self.committed()
+        if failed is None and result.decisions:
+            self.actuator.crash_hook("decided")
+        return self.act(now, result, failed)
+
+    def prepare(self, now: float, result: TickResult) -> Exception | None:
+        """Launch a new run (its pid committed at once, never inside a tick's transaction) and let the
+        dialect relay what the trainer wrote; returns the error that stops this tick's read, if any.
+        ``result.done`` is set when the launch was refused for good."""
         if self.run.phase == Phase.NEW:
             try:
                 self.actuator.launch(self.h, None, now)
             except LaunchRefused as exc:  # no such program: every retry would fail the same way
                 self._give_up("watchdog:launch", str(exc))
                 result.done = True
-                return result
+                return None
         if self.run.launched_ts != self._attempt_ts:
             # A new attempt (this watchdog's launch or restart): what the last one said about how it
             # ended (an ``oom``, ``finished``) is not this one's.
             self._attempt_ts = self.run.launched_ts
             self._saw_finished, self._saw_oom = False, None
-        failed: Exception | None = None
         try:
             # verl writes no events: its dialect relays the metrics, notes the checkpoints and classifies the
             # exit (not that of a trainer the watchdog stopped itself to pause the run).
             t0 = time.perf_counter()
             self.h.dialect.poll(self.h.proc, watch_exit=self.run.phase not in (Phase.PAUSED, Phase.ESCALATED))
             self.telemetry.phase_time("read", time.perf_counter() - t0)
+        except Exception as exc:
+            return exc
+        return None
+
+    def decide(self, now: float, result: TickResult) -> Exception | None:
+        """Read what is new, evaluate, and write the decisions with the read positions (a savepoint in
+        the caller's transaction, or a transaction of its own); returns the error if it failed, in which
+        case nothing of it was kept (:meth:`_read_and_decide`)."""
+        self._undo = None
+        try:
             self._read_and_decide(now, result)
         except Exception as exc:
             # Nothing of it was kept (see _read_and_decide). The trainer is still watched: a run whose
             # files cannot be read right now (a garbled run.json) is still seen to end, or to hang.
-            failed = exc
+            return exc
+        return None
+
+    def act(self, now: float, result: TickResult, failed: Exception | None) -> TickResult:
+        """After the decisions are committed: protect known-good checkpoints, watch liveness, drive the
+        journal's open actions; raises ``failed`` (the read's error) unless the run has ended."""
         t_act = time.perf_counter()
         if failed is None:
             try:
@@ -407,7 +458,8 @@ class RunController:
                 failed = exc
         self._watch_liveness(now)
         self._check_pause_timeout(now)
-        for entry in self.store.open_actions(self.run.run_id):
+        entries = self.store.open_actions(self.run.run_id)
+        for entry in entries:
             if entry.status == ActionStatus.WAITING:
                 continue
             if self.run.phase in DONE_PHASES and entry.kind not in (JournalKind.NOTIFY, JournalKind.STOP):
@@ -423,8 +475,10 @@ class RunController:
             self.telemetry.data_age(self.run.run_id, max(0.0, now - (self.run.last_progress_ts or now)))
         self._publish_rule_states()
         self.telemetry.phase_time("act", time.perf_counter() - t_act)
-        result.done = self.run.phase in DONE_PHASES and not any(
-            e.status != ActionStatus.WAITING for e in self.store.open_actions(self.run.run_id))
+        if self.run.phase in DONE_PHASES:
+            if any(e.status != ActionStatus.WAITING for e in entries):  # driven above: as they stand now
+                entries = self.store.open_actions(self.run.run_id)
+            result.done = not any(e.status != ActionStatus.WAITING for e in entries)
         if failed is not None:
             if not result.done:
                 raise failed
@@ -439,43 +493,75 @@ class RunController:
         decisions nor its positions: the window, engine state and positions go back to where the
         last commit left them, so the next tick reads the same lines again and decides on them.
         A failure that repeats at the same position is said, once, to the console and the webhook.
+        Inside a daemon's tick transaction this is a savepoint: when the tick's commit itself fails
+        afterwards, the daemon calls :meth:`undo_decide` to put this run back the same way.
         """
         offsets = self.tailer.offsets
         if not getattr(self.tailer, "offsets_are_snapshots", False):
             offsets = json.loads(json.dumps(offsets))  # a copy that the poll below cannot change
+        undo = (offsets, self.state, {name: _copy(getattr(self, name)) for name in _TICK_FIELDS},
+                {name: getattr(self.run, name) for name in _TICK_RUN_FIELDS})
         state = self.state
-        kept = {name: copy.copy(getattr(self, name)) for name in _TICK_FIELDS}
-        run_kept = {name: getattr(self.run, name) for name in _TICK_RUN_FIELDS}
         try:
             t0 = time.perf_counter()
-            records, events = self.tailer.poll()
+            records, events = self.tailer.poll()  # files (or a metric source) only: nothing written yet
             t1 = time.perf_counter()
             self.telemetry.phase_time("read", t1 - t0)
-            self._handle_events(events, now)
-            decisions = self._evaluate(records, events, now, result)
-            t2 = time.perf_counter()
-            self.telemetry.phase_time("decide", t2 - t1)
-            # Nothing read, nothing decided, the engine not run, the positions where they were: the
-            # stored state is still this one (an idle run costs a stat per file, no write).
-            changed = bool(records or events or decisions) or self.state is not state or self.tailer.offsets != offsets
-            self._commit(decisions, result, changed)
-            self.telemetry.phase_time("commit", time.perf_counter() - t2)
-            if decisions:
-                self.actuator.crash_hook("decided")
+            if (not (records or events or self._held or self._events_since_eval) and self.tailer.offsets == offsets
+                    and self._controller_state() == self._saved_state and not self._waiting()):
+                # Nothing new, nothing held back, nothing waiting to be released, nothing unsaved: the engine
+                # would not run and nothing would be written. A run with nothing new costs two stats.
+                self._undo = undo
+                self._failed_ticks = 0
+                return
+            # Everything this read writes (confirmations of applied versions, closed spans, decisions,
+            # intents, engine state, positions) is kept together or not at all.
+            with self.store.savepoint():
+                self._handle_events(events, now)
+                decisions = self._evaluate(records, events, now, result)
+                t2 = time.perf_counter()
+                self.telemetry.phase_time("decide", t2 - t1)
+                # Nothing read, nothing decided, the engine not run, the positions where they were: the
+                # stored state is still this one (an idle run costs a stat per file, no write).
+                changed = (bool(records or events or decisions) or self.state is not state
+                           or self.tailer.offsets != offsets)
+                self._commit(decisions, result, changed)
+                self.telemetry.phase_time("commit", time.perf_counter() - t2)
         except Exception as exc:
-            self.tailer.offsets = offsets
-            self.state = state
-            for name, value in kept.items():
-                setattr(self, name, value)
-            for name, value in run_kept.items():
-                setattr(self.run, name, value)
-            self.window = self.rules.new_window(self.config.window_size)
-            self._rebuild_window(offsets)
-            result.decisions.clear()
-            result.new_steps.clear()
-            self._note_failed_tick(offsets, exc)
+            self._restore(undo, result, exc)
             raise
+        self._undo = undo
         self._failed_ticks = 0
+
+    def committed(self) -> None:
+        """The transaction of the last :meth:`decide` committed: what it would undo is let go (a run's last
+        record and engine state, held by no one else once the tick is over)."""
+        self._undo = None
+
+    def undo_decide(self, result: TickResult, exc: Exception) -> None:
+        """The transaction this run's last :meth:`decide` was part of did not commit: back to before it."""
+        if self._undo is not None:
+            self._restore(self._undo, result, exc)
+            self._undo = None
+
+    def _restore(self, undo: tuple[Any, ...], result: TickResult, exc: Exception) -> None:
+        offsets, state, kept, run_kept = undo
+        self.tailer.offsets = offsets
+        self.state = state
+        self._saved_state = None  # what the store holds is the last committed blob, not this tick's
+        for name, value in kept.items():
+            setattr(self, name, value)
+        for name, value in run_kept.items():
+            setattr(self.run, name, value)
+        self.window = self.rules.new_window(self.config.window_size)
+        self._rebuild_window(offsets)
+        result.decisions.clear()
+        result.new_steps.clear()
+        self._note_failed_tick(offsets, exc)
+
+    def note_failed_tick(self, exc: Exception) -> None:
+        """A tick whose transaction could not begin (nothing read): counted like any failed tick."""
+        self._note_failed_tick(self.tailer.offsets, exc)
 
     def _note_failed_tick(self, offsets: Mapping[str, Any], exc: Exception) -> None:
         same = offsets == self._failed_at
@@ -668,7 +754,8 @@ class RunController:
         state and read positions only when the tick ``changed`` them."""
         cfg: dict[str, Any] | None = None  # run.json's config, read only when there is a decision to plan
         with self.store.transaction():
-            overrides = {**self.run.overrides, **self._waiting_sets()}
+            waiting = self._waiting()
+            overrides = {**self.run.overrides, **{k: v for e in waiting for k, v in e.payload.get("set", {}).items()}}
             for d in decisions:
                 if cfg is None:
                     cfg = run_config(self.run.run_dir)
@@ -713,9 +800,8 @@ class RunController:
                                              did)
                 for p in planned:
                     self._journal(p, did, d.kind == DecisionKind.ESCALATE)
-            self._release_waiting()
-            controller = {"last_checkpoint": self._last_checkpoint,
-                          "last_tuning_relaunch": self._last_tuning_clock, "blind_warned": self._blind_warned}
+            self._release_waiting(None if decisions else waiting)  # (a decision may have added one)
+            controller = self._controller_state()
             if not changed and controller == self._saved_state:
                 return
             self.store.save_engine_state(self.run.run_id, {
@@ -808,9 +894,15 @@ class RunController:
         for wid in (entry.payload.get("carried", []) if entry else []):
             self._close(wid, "done", f"carried by the relaunch of journal {relaunch_id} (it went anyway)")
 
-    def _release_waiting(self) -> None:
-        """Waiting tuning sets: dropped when their rule stopped firing, carried at a checkpoint, merged."""
-        entries = self._waiting()
+    def _controller_state(self) -> dict[str, Any]:
+        """The controller's part of the stored state."""
+        return {"last_checkpoint": self._last_checkpoint, "last_tuning_relaunch": self._last_tuning_clock,
+                "blind_warned": self._blind_warned}
+
+    def _release_waiting(self, entries: list[ActionRecord] | None = None) -> None:
+        """Waiting tuning sets: dropped when their rule stopped firing, carried at a checkpoint, merged.
+        ``entries``: the waiting entries, when the caller has just read them."""
+        entries = self._waiting() if entries is None else entries
         if not entries:
             return
         rel = release(self._as_waiting(entries), firing=self.state.firing(), checkpoint_step=self._last_checkpoint,
@@ -880,6 +972,9 @@ class RunController:
         rule = getattr(self.state, "rule", None)
         if not callable(names) or not callable(rule):
             return
+        if self.state is self._published_for:
+            return  # the engine has not run since: every gauge holds this state already
+        self._published_for = self.state
         published = self._published_states
         for name in names():
             status = rule(name).status

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from watchdog.backends.local import Backend, LocalBackend, SupervisorError, TrainerAlive, not_the_trainer
-from watchdog.backends.zero_patch import MODE_VERL, MODES, VerlModeError, prepare_run, resolve_mode
+from watchdog.backends.zero_patch import MODE_VERL, MODES, RunSetup, VerlModeError, resolve_mode, setup_run
 from watchdog.control.actuator import (
     Actuator,
     ActuatorConfig,
@@ -32,13 +32,12 @@ from watchdog.control.actuator import (
     resolve_webhook_url,
     webhook_target,
 )
-from watchdog.control.controller import ControllerConfig, EngineRules, RulesEngine, RunController
+from watchdog.control.controller import ControllerConfig, EngineRules, RulesEngine, RunController, TickResult
 from watchdog.control.store import Phase, RunRecord, Store, StoreError
 from watchdog.core.planner import ON_ESCALATE
 from watchdog.core.rulefile import default_rules_paths
 from watchdog.observe.telemetry import WatchdogMetrics
 from watchdog.protocol import lock as locks
-from watchdog.protocol.runinfo import RunInfo
 from watchdog.sources.prometheus import SOURCES, SourceConfig, make_source, source_config
 
 log = logging.getLogger(__name__)
@@ -49,6 +48,11 @@ DEFAULT_STATE_DIR = ".watchdog"
 def state_dir_default() -> str:
     """``$WATCHDOG_STATE_DIR`` or ``./.watchdog``."""
     return os.environ.get("WATCHDOG_STATE_DIR", DEFAULT_STATE_DIR)
+
+
+#: Runs whose reads and decisions share one SQLite transaction in a tick (one commit per this many runs
+#: instead of one per run; what a failed commit makes the tick undo in memory is bounded by it).
+DECIDE_CHUNK = 256
 
 
 class DaemonConfigError(ValueError):
@@ -338,11 +342,15 @@ class Watchdog:
                  managed: bool, ray_address: str | None, ray_token_file: Path | str | None,
                  source: SourceConfig | None, mode: str | None, run_metrics_port: int | None, retry_ended: bool,
                  on_escalate: str | None) -> RunController:
+        # The one read of run.json for this attach (or the one write, for mode verl): the mode, dialect,
+        # checkpoint directory and the trainer to adopt all come from this RunSetup, handed down.
         if mode is not None:
             try:
-                prepare_run(run_dir, command, mode, metrics_port=run_metrics_port, ray_job=bool(ray_address))
+                setup = setup_run(run_dir, command, mode, metrics_port=run_metrics_port, ray_job=bool(ray_address))
             except VerlModeError as exc:
                 raise VerlModeError(f"run {run_id}: {exc}") from exc
+        else:
+            setup = RunSetup.read(run_dir)
         backend: Backend | None = None
         if ray_address:
             from watchdog.backends.ray_jobs import RayJobBackend
@@ -360,7 +368,7 @@ class Watchdog:
         config = self.controller_config if on_escalate is None else replace(self.controller_config,
                                                                              on_escalate=on_escalate)
         ctl = RunController(self.store, run_id, self.rules, self.actuator, config, self.telemetry,
-                            backend, source=make_source(source, run_dir, run_id, self.telemetry))
+                            backend, source=make_source(source, run_dir, run_id, self.telemetry), setup=setup)
         self.controllers[run_id] = ctl
         return ctl
 
@@ -425,17 +433,8 @@ class Watchdog:
         try:
             now = time.time() if now is None else now
             t0 = time.perf_counter()
-            all_done = True
             self.retry_unwatched(now)
-            for run_id, ctl in list(self.controllers.items()):
-                try:
-                    all_done &= ctl.tick(now).done
-                except Exception as exc:
-                    self._tick_failed(run_id, exc)
-                    all_done = False
-                else:
-                    if self._tick_errors.pop(run_id, None) is not None:
-                        log.warning("%s: ticks work again", run_id)
+            all_done = self._tick_runs(now)
             if self.telemetry is not None:
                 self.telemetry.runs_watched(len(self.controllers))
                 self.telemetry.last_tick(time.time())
@@ -446,6 +445,70 @@ class Watchdog:
             return all_done
         finally:
             self._lock.release()
+
+    def _tick_runs(self, now: float) -> bool:
+        """Every run's tick in three passes: prepare (launches, relays), decide (the runs' reads, decisions,
+        intents and positions in one transaction per :data:`DECIDE_CHUNK` runs, a savepoint per run so one
+        bad run undoes only its own), then act (from the committed journal). A commit per chunk instead of
+        one a run; acting still comes after every commit that records what to do (RELIABILITY.md: exactly
+        once, all or nothing)."""
+        runs = list(self.controllers.items())
+        results: dict[str, TickResult] = {}
+        failed: dict[str, Exception | None] = {}
+        all_done = True
+        for run_id, ctl in runs:
+            results[run_id] = TickResult()
+            try:
+                failed[run_id] = ctl.prepare(now, results[run_id])
+            except Exception as exc:  # a launch that failed: this run sits this tick out
+                results.pop(run_id)
+                self._tick_failed(run_id, exc)
+                all_done = False
+        deciding = [(r, ctl) for r, ctl in runs if r in results and not results[r].done and failed[r] is None]
+        decided: set[str] = set()
+        for i in range(0, len(deciding), DECIDE_CHUNK):
+            self._decide_chunk(now, deciding[i:i + DECIDE_CHUNK], results, failed, decided)
+        if any(results[r].decisions for r in decided):
+            self.actuator.crash_hook("decided")
+        for run_id, ctl in runs:
+            result = results.get(run_id)
+            if result is None:
+                continue
+            if result.done:  # given up before reading (a launch refused for good)
+                continue
+            try:
+                all_done &= ctl.act(now, result, failed[run_id]).done
+            except Exception as exc:
+                self._tick_failed(run_id, exc)
+                all_done = False
+            else:
+                if self._tick_errors.pop(run_id, None) is not None:
+                    log.warning("%s: ticks work again", run_id)
+        return all_done
+
+    def _decide_chunk(self, now: float, chunk: list[tuple[str, RunController]], results: dict[str, TickResult],
+                      failed: dict[str, Exception | None], decided: set[str]) -> None:
+        """Some runs' reads and decisions in one transaction (a savepoint each); when its commit fails, every
+        one of them is put back as it was. Chunks bound what the tick holds to undo that (a run's last
+        record and engine state) at :data:`DECIDE_CHUNK` runs, whatever the number of runs."""
+        try:
+            with self.store.transaction():
+                for run_id, ctl in chunk:
+                    failed[run_id] = ctl.decide(now, results[run_id])
+                    if failed[run_id] is None:
+                        decided.add(run_id)
+        except Exception as exc:  # the commit (locked past the timeout, a full disk): nothing of it kept
+            for run_id, ctl in chunk:
+                if failed[run_id] is None:
+                    if run_id in decided:
+                        decided.discard(run_id)
+                        ctl.undo_decide(results[run_id], exc)
+                    else:  # the transaction could not even begin: nothing was read
+                        ctl.note_failed_tick(exc)
+                    failed[run_id] = exc
+        else:
+            for _, ctl in chunk:
+                ctl.committed()
 
     def _tick_failed(self, run_id: str, exc: Exception) -> None:
         """Count a failed tick; say it (with the traceback when it is not a known kind of error) only when it
@@ -662,14 +725,14 @@ def _adopt_pid(wd: Watchdog, ctl: RunController) -> None:
     once it is sure the pid is that trainer, instead of launching a second one."""
     run_dir = Path(ctl.run.run_dir)
     holder = locks.holder_if_held(run_dir / locks.TRAINER_LOCK)
-    info = RunInfo.read(run_dir)
+    info = ctl.setup.info  # run.json as this attach read it (not read again)
     pid = holder.get("pid") if holder else info.pid
     if not isinstance(pid, int):
         if holder is not None:  # alive, but it has not said which process it is yet: not one to launch beside
             raise TrainerAlive(f"{run_dir}: a trainer holds the run ({locks.describe_holder(holder)}) "
                                "without naming its pid; not adopted and nothing launched")
         return
-    why = not_the_trainer(pid, run_dir)
+    why = not_the_trainer(pid, run_dir, info=info)
     if why is not None:
         if holder is not None:
             raise TrainerAlive(f"{run_dir}: a trainer holds the run but {why}; not adopted and nothing launched",
@@ -689,7 +752,7 @@ def _adopt_pid(wd: Watchdog, ctl: RunController) -> None:
 def _adopt_ray_job(wd: Watchdog, ctl: RunController) -> None:
     """A Ray run with no record here: attach to the job run.json names while it runs, rather than
     submitting a second trainer into the same run directory."""
-    job_id = RunInfo.read(ctl.run.run_dir).ray_job_id
+    job_id = ctl.setup.info.ray_job_id  # run.json as this attach read it
     adopt = getattr(ctl.h.backend, "adopt_job", None)
     if not job_id or adopt is None:
         return

@@ -41,6 +41,7 @@ from watchdog.core.vocabulary import (
     ActionStatus,
     Word,
 )
+from watchdog.protocol import rundir
 
 SCHEMA_VERSION = 4
 _JOURNAL_TABLE = """
@@ -305,6 +306,7 @@ class Store:
         self.busy_timeout_s = busy_timeout_s
         self._lock = threading.RLock()
         self._depth = 0
+        self._savepoints = 0
         try:
             # isolation_level=None: we issue BEGIN/COMMIT ourselves so a decision, the engine
             # state and the journal intents land in one transaction.
@@ -335,6 +337,7 @@ class Store:
         self.busy_timeout_s = busy_timeout_s
         self._lock = threading.RLock()
         self._depth = 0
+        self._savepoints = 0
         if path.stat().st_size == 0:
             # What a watchdog killed while creating its state leaves: no state yet (and none is written here).
             raise NoState(f"{path}: an empty file, no watchdog state in it yet (nothing was written to it)", path)
@@ -396,12 +399,43 @@ class Store:
                 yield self._db
             except BaseException:
                 self._depth -= 1
-                if outer:
+                if outer and self._db.in_transaction:  # (SQLite may have rolled it back itself: a full disk)
                     self._db.execute("ROLLBACK")
                 raise
             self._depth -= 1
             if outer:
                 self._db.execute("COMMIT")
+
+    @contextmanager
+    def savepoint(self) -> Iterator[sqlite3.Connection]:
+        """A unit that is undone alone when it fails, inside a running transaction (a daemon's tick: one
+        run's failure does not undo the others'); outside one, a transaction of its own."""
+        with self._lock:
+            if self._depth == 0:
+                with self.transaction() as db:
+                    yield db
+                return
+            if not self._db.in_transaction:
+                # SQLite ended the enclosing transaction itself (a full disk, an I/O error): what the units
+                # before this one wrote is gone, so nothing more is written in it; the caller's commit fails.
+                raise StoreError(f"{self.path}: the transaction was rolled back by SQLite; nothing of it is kept")
+            self._savepoints += 1
+            name = f"sp{self._savepoints}"
+            self._db.execute(f"SAVEPOINT {name}")
+            self._depth += 1
+            try:
+                yield self._db
+            except BaseException:
+                self._depth -= 1
+                if self._db.in_transaction:
+                    try:
+                        self._db.execute(f"ROLLBACK TO {name}")
+                        self._db.execute(f"RELEASE {name}")
+                    except sqlite3.Error:
+                        pass  # the whole transaction is gone; the next unit and the commit say so
+                raise
+            self._depth -= 1
+            self._db.execute(f"RELEASE {name}")
 
     # -- runs ---------------------------------------------------------------------------
 
@@ -496,7 +530,7 @@ class Store:
         with self.transaction() as db:
             db.execute(
                 "INSERT OR REPLACE INTO rule_states VALUES (?, ?, ?, ?)",
-                (run_id, state.get("version"), json.dumps(state, sort_keys=True), _now()),
+                (run_id, state.get("version"), rundir.dumps(state), _now()),
             )
 
     # -- decisions ----------------------------------------------------------------------

@@ -131,6 +131,42 @@ def loads_line(raw: bytes) -> Any:
     return json.loads(raw)
 
 
+def _all_finite(obj: Any) -> bool:
+    """No NaN or infinity anywhere in ``obj`` (which orjson would write as ``null``). A large container of
+    numbers only is summed in C (a non-finite value, or a sum overflowing, gives a non-finite sum)."""
+    if isinstance(obj, float):
+        return obj - obj == 0
+    if not isinstance(obj, (dict, list, tuple)):
+        return True
+    items = obj.values() if isinstance(obj, dict) else obj
+    if len(items) > 16:  # a metrics record's values
+        try:
+            s = sum(items)
+        except TypeError:  # not numbers only: look at each
+            pass
+        else:
+            return s - s == 0
+    for v in items:
+        if type(v) is float:
+            if v - v != 0:
+                return False
+        elif v and isinstance(v, (dict, list, tuple, float)) and not _all_finite(v):
+            return False
+    return True
+
+
+def dumps(obj: Any) -> str:
+    """JSON text of ``obj`` as ``json.dumps`` reads it back: orjson where nothing in it is NaN or infinite
+    (several times faster on a daemon's per-run state, written every tick), else the standard encoder
+    (which spells ``NaN`` / ``Infinity``; orjson would write ``null``) - also for integers past 64 bits."""
+    if _orjson is not None and _all_finite(obj):
+        try:
+            return _orjson.dumps(obj).decode()
+        except TypeError:  # orjson.JSONEncodeError: an integer past 64 bits, a key that is not a string
+            pass
+    return json.dumps(obj)
+
+
 def read_jsonl(path: Path | str, offset: int = 0, first_line: int = 1, until: int | None = None) -> JsonlChunk:
     """Read complete JSONL lines from ``offset``; an unterminated last line is left for later.
 

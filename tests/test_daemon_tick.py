@@ -1,0 +1,232 @@
+"""Issue 22: a daemon tick over many runs (one transaction a tick, a savepoint a run) and a run's
+attach (run.json read once). Real SQLite, real run directories, a real trainer process to adopt;
+the commit failure and the failing run are fault injection, named as such."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from test_reliability import NAN_RULE
+
+from watchdog.control import daemon
+from watchdog.control.daemon import load_daemon_config, prepare_daemon
+from watchdog.control.store import Store
+from watchdog.protocol import rundir
+from watchdog.protocol.runinfo import RunInfo
+
+
+class _CountingDb:
+    """The store's sqlite3 connection, counting its COMMITs and failing the next ``fail`` of them
+    (fault injection: what a full disk or a lost lock does to a tick's commit)."""
+
+    def __init__(self, db: Any) -> None:
+        self._db = db
+        self.commits = 0
+        self.fail = 0
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if sql.strip().upper() == "COMMIT":
+            self.commits += 1
+            if self.fail:
+                self.fail -= 1
+                self._db.execute("ROLLBACK")
+                raise RuntimeError("injected: the tick's commit failed")
+        return self._db.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._db, name)
+
+
+def _daemon(tmp_path: Path, runs: list[Path]) -> Any:
+    (tmp_path / "rules.yaml").write_text(NAN_RULE)
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"), "rules": [str(tmp_path / "rules.yaml")],
+                                   "runs": [str(d) for d in runs]}))
+    return prepare_daemon(load_daemon_config(cfg))
+
+
+def _runs(tmp_path: Path, n: int) -> list[Path]:
+    dirs = [tmp_path / f"run{i}" for i in range(n)]
+    for d in dirs:
+        d.mkdir()
+    return dirs
+
+
+def _append(run: Path, step: int, kl: float) -> None:
+    rundir.append_metrics(run, step, {"actor/reward_kl_penalty": kl, "critic/score/mean": 0.5})
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """Every RunInfo.read, by run directory (what the attach reads of run.json)."""
+    calls: list[str] = []
+    real = RunInfo.read.__func__  # type: ignore[attr-defined]
+
+    def read(cls: type[RunInfo], run_dir: Path | str) -> RunInfo:
+        calls.append(str(run_dir))
+        return real(cls, run_dir)
+
+    monkeypatch.setattr(RunInfo, "read", classmethod(read))
+    yield calls
+
+
+def test_a_tick_over_many_runs_with_new_steps_commits_once(tmp_path: Path) -> None:
+    runs = _runs(tmp_path, 5)
+    wd = _daemon(tmp_path, runs)
+    try:
+        db = wd.store._db = _CountingDb(wd.store._db)
+        for d in runs:
+            _append(d, 1, 0.01)
+        wd.tick()
+        assert db.commits == 1  # five runs read, evaluated and their positions stored: one transaction
+        assert all(c.run.last_step == 1 for c in wd.controllers.values())
+        stored = [json.loads(r["state"])["tailer"]["metrics"]["offset"] for r in
+                  wd.store._db.execute("SELECT state FROM rule_states").fetchall()]
+        assert len(stored) == 5 and all(o > 0 for o in stored)
+        db.commits = 0
+        wd.tick()  # nothing new anywhere: nothing written
+        assert db.commits == 1 and wd.store._db.execute("SELECT count(*) FROM rule_states").fetchone()[0] == 5
+    finally:
+        wd.close()
+
+
+def test_a_tick_whose_commit_fails_keeps_nothing_for_any_run_and_the_next_decides_each_step_once(
+        tmp_path: Path) -> None:
+    runs = _runs(tmp_path, 3)
+    wd = _daemon(tmp_path, runs)
+    try:
+        db = wd.store._db = _CountingDb(wd.store._db)
+        for d in runs:
+            _append(d, 1, 0.01)
+            _append(d, 2, math.nan)
+        db.fail = 1
+        wd.tick()
+        assert wd.store.decisions() == []  # the decisions went with the commit
+        assert all(c.run.last_step is None for c in wd.controllers.values())  # and the positions with them
+        wd.tick()
+        by_run = {c.run.run_id: [d["step"] for d in wd.store.decisions(c.run.run_id)]
+                  for c in wd.controllers.values()}
+        assert by_run == {c.run.run_id: [2] for c in wd.controllers.values()}  # each NaN once, not twice
+        again = Store(tmp_path / "state", busy_timeout_s=1.0)  # what a restarted daemon would find
+        assert sorted(d["run_id"] for d in again.decisions()) == sorted(by_run)
+    finally:
+        wd.close()
+
+
+def test_a_commit_failing_for_one_chunk_of_runs_keeps_the_other_chunks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(daemon, "DECIDE_CHUNK", 2)  # five runs: three transactions a tick
+    runs = _runs(tmp_path, 5)
+    wd = _daemon(tmp_path, runs)
+    try:
+        db = wd.store._db = _CountingDb(wd.store._db)
+        for d in runs:
+            _append(d, 1, math.nan)
+        real = db.execute
+
+        def execute(sql: str, *args: Any) -> Any:
+            if sql.strip().upper() == "COMMIT" and db.commits == 1:  # the second chunk's commit
+                db.fail = 1
+            return real(sql, *args)
+
+        db.execute = execute  # type: ignore[method-assign]
+        wd.tick()
+        assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run1", "run4"]
+        db.execute = real  # type: ignore[method-assign]
+        wd.tick()  # the second chunk's runs read their line again, and decide on it once
+        assert sorted(d["run_id"] for d in wd.store.decisions()) == [f"run{i}" for i in range(5)]
+    finally:
+        wd.close()
+
+
+def test_one_run_failing_its_read_undoes_only_its_own_part_of_the_tick(tmp_path: Path) -> None:
+    runs = _runs(tmp_path, 3)
+    wd = _daemon(tmp_path, runs)
+    try:
+        for d in runs:
+            _append(d, 1, math.nan)
+        bad = wd.controllers["run1"]
+        real = bad._evaluate
+        failures = iter([RuntimeError("injected: this run's evaluation failed")])
+
+        def evaluate(*a: Any, **k: Any) -> Any:
+            decisions = real(*a, **k)
+            exc = next(failures, None)
+            if exc is not None:
+                raise exc  # after it wrote into the store: the savepoint must take that back
+            return decisions
+
+        bad._evaluate = evaluate  # type: ignore[method-assign]
+        wd.tick()
+        assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run2"]
+        assert wd._tick_errors["run1"].startswith("RuntimeError: injected")
+        wd.tick()  # run1 reads the same line again and decides on it, once
+        assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run1", "run2"]
+    finally:
+        wd.close()
+
+
+def test_attaching_a_run_with_a_running_trainer_reads_its_run_json_once(
+        tmp_path: Path, counted: list[str]) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    trainer = [sys.executable, "-c", "import time; time.sleep(600)"]
+    started = time.time()
+    proc = subprocess.Popen(trainer)
+    RunInfo(pid=proc.pid, command=trainer, started=started).write(run)
+    (tmp_path / "rules.yaml").write_text(NAN_RULE)
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"), "rules": [str(tmp_path / "rules.yaml")],
+                                   "runs": [{"run_dir": str(run), "restart_command": trainer}]}))
+    try:
+        wd = prepare_daemon(load_daemon_config(cfg))
+        try:
+            ctl = wd.controllers["run"]
+            assert ctl.h.proc is not None and ctl.h.proc.pid == proc.pid  # adopted, from that one read
+            assert [c for c in counted if Path(c) == run] == [str(run)]
+            assert ctl.setup.mode == "embedded" and ctl.setup.checkpoint_dir == run / rundir.CHECKPOINTS
+        finally:
+            wd.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_attaching_a_zero_patch_run_writes_run_json_once_and_reads_it_no_more(
+        tmp_path: Path, counted: list[str]) -> None:
+    run = tmp_path / "run"
+    (tmp_path / "rules.yaml").write_text(NAN_RULE)
+    command = ["python3", "-m", "verl.trainer.main_ppo", "trainer.default_local_dir=ckpts"]
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"), "rules": [str(tmp_path / "rules.yaml")],
+                                   "runs": [{"run_dir": str(run), "restart_command": command, "mode": "verl"}]}))
+    wd = prepare_daemon(load_daemon_config(cfg))
+    try:
+        ctl = wd.controllers["run"]
+        # init_run reads the run.json an earlier attach may have left, then writes the new one: that one read.
+        assert [c for c in counted if Path(c) == run] == [str(run)]
+        assert ctl.setup.mode == "verl" and ctl.h.dialect.ckpt_dir == ctl.setup.checkpoint_dir
+        assert ctl.setup.checkpoint_dir.name == "ckpts" and ctl.setup.checkpoint_dir.is_absolute()
+        assert RunInfo.read(run).zero_patch
+    finally:
+        wd.close()
+
+
+@pytest.mark.parametrize("value", [{"a": 1.5, "b": None, "c": [1, 2, {"d": "x"}]}, {"n": 2**70}, {}, [0.1, -3]])
+def test_state_json_is_what_the_standard_decoder_reads_back(value: Any) -> None:
+    assert json.loads(rundir.dumps(value)) == value
+
+
+def test_state_json_keeps_nan_and_infinity_which_orjson_would_write_as_null() -> None:
+    text = rundir.dumps({"last": {"step": 3, "data": {"kl": math.nan, "x": 1.0}}, "y": [math.inf, None]})
+    back = json.loads(text)
+    assert math.isnan(back["last"]["data"]["kl"]) and back["y"] == [math.inf, None]
