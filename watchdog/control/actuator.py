@@ -39,7 +39,7 @@ from typing import Any
 
 from watchdog.backends.dialect import Dialect, ProtocolDialect
 from watchdog.backends.local import Backend, BackendUnavailable, LocalBackend, TrainerAlive, TrainerProcess
-from watchdog.control.store import ActionRecord, BadSpan, Phase, RunRecord, Store
+from watchdog.control.store import UNWATCHED, ActionRecord, BadSpan, Phase, RunRecord, Store
 from watchdog.core.planner import clip_bound_sets, config_value, snap_sets
 from watchdog.core.vocabulary import ActionStatus, JournalKind
 from watchdog.protocol import hydra
@@ -592,6 +592,16 @@ class Actuator:
         p = dict(entry.payload)
         if entry.status == ActionStatus.INTENT:
             info = self._resolve_checkpoint(h, "known_good")
+            unwatched = [s for s in self.store.bad_spans(h.run.run_id) if s.rule == UNWATCHED]
+            if info is None and unwatched:
+                # The watchdog started on a run already under way (or resumed from an unwatched one): it
+                # never saw the run healthy before its first step, so neither an earlier checkpoint nor the
+                # initial weights are a state it can vouch for. A human decides.
+                first = max(s.end_step or 0 for s in unwatched) + 1
+                self._finish(h, entry, "failed", error=f"no known-good checkpoint to roll back to: the watchdog "
+                                                       f"first saw this run at step {first}, and no checkpoint "
+                                                       "since then was taken while it looked healthy")
+                return
             if info is None and self._resolve_checkpoint(h, "latest") is None:
                 # Diverged before the first checkpoint: the initial weights (the SFT model, which is
                 # also the reference) are the oldest known-good state. Start over with the sets.
