@@ -16,7 +16,10 @@ verl 0.9.1 file and line it works around:
 5. verl's monkey patch imports trl's value-head class whenever trl is installed
    (models/transformers/monkey_patch.py:352-360); trl 1.16 has none: the guard asks for the class;
 6. an ``hf`` async rollout (workers/rollout/base.py:89-92 and replica.py:388-390 register only
-   vLLM/SGLang/TRT-LLM): :mod:`trainer.verl_cpu.rollout`.
+   vLLM/SGLang/TRT-LLM): :mod:`trainer.verl_cpu.rollout`;
+7. an aborted response (no tokens) among sampled ones fails the batch when rollout log-probs are
+   kept (experimental/agent_loop/single_turn_agent_loop.py:88-89 drops its empty log-probs,
+   agent_loop.py:1072-1073 concatenates everyone's): it gets empty log-probs (all padding).
 
 A patch whose target is gone (verl moved on) raises :class:`VerlPatchError` naming the file, what
 it expected and the verl version, at import: a silent no-op would let the run fail later, far from
@@ -31,7 +34,13 @@ environment variables, with ``VERL_CPU_INJECT_DIR`` holding one-shot markers:
 - ``VERL_CPU_INJECT_NAN=STEP``: once, the actor's PPO loss at step STEP is NaN (the loss function
   verl's worker set, multiplied by NaN): verl's engine sees a non-finite grad norm, skips the
   optimizer step and logs it, as with a real NaN;
-- ``VERL_CPU_INJECT_ROLLOUT_FAIL=STEP``: once, the rollout server's ``generate`` raises at step STEP.
+- ``VERL_CPU_INJECT_ROLLOUT_FAIL=STEP``: once, the rollout server's ``generate`` raises at step STEP;
+- ``VERL_CPU_INJECT_ROLLOUT_ABORT=STEP:SHARE``: from step STEP on, a share SHARE (0-1) of the rollout
+  server's requests come back aborted: no tokens, ``stop_reason="aborted"``, what vLLM's server
+  answers for a request it aborted (engine restart, timeout). verl scores them like any response
+  and logs them itself (trainer/ppo/metric_utils.py:468, :511: ``response/aborted_ratio`` is the
+  share of responses of length 0; ``critic/score/*`` and ``response_length_non_aborted/*`` leave
+  them out). Every k-th request by a per-server counter, so the share is exact and repeatable.
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ INJECT_DIR_ENV = "VERL_CPU_INJECT_DIR"
 INJECT_OOM_ENV = "VERL_CPU_INJECT_OOM"
 INJECT_NAN_ENV = "VERL_CPU_INJECT_NAN"
 INJECT_ROLLOUT_ENV = "VERL_CPU_INJECT_ROLLOUT_FAIL"
+INJECT_ABORT_ENV = "VERL_CPU_INJECT_ROLLOUT_ABORT"
 
 #: The global step the worker is training (set by the rollout adapter at each weight sync: verl's
 #: sync trainer syncs step N's weights after step N, so the next update is step N + 1).
@@ -473,6 +483,56 @@ def rollout_should_fail(step: int) -> bool:
     return at is not None and step == at and _once(f"rollout.step{at}")
 
 
+def abort_schedule() -> tuple[int, float] | None:
+    """``(step, share)`` of VERL_CPU_INJECT_ROLLOUT_ABORT, or None; a clear error on a bad value."""
+    raw = os.environ.get(INJECT_ABORT_ENV)
+    if not raw:
+        return None
+    step, _, share = raw.partition(":")
+    try:
+        at, frac = int(step), float(share or 1.0)
+    except ValueError:
+        raise ValueError(f"{INJECT_ABORT_ENV}={raw!r}: expected STEP:SHARE, e.g. 20:0.5") from None
+    if not 0.0 < frac <= 1.0:
+        raise ValueError(f"{INJECT_ABORT_ENV}={raw!r}: SHARE must be in (0, 1]")
+    return at, frac
+
+
+def rollout_should_abort(step: int, request_no: int) -> bool:
+    """VERL_CPU_INJECT_ROLLOUT_ABORT: True for the aborted share of requests from that step on.
+
+    ``request_no`` counts the server's requests from 0; request n is aborted when the running count
+    of aborted requests, ``floor((n + 1) * share)``, goes up at n (an even spread, exactly ``share``)."""
+    sched = abort_schedule()
+    if sched is None or step < sched[0]:
+        return False
+    share = sched[1]
+    return int((request_no + 1) * share) > int(request_no * share)
+
+
+def _patch_aborted_logprobs(mod: Any) -> None:
+    """An aborted response (no tokens) still gets rollout log-probs when the batch carries them.
+
+    verl 0.9.1's single-turn loop turns an empty ``log_probs`` into None
+    (experimental/agent_loop/single_turn_agent_loop.py:88-89) and the batch then concatenates every
+    sample's log-probs (agent_loop.py:1072-1073): one aborted sample among sampled ones fails the
+    step. Only responses with no tokens are touched (their log-probs are all padding anyway), so
+    the injected aborts of VERL_CPU_INJECT_ROLLOUT_ABORT reach verl's metrics as vLLM's would."""
+    cls: Any = getattr(mod, "AgentLoopWorker", None)
+    require(cls is not None and inspect.iscoroutinefunction(getattr(cls, "_agent_loop_postprocess", None)),
+            "verl/experimental/agent_loop/agent_loop.py:728", "AgentLoopWorker._agent_loop_postprocess")
+    original = cls._agent_loop_postprocess
+
+    @functools.wraps(original)
+    async def _agent_loop_postprocess(self: Any, output: Any, validate: Any, **kwargs: Any) -> Any:
+        if (output.response_logprobs is None and not output.response_ids
+                and getattr(self.rollout_config, "calculate_log_probs", False)):
+            output.response_logprobs = []
+        return await original(self, output, validate, **kwargs)
+
+    cls._agent_loop_postprocess = _agent_loop_postprocess
+
+
 # -- install -------------------------------------------------------------------------------------
 
 
@@ -490,6 +550,7 @@ def install() -> None:
     after_import("verl.workers.rollout.base", _register_rollout)
     after_import("verl.workers.rollout.replica", _register_replica)
     after_import("verl.workers.engine_workers", _patch_injection)
+    after_import("verl.experimental.agent_loop.agent_loop", _patch_aborted_logprobs)
 
 
 install()
