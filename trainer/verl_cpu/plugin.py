@@ -17,9 +17,9 @@ verl 0.9.1 file and line it works around:
    (models/transformers/monkey_patch.py:352-360); trl 1.16 has none: the guard asks for the class;
 6. an ``hf`` async rollout (workers/rollout/base.py:89-92 and replica.py:388-390 register only
    vLLM/SGLang/TRT-LLM): :mod:`trainer.verl_cpu.rollout`;
-7. an aborted response (no tokens) among sampled ones fails the batch when rollout log-probs are
-   kept (experimental/agent_loop/single_turn_agent_loop.py:88-89 drops its empty log-probs,
-   agent_loop.py:1072-1073 concatenates everyone's): it gets empty log-probs (all padding).
+7. an aborted response (no tokens) fails its whole prompt group in the v1 trainer
+   (experimental/agent_loop/agent_loop.py:147 indexes its last token for the reward) and never
+   reaches ``response/aborted_ratio``: it is kept, with no reward token.
 
 A patch whose target is gone (verl moved on) raises :class:`VerlPatchError` naming the file, what
 it expected and the verl version, at import: a silent no-op would let the run fail later, far from
@@ -66,6 +66,8 @@ INJECT_OOM_ENV = "VERL_CPU_INJECT_OOM"
 INJECT_NAN_ENV = "VERL_CPU_INJECT_NAN"
 INJECT_ROLLOUT_ENV = "VERL_CPU_INJECT_ROLLOUT_FAIL"
 INJECT_ABORT_ENV = "VERL_CPU_INJECT_ROLLOUT_ABORT"
+#: Set by the hf rollout on an aborted response's extra fields: whether the caller asked for log-probs.
+ABORTED_LOGPROBS_FIELD = "_verl_cpu_aborted_logprobs"
 
 #: The global step the worker is training (set by the rollout adapter at each weight sync: verl's
 #: sync trainer syncs step N's weights after step N, so the next update is step N + 1).
@@ -510,27 +512,43 @@ def rollout_should_abort(step: int, request_no: int) -> bool:
     return int((request_no + 1) * share) > int(request_no * share)
 
 
-def _patch_aborted_logprobs(mod: Any) -> None:
-    """An aborted response (no tokens) still gets rollout log-probs when the batch carries them.
+def _patch_aborted_output(mod: Any) -> None:
+    """An aborted response (no tokens) reaches the batch, as verl's metrics expect, instead of failing its prompt.
 
-    verl 0.9.1's single-turn loop turns an empty ``log_probs`` into None
-    (experimental/agent_loop/single_turn_agent_loop.py:88-89) and the batch then concatenates every
-    sample's log-probs (agent_loop.py:1072-1073): one aborted sample among sampled ones fails the
-    step. Only responses with no tokens are touched (their log-probs are all padding anyway), so
-    the injected aborts of VERL_CPU_INJECT_ROLLOUT_ABORT reach verl's metrics as vLLM's would."""
-    cls: Any = getattr(mod, "AgentLoopWorker", None)
-    require(cls is not None and inspect.iscoroutinefunction(getattr(cls, "_agent_loop_postprocess", None)),
-            "verl/experimental/agent_loop/agent_loop.py:728", "AgentLoopWorker._agent_loop_postprocess")
-    original = cls._agent_loop_postprocess
+    verl 0.9.1 puts a response's reward on its last token (experimental/agent_loop/agent_loop.py:144-147,
+    ``rm_scores[-1] = reward_score``), which raises IndexError for a response of no tokens: the v1
+    trainer then marks the whole prompt group failed and drops it (trainer/ppo/v1/agent_loop_tq.py:
+    133-143), so ``response/aborted_ratio`` (trainer/ppo/metric_utils.py:468, :511), computed over
+    the responses of length 0, would never see one. With no token to carry it, the reward of an
+    empty response is dropped (an empty ``rm_scores``); the sample stays, of length 0. The same
+    IndexError meets a real engine's aborted request on this path; here it is reached through the
+    injected aborts of VERL_CPU_INJECT_ROLLOUT_ABORT."""
+    cls: Any = getattr(mod, "AgentLoopOutput", None)
+    require(cls is not None and callable(getattr(cls, "as_dict", None)),
+            "verl/experimental/agent_loop/agent_loop.py:116-160", "AgentLoopOutput.as_dict")
+    original = cls.as_dict
 
     @functools.wraps(original)
-    async def _agent_loop_postprocess(self: Any, output: Any, validate: Any, **kwargs: Any) -> Any:
-        if (output.response_logprobs is None and not output.response_ids
-                and getattr(self.rollout_config, "calculate_log_probs", False)):
-            output.response_logprobs = []
-        return await original(self, output, validate, **kwargs)
+    def as_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
+        wanted = self.extra_fields.pop(ABORTED_LOGPROBS_FIELD, None)
+        if len(self.response_ids) > 0:
+            return original(self, *args, **kwargs)
+        import torch
 
-    cls._agent_loop_postprocess = _agent_loop_postprocess
+        # The loop turns an empty log-prob list into None (single_turn_agent_loop.py:88-89); the batch
+        # then lacks rollout_log_probs for this sample alone (KeyError in the actor update).
+        if wanted and self.response_logprobs is None:
+            self.response_logprobs = []
+        score, self.reward_score = self.reward_score, None
+        try:
+            out = original(self, *args, **kwargs)
+        finally:
+            self.reward_score = score
+        if score is not None:
+            out["rm_scores"] = torch.zeros(0, dtype=torch.float32)
+        return out
+
+    cls.as_dict = as_dict
 
 
 # -- install -------------------------------------------------------------------------------------
@@ -550,7 +568,7 @@ def install() -> None:
     after_import("verl.workers.rollout.base", _register_rollout)
     after_import("verl.workers.rollout.replica", _register_replica)
     after_import("verl.workers.engine_workers", _patch_injection)
-    after_import("verl.experimental.agent_loop.agent_loop", _patch_aborted_logprobs)
+    after_import("verl.experimental.agent_loop.agent_loop", _patch_aborted_output)
 
 
 install()

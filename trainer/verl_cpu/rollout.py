@@ -96,10 +96,12 @@ class HFServer:
         if plugin.rollout_should_fail(step):
             raise RuntimeError(f"rollout failed (injected by trainer.verl_cpu: {plugin.INJECT_ROLLOUT_ENV}={step})")
         n, self.requests = self.requests, self.requests + 1
+        want_logprobs = bool(sampling_params.get("logprobs", False)) or sampling_params.get("logprobs") == 0
         if plugin.rollout_should_abort(step, n):
             # vLLM's answer to an aborted request: no tokens; verl counts it in response/aborted_ratio.
             return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted",
-                               extra_fields={"global_steps": self.global_steps})
+                               extra_fields={"global_steps": self.global_steps,
+                                             plugin.ABORTED_LOGPROBS_FIELD: want_logprobs})
         params = dict(sampling_params)
         want_logprobs = bool(params.pop("logprobs", False)) or params.get("logprobs") == 0
         async with self.lock:
