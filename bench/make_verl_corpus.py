@@ -59,22 +59,24 @@ class Run:
     why: str
     settings: tuple[str, ...] = ()
     inject: dict[str, str] = field(default_factory=dict)
-    lr: float = 1e-3
+    lr: float = 3e-4
     response_length: int = 16
 
 
 RUNS: tuple[Run, ...] = (
-    Run("healthy_grpo_seed1", "grpo", 1, "GRPO, lr 1e-3, KL loss 0.01 to the reference"),
-    Run("healthy_grpo_seed2", "grpo", 2, "GRPO, another seed"),
-    Run("healthy_ppo_seed1", "ppo", 1, "PPO with GAE and a critic, KL in the reward (fixed 0.01)"),
-    Run("healthy_ppo_seed2", "ppo", 2, "PPO with a critic, another seed"),
-    Run("lr_100x_grpo_seed3", "grpo", 3, "lr far too high: 1e-1, 100x the healthy runs'", lr=1e-1),
+    Run("kl_runaway_lr_1e-3_grpo_seed1", "grpo", 1,
+        "GRPO at lr 1e-3 (3.3x the healthy runs'), KL loss 0.01: too weak an anchor at this lr", lr=1e-3),
+    Run("healthy_grpo_seed2", "grpo", 2, "GRPO, lr 3e-4, KL loss 0.01 to the reference"),
+    Run("healthy_grpo_seed8", "grpo", 8, "GRPO, lr 3e-4, another seed"),
+    Run("healthy_ppo_seed1", "ppo", 1, "PPO with GAE and a critic, KL in the reward (fixed 0.01), lr 1e-3", lr=1e-3),
+    Run("healthy_ppo_seed2", "ppo", 2, "PPO with a critic, lr 3e-4, another seed"),
+    Run("lr_1e-1_grpo_seed3", "grpo", 3, "lr far too high: 1e-1 (the healthy runs': 3e-4 to 1e-3)", lr=1e-1),
     Run("no_kl_lr_10x_ppo_seed3", "ppo", 3,
-        "KL anchor removed (no KL in the reward, no KL loss) on a run that needs it: lr 1e-2",
+        "KL anchor removed (no KL in the reward, no reference) on a run that needs it: lr 1e-2",
         settings=("algorithm.use_kl_in_reward=False",), lr=1e-2),
     Run("entropy_bonus_no_kl_grpo_seed4", "grpo", 4,
-        "an entropy bonus (entropy_coeff 1.0) with no KL anchor (use_kl_loss False), the healthy lr",
-        settings=("actor_rollout_ref.actor.entropy_coeff=1.0", "actor_rollout_ref.actor.use_kl_loss=False")),
+        "an entropy bonus (entropy_coeff 1.0) with no KL anchor (use_kl_loss False), lr 1e-3",
+        settings=("actor_rollout_ref.actor.entropy_coeff=1.0", "actor_rollout_ref.actor.use_kl_loss=False"), lr=1e-3),
     Run("nan_at_15_grpo_seed5", "grpo", 5, "injected: the actor's loss is NaN once, at step 15",
         inject={"VERL_CPU_INJECT_NAN": "15"}),
     Run("aborted_rollouts_from_15_grpo_seed6", "grpo", 6,
@@ -173,12 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     out, scratch = Path(ns.out), Path(ns.scratch)
     out.mkdir(parents=True, exist_ok=True)
     manifest_path = out / "manifest.json"
-    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"runs": {}}
     bad = 0
     for run in RUNS:
         if ns.only and run.name not in ns.only:
             continue
         entry = generate(run, out, scratch, sys.executable, ns.lock, ns.timeout)
+        # Read again just before writing: another generator may have recorded its runs meanwhile.
+        manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {"runs": {}}
         manifest["runs"][run.name] = entry
         manifest["verl"] = _verl_version()
         manifest_path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
