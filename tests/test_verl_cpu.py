@@ -26,7 +26,7 @@ import verl.utils.model as model
 import verl.models.transformers.monkey_patch as mp
 import verl.workers.engine.fsdp.transformer_impl as impl
 from verl.workers.engine_workers import ActorRolloutRefWorker
-from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 from verl.utils.device import get_device_name, get_nccl_backend, get_torch_device
 p = get_platform()
 print(json.dumps({
@@ -35,7 +35,7 @@ print(json.dumps({
     "valuehead": model.load_valuehead_model.__module__, "trl_check": mp.is_trl_available.__module__,
     "offload": impl.CPUOffloadPolicy.__module__, "injection": hasattr(ActorRolloutRefWorker.update_actor, "__wrapped__"),
     "empty_cache": get_torch_device().empty_cache() is None,
-    "aborted_logprobs": hasattr(AgentLoopWorker._agent_loop_postprocess, "__wrapped__"),
+    "aborted_output": hasattr(AgentLoopOutput.as_dict, "__wrapped__"),
 }))
 """
 
@@ -52,7 +52,7 @@ def test_the_plugin_loaded_by_verl_registers_the_cpu_platform_the_hf_rollout_and
     assert got["rollout"] == "HFServerAdapter" and got["replica"] == "HFReplica"
     plugin = "trainer.verl_cpu.plugin"
     assert got["valuehead"] == got["trl_check"] == got["offload"] == plugin
-    assert got["injection"] and got["empty_cache"] and got["aborted_logprobs"]
+    assert got["injection"] and got["empty_cache"] and got["aborted_output"]
 
 
 def test_a_verl_without_what_a_fix_patches_is_refused_naming_the_file_and_the_version() -> None:
@@ -62,7 +62,7 @@ def test_a_verl_without_what_a_fix_patches_is_refused_naming_the_file_and_the_ve
                          (plugin._patch_offload_policy, "transformer_impl.py"),
                          (plugin._register_rollout, "verl/workers/rollout/base.py"),
                          (plugin._patch_injection, "verl/workers/engine_workers.py"),
-                         (plugin._patch_aborted_logprobs, "verl/experimental/agent_loop/agent_loop.py")):
+                         (plugin._patch_aborted_output, "verl/experimental/agent_loop/agent_loop.py")):
         with pytest.raises(plugin.VerlPatchError) as err:
             patch(types.SimpleNamespace())
         assert where in str(err.value) and plugin.TESTED_VERL in str(err.value)
