@@ -1,13 +1,14 @@
 """The default pack judged on the labelled corpora: `watchdog eval`, tables committed.
 
-    .venv/bin/python bench/eval_corpus.py                      # the three corpora, ~40 s
+    .venv/bin/python bench/eval_corpus.py                      # every corpus, ~1 min
     .venv/bin/python bench/eval_corpus.py --rules OLD.yaml --tag before
 
 Writes ``bench/results/eval_<corpus>[_<tag>].json`` (the whole ``watchdog eval --json``) and
 ``.md`` (the headline figures, then one row per log) for the real verl logs of
 ``../shared/testdata/verl-logs`` (priced as zero-patch verl), the embedded trainer's own runs of
-``bench/corpus``, the synthetic fault injection of ``bench/corpus_injected`` and the TRL glue's runs
-of ``bench/corpus_trl`` (priced as embedded: live sets are free).
+``bench/corpus``, the synthetic fault injection of ``bench/corpus_injected``, the TRL glue's runs
+of ``bench/corpus_trl`` (priced as embedded: live sets are free) and the real verl trainer's plain
+runs of ``bench/corpus_verl`` (console and FileLogger formats, priced as zero-patch verl).
 """
 
 from __future__ import annotations
@@ -29,7 +30,10 @@ CORPORA = {"verl_logs": (LOGS / "labels.yaml", "verl"),
            # Synthetic fault injection (bench/make_injected.py): the classes the recorded corpora lack.
            "injected_corpus": (ROOT / "bench" / "corpus_injected" / "labels.yaml", "embedded"),
            # TRL GRPO runs (bench/trl_stability.py): live sets are free there, as in the embedded trainer.
-           "trl_corpus": (ROOT / "bench" / "corpus_trl" / "labels.yaml", "embedded")}
+           "trl_corpus": (ROOT / "bench" / "corpus_trl" / "labels.yaml", "embedded"),
+           # Plain runs of the real verl trainer on CPU (bench/make_verl_corpus.py), each in verl's
+           # console and FileLogger formats; priced as zero-patch verl.
+           "verl_corpus": (ROOT / "bench" / "corpus_verl" / "labels.yaml", "verl")}
 
 
 def table(doc: dict) -> str:

@@ -628,6 +628,67 @@ def test_a_live_set_decided_on_the_timeline_a_rollback_abandons_is_never_sent(tm
     (d,) = [d for d in wd.store.decisions(rid) if d["rule"] == "kl_above_target"]
     assert d["outcome"] == "covered by the rollback in progress"
     assert read_control(run) is None  # nothing written for the trainer the rollback relaunches
+def test_a_checkpoint_saved_before_the_watchdog_first_saw_the_run_is_never_known_good(tmp_path: Path) -> None:
+    """Issue 21 item 3: the run resumed from step 20 of an unwatched run (or was already under way), so
+    the first step the watchdog sees is 21. Checkpoint 20 was saved in a state it never saw healthy; a
+    checkpoint it watched being written (step 22) is known-good."""
+    import torch
+
+    from watchdog.protocol import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 20, 0, {"actor": {"w": torch.zeros(2)}})
+    for step in (21, 22):
+        rundir.append_metrics(run, step, {"critic/score/mean": 0.0, "actor/reward_kl_penalty": 4.0})
+    wd = build_watchdog(tmp_path / "state", [])
+    try:
+        ctl = wd.add_run(run, managed=False)
+        wd.tick()
+        spans = wd.store.bad_spans(ctl.run.run_id)
+        assert choose_known_good(ckpt.list_checkpoints(run / rundir.CHECKPOINTS), spans) is None
+        time.sleep(0.01)  # a later wall time than the span's: written while the watchdog watched
+        ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 22, 0, {"actor": {"w": torch.zeros(2)}})
+        chosen = choose_known_good(ckpt.list_checkpoints(run / rundir.CHECKPOINTS), wd.store.bad_spans(ctl.run.run_id))
+        assert chosen is not None and chosen.step == 22
+    finally:
+        wd.close()
+
+
+def test_a_run_watched_from_its_first_step_keeps_every_checkpoint_known_good(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    for step in (1, 2):
+        rundir.append_metrics(run, step, {"critic/score/mean": 0.5})
+    wd = build_watchdog(tmp_path / "state", [])
+    try:
+        ctl = wd.add_run(run, managed=False)
+        wd.tick()
+        assert wd.store.bad_spans(ctl.run.run_id) == []
+    finally:
+        wd.close()
+
+
+def test_a_rollback_with_only_checkpoints_from_before_the_watchdog_fails_naming_why_and_restarts_nothing(
+        tmp_path: Path) -> None:
+    import torch
+
+    from watchdog.protocol import checkpoint as ckpt
+
+    run = tmp_path / "run"
+    ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 20, 0, {"actor": {"w": torch.zeros(2)}})
+    RunInfo(id="run", commands=["pause"]).write(run)
+    store, act, h = _actuator_rig(tmp_path, run, [sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        act.launch(h, None, time.time())
+        store.mark_unwatched("run", 30)  # what the controller records when the first step it sees is 30
+        rb = store.add_action("run", "rollback", {"rule": "kl_far_above", "set": {}})
+        act.drive(h, store.get_action(rb), time.time())
+        done = store.get_action(rb)
+        assert done.status == "failed" and "first saw this run at step 30" in (done.result or {}).get("error", "")
+        assert [e.kind for e in store.journal("run") if e.kind == "restart"] == []
+        assert h.proc is not None and h.proc.alive()  # nothing stopped for a rollback that cannot happen
+    finally:
+        act.stop(h)
 
 
 KL_CAPPED_RULE = """

@@ -23,6 +23,7 @@ LABELS = LOGS / "labels.yaml"
 CORPUS = ROOT / "bench" / "corpus" / "labels.yaml"
 INJECTED = ROOT / "bench" / "corpus_injected" / "labels.yaml"
 TRL = ROOT / "bench" / "corpus_trl" / "labels.yaml"
+VERL_CORPUS = ROOT / "bench" / "corpus_verl" / "labels.yaml"
 
 #: A pack with one rule of each consequence, on a metric the tests steer by hand.
 PACK = textwrap.dedent("""\
@@ -192,7 +193,8 @@ def test_the_default_pack_rolls_back_every_hostile_trl_run_including_a_collapse_
 CORPORA = [pytest.param(LABELS, "verl", marks=needs_logs, id="verl-logs"),
            pytest.param(CORPUS, "embedded", id="embedded"),
            pytest.param(INJECTED, "embedded", id="injected"),
-           pytest.param(TRL, "embedded", id="trl")]
+           pytest.param(TRL, "embedded", id="trl"),
+           pytest.param(VERL_CORPUS, "verl", id="real-verl")]
 
 
 @pytest.mark.parametrize(("labels", "mode"), CORPORA)
@@ -333,3 +335,30 @@ def test_failing_rollouts_restart_the_trainer_and_never_roll_back_and_a_blip_doe
     assert x["passed"] and x["restarts"] >= 1 and x["rollbacks"] == 0
     blip = injected["infra_rollout_blip_healthy"]
     assert blip["passed"] and blip["restarts"] == 0 and blip["rollbacks"] == 0
+
+
+def test_every_real_verl_run_is_labelled_in_both_of_verls_formats_and_both_read_the_same_steps() -> None:
+    """bench/corpus_verl: each run's console log (stdout) and FileLogger JSONL carry one label each,
+    the same label, and the watchdog reads the same steps and numbers from both."""
+    import yaml
+
+    from watchdog.sources.ingest import read_records
+
+    logs = yaml.safe_load(VERL_CORPUS.read_text())["logs"]
+    by_run: dict[str, dict[str, dict]] = {}
+    for x in logs:
+        run, fmt = x["file"].split(".", 1)
+        by_run.setdefault(run, {})[fmt] = x
+    assert by_run and all(set(v) == {"console.log", "filelogger.jsonl"} for v in by_run.values()), by_run.keys()
+    verdicts = [v["console.log"]["verdict"] for v in by_run.values()]
+    assert verdicts.count("healthy") >= 4 and verdicts.count("failure") >= 6
+    for run, both in by_run.items():
+        strip = {k: v for k, v in both["console.log"].items() if k != "file"}
+        assert strip == {k: v for k, v in both["filelogger.jsonl"].items() if k != "file"}, run
+        console = read_records(VERL_CORPUS.parent / both["console.log"]["file"])
+        jsonl = read_records(VERL_CORPUS.parent / both["filelogger.jsonl"]["file"])
+        assert [r["step"] for r in console] == [r["step"] for r in jsonl] and len(jsonl) >= 20, run
+        for c, j in zip(console, jsonl, strict=True):
+            for key in ("critic/score/mean", "actor/entropy", "response_length/clip_ratio", "response/aborted_ratio"):
+                if key in j["data"]:
+                    assert c["data"][key] == pytest.approx(j["data"][key], rel=1e-3, nan_ok=True), (run, c["step"], key)

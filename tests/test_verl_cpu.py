@@ -26,6 +26,7 @@ import verl.utils.model as model
 import verl.models.transformers.monkey_patch as mp
 import verl.workers.engine.fsdp.transformer_impl as impl
 from verl.workers.engine_workers import ActorRolloutRefWorker
+from verl.experimental.agent_loop.agent_loop import AgentLoopOutput
 from verl.utils.device import get_device_name, get_nccl_backend, get_torch_device
 p = get_platform()
 print(json.dumps({
@@ -34,6 +35,7 @@ print(json.dumps({
     "valuehead": model.load_valuehead_model.__module__, "trl_check": mp.is_trl_available.__module__,
     "offload": impl.CPUOffloadPolicy.__module__, "injection": hasattr(ActorRolloutRefWorker.update_actor, "__wrapped__"),
     "empty_cache": get_torch_device().empty_cache() is None,
+    "aborted_output": hasattr(AgentLoopOutput.as_dict, "__wrapped__"),
 }))
 """
 
@@ -50,7 +52,7 @@ def test_the_plugin_loaded_by_verl_registers_the_cpu_platform_the_hf_rollout_and
     assert got["rollout"] == "HFServerAdapter" and got["replica"] == "HFReplica"
     plugin = "trainer.verl_cpu.plugin"
     assert got["valuehead"] == got["trl_check"] == got["offload"] == plugin
-    assert got["injection"] and got["empty_cache"]
+    assert got["injection"] and got["empty_cache"] and got["aborted_output"]
 
 
 def test_a_verl_without_what_a_fix_patches_is_refused_naming_the_file_and_the_version() -> None:
@@ -59,7 +61,8 @@ def test_a_verl_without_what_a_fix_patches_is_refused_naming_the_file_and_the_ve
     for patch, where in ((plugin._patch_valuehead, "verl/utils/model.py"),
                          (plugin._patch_offload_policy, "transformer_impl.py"),
                          (plugin._register_rollout, "verl/workers/rollout/base.py"),
-                         (plugin._patch_injection, "verl/workers/engine_workers.py")):
+                         (plugin._patch_injection, "verl/workers/engine_workers.py"),
+                         (plugin._patch_aborted_output, "verl/experimental/agent_loop/agent_loop.py")):
         with pytest.raises(plugin.VerlPatchError) as err:
             patch(types.SimpleNamespace())
         assert where in str(err.value) and plugin.TESTED_VERL in str(err.value)
@@ -75,3 +78,17 @@ def test_the_oom_budget_and_one_shot_faults_read_their_environment(tmp_path: Pat
     assert not plugin.rollout_should_fail(3)
     assert plugin.rollout_should_fail(4) and not plugin.rollout_should_fail(4)  # once: a marker in the dir
     assert os.listdir(tmp_path) == ["rollout.step4.fired"]
+
+
+def test_injected_aborted_rollouts_are_an_exact_even_share_from_their_step_on(monkeypatch) -> None:
+    from trainer.verl_cpu import plugin
+
+    monkeypatch.setenv(plugin.INJECT_ABORT_ENV, "15:0.6")
+    assert plugin.abort_schedule() == (15, 0.6)
+    assert not any(plugin.rollout_should_abort(14, n) for n in range(40))
+    aborted = [plugin.rollout_should_abort(15, n) for n in range(40)]
+    assert sum(aborted) == 24 and sum(aborted[:5]) == 3  # 60%, spread evenly: every batch of 16 loses ~10
+    for bad in ("x:0.5", "15:0", "15:1.5"):
+        monkeypatch.setenv(plugin.INJECT_ABORT_ENV, bad)
+        with pytest.raises(ValueError, match=plugin.INJECT_ABORT_ENV):
+            plugin.abort_schedule()

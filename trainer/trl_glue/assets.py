@@ -17,6 +17,7 @@ The prompts and the reward live in :mod:`trainer.trl_glue.task`. Deterministic f
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from trainer.byte_tokenizer import byte_level_tokenizer
@@ -30,8 +31,10 @@ def build_tokenizer(out: Path) -> None:
     byte_level_tokenizer(SPECIALS, model_max_length=512).save_pretrained(str(out))
 
 
-def sft(model: object, tok: object, steps: int, seed: int = 0, lr: float = 3e-3, batch: int = 64) -> float:
-    """Train ``model`` on ``a+b=<sum><|im_end|>`` for ``steps`` steps (causal LM loss); returns the last loss."""
+def sft(model: object, tok: object, steps: int, seed: int = 0, lr: float = 3e-3, batch: int = 64,
+        text: Callable[[int, int], str] | None = None) -> float:
+    """Train ``model`` on ``a+b=<sum><|im_end|>`` (or ``text(a, b)``) for ``steps`` steps (causal LM loss);
+    returns the last loss."""
     import random
 
     import torch
@@ -44,7 +47,7 @@ def sft(model: object, tok: object, steps: int, seed: int = 0, lr: float = 3e-3,
         texts = []
         for _ in range(batch):
             a, b = rng.randint(0, 9), rng.randint(0, 9)
-            texts.append(f"{a}+{b}={a + b}<|im_end|>")
+            texts.append(text(a, b) if text is not None else f"{a}+{b}={a + b}<|im_end|>")
         enc = tok(texts, return_tensors="pt", padding=True)  # type: ignore[operator]
         labels = enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)
         loss = model(**enc, labels=labels).loss  # type: ignore[operator]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,8 +88,20 @@ def build_tokenizer(out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2))
 
 
-def build_model(out: Path, seed: int = 0) -> None:
-    """Write a random 2-layer Qwen2 (fp32, tied embeddings) and its tokenizer to ``out``."""
+def chat_answer(tok: Any) -> Callable[[int, int], str]:
+    """The supervised text of one prompt of :func:`build_data`: its ChatML prompt, ``#### a+b`` and the end."""
+    def text(a: int, b: int) -> str:
+        prompt = tok.apply_chat_template([{"role": "user", "content": f"{a}+{b}=?"}], tokenize=False,
+                                         add_generation_prompt=True)
+        return f"{prompt}#### {a + b}<|im_end|>"
+    return text
+
+
+def build_model(out: Path, seed: int = 0, sft_steps: int = 0) -> None:
+    """Write a random 2-layer Qwen2 (fp32, tied embeddings) and its tokenizer to ``out``; with
+    ``sft_steps`` warm-start it on the task's chat-formatted answers, as an RL run starts from an SFT
+    model (peaked, mostly well-formed answers that end): the random model's answers are near-uniform
+    bytes cut at max_response_length, which leaves entropy, truncation and collapse nothing to show."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -106,6 +119,11 @@ def build_model(out: Path, seed: int = 0) -> None:
                                     torch_dtype="float32")
     cfg = Qwen2Config(**settings)
     model = Qwen2ForCausalLM(cfg)
+    if sft_steps > 0:
+        from trainer.trl_glue.assets import sft
+
+        torch.set_num_threads(1)  # a tiny model: more threads only contend
+        sft(model, tok, sft_steps, seed, text=chat_answer(tok))
     model.save_pretrained(str(out))
     GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=True).save_pretrained(str(out))
 
@@ -130,12 +148,12 @@ def build_data(out: Path, n_train: int = 256, n_val: int = 16, seed: int = 0) ->
         pd.DataFrame(rows).to_parquet(out / f"{split}.parquet")
 
 
-def build(root: Path | str, seed: int = 0) -> Assets:
-    """Build (or reuse) every asset under ``root``; returns where they are."""
+def build(root: Path | str, seed: int = 0, sft_steps: int = 0) -> Assets:
+    """Build (or reuse) every asset under ``root`` (the model warm-started for ``sft_steps``); returns where they are."""
     a = Assets(Path(root))
     a.root.mkdir(parents=True, exist_ok=True)
     if not (a.model / ".complete").exists():
-        build_model(a.model, seed)
+        build_model(a.model, seed, sft_steps)
         (a.model / ".complete").touch()
     if not (a.root / "data" / ".complete").exists():
         build_data(a.root / "data", seed=seed)

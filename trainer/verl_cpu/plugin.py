@@ -16,7 +16,10 @@ verl 0.9.1 file and line it works around:
 5. verl's monkey patch imports trl's value-head class whenever trl is installed
    (models/transformers/monkey_patch.py:352-360); trl 1.16 has none: the guard asks for the class;
 6. an ``hf`` async rollout (workers/rollout/base.py:89-92 and replica.py:388-390 register only
-   vLLM/SGLang/TRT-LLM): :mod:`trainer.verl_cpu.rollout`.
+   vLLM/SGLang/TRT-LLM): :mod:`trainer.verl_cpu.rollout`;
+7. an aborted response (no tokens) fails its whole prompt group in the v1 trainer
+   (experimental/agent_loop/agent_loop.py:147 indexes its last token for the reward) and never
+   reaches ``response/aborted_ratio``: it is kept, with no reward token.
 
 A patch whose target is gone (verl moved on) raises :class:`VerlPatchError` naming the file, what
 it expected and the verl version, at import: a silent no-op would let the run fail later, far from
@@ -31,7 +34,13 @@ environment variables, with ``VERL_CPU_INJECT_DIR`` holding one-shot markers:
 - ``VERL_CPU_INJECT_NAN=STEP``: once, the actor's PPO loss at step STEP is NaN (the loss function
   verl's worker set, multiplied by NaN): verl's engine sees a non-finite grad norm, skips the
   optimizer step and logs it, as with a real NaN;
-- ``VERL_CPU_INJECT_ROLLOUT_FAIL=STEP``: once, the rollout server's ``generate`` raises at step STEP.
+- ``VERL_CPU_INJECT_ROLLOUT_FAIL=STEP``: once, the rollout server's ``generate`` raises at step STEP;
+- ``VERL_CPU_INJECT_ROLLOUT_ABORT=STEP:SHARE``: from step STEP on, a share SHARE (0-1) of the rollout
+  server's requests come back aborted: no tokens, ``stop_reason="aborted"``, what vLLM's server
+  answers for a request it aborted (engine restart, timeout). verl scores them like any response
+  and logs them itself (trainer/ppo/metric_utils.py:468, :511: ``response/aborted_ratio`` is the
+  share of responses of length 0; ``critic/score/*`` and ``response_length_non_aborted/*`` leave
+  them out). Every k-th request by a per-server counter, so the share is exact and repeatable.
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ INJECT_DIR_ENV = "VERL_CPU_INJECT_DIR"
 INJECT_OOM_ENV = "VERL_CPU_INJECT_OOM"
 INJECT_NAN_ENV = "VERL_CPU_INJECT_NAN"
 INJECT_ROLLOUT_ENV = "VERL_CPU_INJECT_ROLLOUT_FAIL"
+INJECT_ABORT_ENV = "VERL_CPU_INJECT_ROLLOUT_ABORT"
+#: Set by the hf rollout on an aborted response's extra fields: whether the caller asked for log-probs.
+ABORTED_LOGPROBS_FIELD = "_verl_cpu_aborted_logprobs"
 
 #: The global step the worker is training (set by the rollout adapter at each weight sync: verl's
 #: sync trainer syncs step N's weights after step N, so the next update is step N + 1).
@@ -473,6 +485,72 @@ def rollout_should_fail(step: int) -> bool:
     return at is not None and step == at and _once(f"rollout.step{at}")
 
 
+def abort_schedule() -> tuple[int, float] | None:
+    """``(step, share)`` of VERL_CPU_INJECT_ROLLOUT_ABORT, or None; a clear error on a bad value."""
+    raw = os.environ.get(INJECT_ABORT_ENV)
+    if not raw:
+        return None
+    step, _, share = raw.partition(":")
+    try:
+        at, frac = int(step), float(share or 1.0)
+    except ValueError:
+        raise ValueError(f"{INJECT_ABORT_ENV}={raw!r}: expected STEP:SHARE, e.g. 20:0.5") from None
+    if not 0.0 < frac <= 1.0:
+        raise ValueError(f"{INJECT_ABORT_ENV}={raw!r}: SHARE must be in (0, 1]")
+    return at, frac
+
+
+def rollout_should_abort(step: int, request_no: int) -> bool:
+    """VERL_CPU_INJECT_ROLLOUT_ABORT: True for the aborted share of requests from that step on.
+
+    ``request_no`` counts the server's requests from 0; request n is aborted when the running count
+    of aborted requests, ``floor((n + 1) * share)``, goes up at n (an even spread, exactly ``share``)."""
+    sched = abort_schedule()
+    if sched is None or step < sched[0]:
+        return False
+    share = sched[1]
+    return int((request_no + 1) * share) > int(request_no * share)
+
+
+def _patch_aborted_output(mod: Any) -> None:
+    """An aborted response (no tokens) reaches the batch, as verl's metrics expect, instead of failing its prompt.
+
+    verl 0.9.1 puts a response's reward on its last token (experimental/agent_loop/agent_loop.py:144-147,
+    ``rm_scores[-1] = reward_score``), which raises IndexError for a response of no tokens: the v1
+    trainer then marks the whole prompt group failed and drops it (trainer/ppo/v1/agent_loop_tq.py:
+    133-143), so ``response/aborted_ratio`` (trainer/ppo/metric_utils.py:468, :511), computed over
+    the responses of length 0, would never see one. With no token to carry it, the reward of an
+    empty response is dropped (an empty ``rm_scores``); the sample stays, of length 0. The same
+    IndexError meets a real engine's aborted request on this path; here it is reached through the
+    injected aborts of VERL_CPU_INJECT_ROLLOUT_ABORT."""
+    cls: Any = getattr(mod, "AgentLoopOutput", None)
+    require(cls is not None and callable(getattr(cls, "as_dict", None)),
+            "verl/experimental/agent_loop/agent_loop.py:116-160", "AgentLoopOutput.as_dict")
+    original = cls.as_dict
+
+    @functools.wraps(original)
+    def as_dict(self: Any, *args: Any, **kwargs: Any) -> Any:
+        wanted = self.extra_fields.pop(ABORTED_LOGPROBS_FIELD, None)
+        if len(self.response_ids) > 0:
+            return original(self, *args, **kwargs)
+        import torch
+
+        # The loop turns an empty log-prob list into None (single_turn_agent_loop.py:88-89); the batch
+        # then lacks rollout_log_probs for this sample alone (KeyError in the actor update).
+        if wanted and self.response_logprobs is None:
+            self.response_logprobs = []
+        score, self.reward_score = self.reward_score, None
+        try:
+            out = original(self, *args, **kwargs)
+        finally:
+            self.reward_score = score
+        if score is not None:
+            out["rm_scores"] = torch.zeros(0, dtype=torch.float32)
+        return out
+
+    cls.as_dict = as_dict
+
+
 # -- install -------------------------------------------------------------------------------------
 
 
@@ -490,6 +568,7 @@ def install() -> None:
     after_import("verl.workers.rollout.base", _register_rollout)
     after_import("verl.workers.rollout.replica", _register_replica)
     after_import("verl.workers.engine_workers", _patch_injection)
+    after_import("verl.experimental.agent_loop.agent_loop", _patch_aborted_output)
 
 
 install()

@@ -44,6 +44,9 @@ class HFServer:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(1)
+        # verl's rollout seed (rollout.seed, vLLM's sampling seed): the same seed samples the same
+        # answers for the same weights (one request at a time, under the lock below).
+        torch.manual_seed(int(getattr(config, "seed", 42) or 0) + int(replica_rank))
         self.config = config
         self.replica_rank = replica_rank
         path = getattr(model_config, "local_path", None) or model_config.path
@@ -54,6 +57,7 @@ class HFServer:
         self.pad = gen.pad_token_id if gen.pad_token_id is not None else self.eos[0]
         self.max_len = int(config.prompt_length) + int(config.response_length)
         self.global_steps: int | None = None
+        self.requests = 0  # counts generate calls, for the injected abort share
         self.lock = asyncio.Lock()
 
     def _generate(self, prompt_ids: list[int], params: dict[str, Any]) -> tuple[list[int], list[float], str]:
@@ -91,6 +95,13 @@ class HFServer:
         step = (self.global_steps or 0) + 1
         if plugin.rollout_should_fail(step):
             raise RuntimeError(f"rollout failed (injected by trainer.verl_cpu: {plugin.INJECT_ROLLOUT_ENV}={step})")
+        n, self.requests = self.requests, self.requests + 1
+        want_logprobs = bool(sampling_params.get("logprobs", False)) or sampling_params.get("logprobs") == 0
+        if plugin.rollout_should_abort(step, n):
+            # vLLM's answer to an aborted request: no tokens; verl counts it in response/aborted_ratio.
+            return TokenOutput(token_ids=[], log_probs=[], stop_reason="aborted",
+                               extra_fields={"global_steps": self.global_steps,
+                                             plugin.ABORTED_LOGPROBS_FIELD: want_logprobs})
         params = dict(sampling_params)
         want_logprobs = bool(params.pop("logprobs", False)) or params.get("logprobs") == 0
         async with self.lock:

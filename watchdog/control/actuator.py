@@ -39,7 +39,7 @@ from typing import Any
 
 from watchdog.backends.dialect import Dialect, ProtocolDialect
 from watchdog.backends.local import Backend, BackendUnavailable, LocalBackend, TrainerAlive, TrainerProcess
-from watchdog.control.store import ActionRecord, BadSpan, Phase, RunRecord, Store
+from watchdog.control.store import UNWATCHED, ActionRecord, BadSpan, Phase, RunRecord, Store
 from watchdog.core.planner import clip_bound_sets, config_value, snap_sets
 from watchdog.core.vocabulary import ActionStatus, JournalKind
 from watchdog.protocol import hydra
@@ -595,6 +595,16 @@ class Actuator:
         p = dict(entry.payload)
         if entry.status == ActionStatus.INTENT:
             info = self._resolve_checkpoint(h, "known_good")
+            unwatched = [] if info else [s for s in self.store.bad_spans(h.run.run_id) if s.rule == UNWATCHED]
+            if unwatched:
+                # The watchdog started on a run already under way (or resumed from an unwatched one): it
+                # never saw the run healthy before its first step, so neither an earlier checkpoint nor the
+                # initial weights are a state it can vouch for. A human decides.
+                first = max(s.end_step or 0 for s in unwatched) + 1
+                self._finish(h, entry, "failed", error=f"no known-good checkpoint to roll back to: the watchdog "
+                                                       f"first saw this run at step {first}, and no checkpoint "
+                                                       "since then was taken while it looked healthy")
+                return
             if info is None:
                 # No checkpoint predates the divergence (none yet, or each one was taken while a divergence
                 # rule fired: one step after the first checkpoint, the rules' margin makes it suspect): the

@@ -677,6 +677,10 @@ class RunController:
             if _finite(t):
                 self._step_times = (self._step_times + [float(t)])[-50:]
             self.run.last_progress_ts = now
+            if self.run.last_step is None:
+                # The first step this watchdog sees of the run: the steps before it were never judged,
+                # and their checkpoints are not known-good (a run may be broken before it is watched).
+                self.store.mark_unwatched(self.run.run_id, step)
             self.run.last_step = step
             if self._started_ts is not None and self._started_ts >= (self.run.launched_ts or 0):
                 # A step from the process launched last (not a stale line of the one stopped before).

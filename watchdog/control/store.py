@@ -735,6 +735,22 @@ class Store:
                 (int(end_step), _now(), run_id),
             )
 
+    def mark_unwatched(self, run_id: str, first_step: int) -> None:
+        """Steps before ``first_step``, the first the watchdog saw, were never judged: a closed span over them.
+
+        A checkpoint of those steps (a run resumed from an earlier, unwatched one; a watchdog started
+        on a run already under way) was saved in a state the watchdog never saw healthy, and a run
+        already broken when it starts has no healthy baseline: no rollback may go there. Checkpoints
+        of the same steps written later (a re-run the watchdog watched) are not covered."""
+        if first_step <= 1:
+            return
+        now = _now()
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO bad_spans (run_id, rule, start_step, end_step, decision_id, opened_ts, closed_ts) "
+                "VALUES (?, ?, 0, ?, NULL, ?, ?)", (run_id, UNWATCHED, int(first_step) - 1, now, now),
+            )
+
     def bad_spans(self, run_id: str) -> list[BadSpan]:
         """Every divergence span of a run, oldest first."""
         with self._lock:
@@ -748,6 +764,10 @@ class Store:
         """A step-only predicate for ``checkpoint.last_known_good`` (ignores re-runs of the same steps)."""
         spans = self.bad_spans(run_id)
         return lambda step: any(s.covers(step) for s in spans)
+
+
+#: The ``rule`` of the span over the steps before the first one the watchdog saw (:meth:`Store.mark_unwatched`).
+UNWATCHED = "(before the watchdog)"
 
 
 @dataclass(frozen=True)
