@@ -36,9 +36,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import os
 import re
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -192,23 +190,11 @@ def patch_skip_copy(src: Path | str, dst_root: Path | str, n: int, epoch_len: in
     except ckpt.CheckpointError as exc:
         raise SkipRefused(data, exc.reason) from exc
     new, skip = skip_state(state, n, epoch_len, data)
-    dst = dst_root / src.name
-    dst_root.mkdir(parents=True, exist_ok=True)
-    tmp = dst_root / f".tmp-{src.name}-{os.getpid()}-{time.monotonic_ns()}"
-    try:
-        for f in src.rglob("*"):
-            rel = f.relative_to(src)
-            if f.is_dir() or str(rel) == ckpt.VERL_DATA_FILE:
-                continue
-            ckpt.link_or_copy(f, tmp / rel)
-        # A new file under the copy's own name: the source's data.pt (and its inode) is never opened for writing.
-        ckpt.save_verl_file(tmp / ckpt.VERL_DATA_FILE, new)
-        rundir.atomic_write_json(tmp / PATCH_RECORD, {"source": str(src.resolve()), "asked": n, "done": skip.done,
-                                                      "drawn": skip.drawn, "ts": time.time()})
-        ckpt.publish_dir(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    # A new file under the copy's own name: the source's data.pt (and its inode) is never opened for writing.
+    dst = ckpt.build_copy(src, dst_root, [ckpt.VERL_DATA_FILE],
+                          lambda tmp: ckpt.save_verl_file(tmp / ckpt.VERL_DATA_FILE, new), PATCH_RECORD,
+                          {"source": str(src.resolve()), "asked": n, "done": skip.done, "drawn": skip.drawn,
+                           "ts": time.time()})
     log.info("wrote %s: %s with %s", dst, src, skip.text())
     return dst, skip
 

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -159,23 +157,15 @@ def patch_lr_copy(src: Path | str, dst_root: Path | str, lrs: Mapping[str, float
         return dst
     rewritten = {str(ckpt.verl_file(Path(LR_COMPONENTS[key]), kind, sizes[LR_COMPONENTS[key]], rank))
                  for key in lrs for rank in range(sizes[LR_COMPONENTS[key]]) for kind in ("optim", "extra_state")}
-    dst_root.mkdir(parents=True, exist_ok=True)
-    tmp = dst_root / f".tmp-{src.name}-{os.getpid()}-{time.monotonic_ns()}"
-    try:
+
+    def write(tmp: Path) -> None:
         for key, lr in lrs.items():
             comp = LR_COMPONENTS[key]
             for rank in range(sizes[comp]):
                 _patch_rank(src, tmp, comp, sizes[comp], rank, float(lr))
-        for f in src.rglob("*"):
-            rel = f.relative_to(src)
-            if f.is_dir() or str(rel) in rewritten:
-                continue
-            ckpt.link_or_copy(f, tmp / rel)  # the model shards are the bulk: share them, never rewrite them
-        rundir.atomic_write_json(tmp / PATCH_RECORD, {**record, "files": sorted(rewritten), "ts": time.time()})
-        ckpt.publish_dir(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    ckpt.build_copy(src, dst_root, rewritten, write, PATCH_RECORD,
+                    {**record, "files": sorted(rewritten), "ts": time.time()})
     log.info("wrote %s: %s with lr %s", dst, src, record["lrs"])
     return dst
 

@@ -30,7 +30,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -723,6 +723,32 @@ def publish_dir(tmp: Path, dst: Path) -> None:
     os.replace(tmp, dst)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def build_copy(src: Path, dst_root: Path, rewritten: Iterable[str], write: Callable[[Path], None],
+               record_name: str, record: Mapping[str, Any]) -> Path:
+    """Publish ``dst_root/<src's name>``: a copy of the checkpoint ``src`` in which ``write(tmp)`` writes
+    the files named in ``rewritten`` (paths relative to ``src``) and every other file is a hard link
+    (a copy across file systems), with ``record`` as JSON in ``record_name``. Built in a hidden
+    directory and renamed into place, so a crash leaves no half copy that a resume could pick; on
+    any error nothing is left behind. ``src`` is only read."""
+    dst = dst_root / src.name
+    dst_root.mkdir(parents=True, exist_ok=True)
+    tmp = dst_root / f".tmp-{src.name}-{os.getpid()}-{time.monotonic_ns()}"
+    skip = set(rewritten)
+    try:
+        write(tmp)
+        for f in src.rglob("*"):
+            rel = f.relative_to(src)
+            if f.is_dir() or str(rel) in skip:
+                continue
+            link_or_copy(f, tmp / rel)  # the model shards are the bulk: share them, never rewrite them
+        rundir.atomic_write_json(tmp / record_name, dict(record))
+        publish_dir(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
 
 
 def release_kept(root: Path | str, keep: Iterable[str]) -> list[Path]:
