@@ -52,6 +52,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_rules import KEYS_PER_RECORD, base_trajectory, deep_size  # noqa: E402
 
 from watchdog.control.daemon import DaemonConfig, RunSpec, prepare_daemon  # noqa: E402
+from watchdog.observe.telemetry import TICK_PHASE, TICK_PHASES  # noqa: E402
 from watchdog.protocol import rundir  # noqa: E402
 
 
@@ -98,6 +99,12 @@ class Trainer:
                 f.write("\n".join(events) + "\n")
 
 
+def phase_sums(wd: Any) -> dict[str, float]:
+    """Seconds the daemon has spent in each tick phase so far, from its own /metrics histogram."""
+    reg = wd.telemetry.registry
+    return {p: reg.get_sample_value(f"{TICK_PHASE.name}_sum", {"phase": p}) or 0.0 for p in TICK_PHASES}
+
+
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
@@ -138,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         now = 1_700_000_000.0
         tick_s: list[float] = []
         cpu_s: list[float] = []  # the process's CPU time a tick: what a shared machine's load does not inflate
+        phase_ms: dict[str, list[float]] = {p: [] for p in TICK_PHASES}  # the daemon's own per-phase histogram sums
         rss: list[float] = []
         windows_kb: list[dict[str, float]] = []
         traced_peak = traced_now = 0
@@ -158,10 +166,13 @@ def main(argv: list[str] | None = None) -> int:
             profiled = prof is not None and i >= 2 and not tracemalloc.is_tracing()
             if profiled:
                 prof.enable()
+            before = phase_sums(wd)
             a, c = time.perf_counter(), time.process_time()
             wd.tick(now)
             tick_s.append(time.perf_counter() - a)
             cpu_s.append(time.process_time() - c)
+            for p, total in phase_sums(wd).items():
+                phase_ms[p].append((total - before[p]) * 1e3)
             if profiled:
                 prof.disable()
             if tracemalloc.is_tracing():
@@ -212,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
             "untraced_tick_cpu_ms_p50_p99_max": [round(statistics.median(untraced_cpu) * 1e3, 1),
                                                  round(pct(untraced_cpu, 0.99) * 1e3, 1),
                                                  round(max(untraced_cpu) * 1e3, 1)],
+            "phase_ms_p50_p99": {p: [round(statistics.median(v), 1), round(pct(v, 0.99), 1)]
+                                 for p, v in phase_ms.items()},
             "ticks_late": late,
             "on_time": late == 0,
             "rss_mib_start": round(rss_start, 1),
@@ -280,6 +293,13 @@ def write_md(d: dict[str, Any], path: Path) -> None:
         f"CPU time a tick (what the other work on the shared cores does not inflate) p50 "
         f"{d['untraced_tick_cpu_ms_p50_p99_max'][0]} ms, p99 {d['untraced_tick_cpu_ms_p50_p99_max'][1]} ms, max "
         f"{d['untraced_tick_cpu_ms_p50_p99_max'][2]} ms.",
+        "",
+        "Where a tick's time goes, by the daemon's own `watchdog_tick_phase_seconds` histogram (summed over the "
+        "runs; read: the new bytes parsed, decide: the rules, commit: the store, act: the journal driven):",
+        "",
+        "| phase | p50 ms | p99 ms |",
+        "|---|---:|---:|",
+        *[f"| {p} | {v[0]} | {v[1]} |" for p, v in d["phase_ms_p50_p99"].items()],
         "",
         f"Memory: RSS {d['rss_mib_start']} MiB after adding the runs, {d['rss_mib_end']} MiB at the end, "
         f"{d['rss_mib_steady_min_max'][0]}-{d['rss_mib_steady_min_max'][1]} MiB over the last three quarters; "

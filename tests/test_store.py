@@ -124,3 +124,32 @@ def test_a_version_2_database_is_migrated_keeping_its_journal_and_dropping_dead_
     cols = {r[1] for r in store._db.execute("PRAGMA table_info(runs)")}
     assert "metrics_offset" not in cols and "startup_s" in cols
     assert "depends_on" not in {r[1] for r in store._db.execute("PRAGMA table_info(journal)")}
+
+
+def test_open_actions_sees_an_entry_another_connection_added_after_it_found_none(tmp_path):
+    # A daemon remembers which runs have nothing open (one query a tick for all); a `watchdog` command
+    # writing through its own connection must still be seen at the next ask.
+    daemon = Store(tmp_path)
+    daemon.note_open_actions(["r1", "r2"])
+    assert daemon.open_actions("r1") == [] and daemon.open_actions("r2") == []
+    cli = Store(tmp_path)
+    aid = cli.add_action("r1", "notify", {"rule": "x"})
+    assert [e.id for e in daemon.open_actions("r1")] == [aid]
+    assert daemon.open_actions("r2") == []
+
+
+def test_open_actions_sees_its_own_new_entries_and_an_entry_a_rollback_reopened(tmp_path):
+    store = Store(tmp_path)
+    aid = store.add_action("r", "live_set", {})
+    store.update_action(aid, status="sent")
+    with pytest.raises(RuntimeError):
+        with store.transaction():
+            store.update_action(aid, status="done")
+            assert store.open_actions("r") == []  # (remembered: nothing open for r)
+            raise RuntimeError("the tick's commit failed")
+    # The rollback undid the close: the entry is open again and must be driven.
+    assert [(e.id, e.status) for e in store.open_actions("r")] == [(aid, "sent")]
+    store.update_action(aid, status="done")
+    assert store.open_actions("r") == []
+    second = store.add_action("r", "notify", {})
+    assert [e.id for e in store.open_actions("r")] == [second]

@@ -491,12 +491,16 @@ class Watchdog:
         """Some runs' reads and decisions in one transaction (a savepoint each); when its commit fails, every
         one of them is put back as it was. Chunks bound what the tick holds to undo that (a run's last
         record and engine state) at :data:`DECIDE_CHUNK` runs, whatever the number of runs."""
+        t_commit: float | None = None
         try:
             with self.store.transaction():
+                # Which runs have nothing open in the journal, in one query: most runs' commit and act ask.
+                self.store.note_open_actions([run_id for run_id, _ in chunk])
                 for run_id, ctl in chunk:
                     failed[run_id] = ctl.decide(now, results[run_id])
                     if failed[run_id] is None:
                         decided.add(run_id)
+                t_commit = time.perf_counter()
         except Exception as exc:  # the commit (locked past the timeout, a full disk): nothing of it kept
             for run_id, ctl in chunk:
                 if failed[run_id] is None:
@@ -509,6 +513,10 @@ class Watchdog:
         else:
             for _, ctl in chunk:
                 ctl.committed()
+        finally:
+            if t_commit is not None and self.telemetry is not None:
+                # The chunk's COMMIT (its fsync) is part of the commit phase, not of any one run's.
+                self.telemetry.phase_time("commit", time.perf_counter() - t_commit)
 
     def _tick_failed(self, run_id: str, exc: Exception) -> None:
         """Count a failed tick; say it (with the traceback when it is not a known kind of error) only when it

@@ -28,7 +28,7 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -175,6 +175,46 @@ CREATE TABLE IF NOT EXISTS bad_spans (
 """
 
 
+
+class _Transaction:
+    """:meth:`Store.transaction`'s context: a class, not a generator, since a daemon's tick enters thousands."""
+
+    __slots__ = ("store", "outer")
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.outer = False
+
+    def __enter__(self) -> sqlite3.Connection:
+        st = self.store
+        st._lock.acquire()
+        try:
+            self.outer = st._depth == 0
+            if self.outer:
+                try:
+                    st._db.execute("BEGIN IMMEDIATE")
+                except sqlite3.OperationalError as exc:
+                    raise StoreError(_db_error(st.path, exc, st.busy_timeout_s)) from exc
+            st._depth += 1
+        except BaseException:
+            st._lock.release()
+            raise
+        return st._db
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        st = self.store
+        try:
+            st._depth -= 1
+            if kind is not None:
+                st._no_open.clear()  # a rollback can reopen an entry this transaction closed
+                if self.outer and st._db.in_transaction:  # (SQLite may have rolled it back itself: a full disk)
+                    st._db.execute("ROLLBACK")
+            elif self.outer:
+                st._db.execute("COMMIT")
+        finally:
+            st._lock.release()
+
+
 class StoreError(RuntimeError):
     """The state database cannot be used (wrong schema version, unknown run); names the file."""
 
@@ -307,6 +347,10 @@ class Store:
         self._lock = threading.RLock()
         self._depth = 0
         self._savepoints = 0
+        self._no_open: set[str] = set()
+        """Runs known to have no open journal entry (:meth:`open_actions` answers them without a query) as of
+        :attr:`_no_open_version`; forgotten on any journal write that could open one and on any rollback."""
+        self._no_open_version: int | None = None
         try:
             # isolation_level=None: we issue BEGIN/COMMIT ourselves so a decision, the engine
             # state and the journal intents land in one transaction.
@@ -338,6 +382,10 @@ class Store:
         self._lock = threading.RLock()
         self._depth = 0
         self._savepoints = 0
+        self._no_open: set[str] = set()
+        """Runs known to have no open journal entry (:meth:`open_actions` answers them without a query) as of
+        :attr:`_no_open_version`; forgotten on any journal write that could open one and on any rollback."""
+        self._no_open_version: int | None = None
         if path.stat().st_size == 0:
             # What a watchdog killed while creating its state leaves: no state yet (and none is written here).
             raise NoState(f"{path}: an empty file, no watchdog state in it yet (nothing was written to it)", path)
@@ -384,27 +432,9 @@ class Store:
         with self._lock:
             self._db.close()
 
-    @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
+    def transaction(self) -> _Transaction:
         """One atomic unit; nests (inner blocks join the outer transaction)."""
-        with self._lock:
-            outer = self._depth == 0
-            if outer:
-                try:
-                    self._db.execute("BEGIN IMMEDIATE")
-                except sqlite3.OperationalError as exc:
-                    raise StoreError(_db_error(self.path, exc, self.busy_timeout_s)) from exc
-            self._depth += 1
-            try:
-                yield self._db
-            except BaseException:
-                self._depth -= 1
-                if outer and self._db.in_transaction:  # (SQLite may have rolled it back itself: a full disk)
-                    self._db.execute("ROLLBACK")
-                raise
-            self._depth -= 1
-            if outer:
-                self._db.execute("COMMIT")
+        return _Transaction(self)
 
     @contextmanager
     def savepoint(self) -> Iterator[sqlite3.Connection]:
@@ -427,6 +457,7 @@ class Store:
                 yield self._db
             except BaseException:
                 self._depth -= 1
+                self._no_open.clear()
                 if self._db.in_transaction:
                     try:
                         self._db.execute(f"ROLLBACK TO {name}")
@@ -624,6 +655,7 @@ class Store:
         if status not in ACTION_STATUSES:
             raise ValueError(f"action status {status!r} not in {ACTION_STATUSES}")
         now = _now()
+        self._no_open.discard(run_id)
         with self.transaction() as db:
             cur = db.execute(
                 "INSERT INTO journal (run_id, decision_id, kind, payload, status, created, updated)"
@@ -648,6 +680,10 @@ class Store:
             values.append(v)
         with self.transaction() as db:
             db.execute(f"UPDATE journal SET {', '.join(sets)} WHERE id=?", (*values, action_id))
+            if fields.get("status") in OPEN_ACTION_STATUSES and self._no_open:
+                row = db.execute("SELECT run_id FROM journal WHERE id=?", (action_id,)).fetchone()
+                if row is not None:
+                    self._no_open.discard(row["run_id"])
 
     def get_action(self, action_id: int) -> ActionRecord | None:
         """One journal entry."""
@@ -658,11 +694,39 @@ class Store:
     def open_actions(self, run_id: str) -> list[ActionRecord]:
         """Journal entries not yet done or failed, oldest first: what a (re)started watchdog must drive."""
         with self._lock:
+            self._sync_no_open()
+            if run_id in self._no_open:
+                return []  # (a daemon asks two or three times a tick, for every run; most have none)
             rows = self._db.execute(
                 "SELECT * FROM journal WHERE run_id=? AND status IN ('intent', 'sent', 'waiting') ORDER BY id",
                 (run_id,),
             ).fetchall()
+            if not rows:
+                self._no_open.add(run_id)
         return [_action_from_row(r) for r in rows]
+
+    def note_open_actions(self, run_ids: Sequence[str]) -> None:
+        """Find out in one query which of ``run_ids`` have no open journal entry, so that :meth:`open_actions`
+        answers those without a query each (a daemon's tick over thousands of runs, most with nothing open)."""
+        found: set[str] = set()
+        with self._lock:
+            self._sync_no_open()
+            for i in range(0, len(run_ids), 500):  # (SQLite's bound on a statement's parameters)
+                part = list(run_ids[i:i + 500])
+                rows = self._db.execute(
+                    f"SELECT DISTINCT run_id FROM journal WHERE run_id IN ({', '.join('?' * len(part))})"
+                    " AND status IN ('intent', 'sent', 'waiting')", part).fetchall()
+                found.update(r["run_id"] for r in rows)
+            self._no_open.update(r for r in run_ids if r not in found)
+
+    def _sync_no_open(self) -> None:
+        """Forget :attr:`_no_open` when another connection (a ``watchdog`` command, another process) has
+        committed to the database since it was learnt (SQLite's ``data_version``); our own writes forget what
+        they change themselves."""
+        version = self._db.execute("PRAGMA data_version").fetchone()[0]
+        if version != self._no_open_version:
+            self._no_open.clear()
+            self._no_open_version = version
 
     def settle_decision(self, decision_id: int) -> str:
         """Derive a decision's status from its journal entries; returns the status."""

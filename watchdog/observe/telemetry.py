@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
@@ -117,6 +118,9 @@ class WatchdogMetrics:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
         self._rule_state = Gauge(RULE_STATE.name, RULE_STATE.help, RULE_STATE.labels, registry=r)
+        self._rule_children: dict[tuple[str, str], Any] = {}
+        """(run, rule) -> its ``watchdog_rule_state`` child: ``labels()`` takes a lock and builds a key at each
+        call, and a daemon sets thousands of these a tick."""
         self._actions = Counter(_base(ACTIONS.name), ACTIONS.help, ACTIONS.labels, registry=r)
         self._escalations = Counter(_base(ESCALATIONS.name), ESCALATIONS.help, ESCALATIONS.labels, registry=r)
         self._eval = Histogram(EVALUATION.name, EVALUATION.help, registry=r, buckets=EVAL_BUCKETS)
@@ -143,10 +147,13 @@ class WatchdogMetrics:
             if state not in RULE_STATES.values():
                 raise ValueError(f"rule state for rule {rule!r} must be 0, 1 or 2, got {state!r}")
             value = int(state)
-        self._rule_state.labels(run=run, rule=rule).set(value)
-        # Expose the escalation counter at 0 as soon as a rule is known, so the first escalation
-        # is an increase Prometheus can see (a series born at 1 has no increase).
-        self._escalations.labels(run=run, rule=rule)
+        child = self._rule_children.get((run, rule))
+        if child is None:
+            child = self._rule_children[run, rule] = self._rule_state.labels(run=run, rule=rule)
+            # Expose the escalation counter at 0 as soon as a rule is known, so the first escalation
+            # is an increase Prometheus can see (a series born at 1 has no increase).
+            self._escalations.labels(run=run, rule=rule)
+        child.set(value)
 
     def action(self, run: str, rule: str, kind: str, outcome: str) -> None:
         """Count one action (``kind``: set/rollback/restart/...; ``outcome``: applied/failed/...)."""
@@ -189,6 +196,7 @@ class WatchdogMetrics:
     def forget_run(self, run: str, rules: Iterable[str] = ()) -> None:
         """Drop a run's gauges once it is no longer watched, so dashboards don't show stale states."""
         for rule in rules:
+            self._rule_children.pop((run, rule), None)
             try:
                 self._rule_state.remove(run, rule)
             except KeyError:
