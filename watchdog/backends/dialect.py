@@ -149,6 +149,8 @@ class ProtocolDialect:
     def __init__(self, run_dir: Path | str) -> None:
         self.run_dir = Path(run_dir)
         self._noticed = False
+        self._pruning: tuple[Any, str] | None = None
+        """(run.json's config, verl's pruning settings in it): a daemon asks every run at every tick."""
 
     @property
     def checkpoint_root(self) -> Path:
@@ -162,7 +164,10 @@ class ProtocolDialect:
 
     def protect(self, is_bad: IsBad) -> list[int]:
         """The in-process verl glue's checkpoints (manifests over verl's layout) under verl's own pruning."""
-        setting = verl_pruning(RunInfo.read(self.run_dir).config)
+        config = RunInfo.read(self.run_dir).config  # (the cached read's own object while run.json is unchanged)
+        if self._pruning is None or self._pruning[0] is not config:
+            self._pruning = (config, verl_pruning(config))
+        setting = self._pruning[1]
         if not setting:
             return []
         root = self.checkpoint_root

@@ -301,6 +301,9 @@ class RunController:
         """The engine state last published (the same object: nothing to set)."""
         self._published_states: dict[str, Any] = {}
         """Each rule's state as last set on the telemetry gauges (only a change is set again)."""
+        self._published_rules: Any = None
+        """The engine state's rules mapping last published (the engine keeps it when no rule changed)."""
+        self._rule_names: tuple[str, ...] | None = None
         self._saved_state: Any = None
         """The engine-state blob last committed (a tick that changed nothing does not write it again)."""
         self._undo: tuple[Any, ...] | None = None
@@ -979,8 +982,14 @@ class RunController:
         if self.state is self._published_for:
             return  # the engine has not run since: every gauge holds this state already
         self._published_for = self.state
+        rules = getattr(self.state, "rules", None)
+        if rules is not None and rules is self._published_rules:
+            return  # the engine ran, and kept every rule's state (its mapping is the one already published)
+        self._published_rules = rules
+        if self._rule_names is None:
+            self._rule_names = tuple(names())
         published = self._published_states
-        for name in names():
+        for name in self._rule_names:
             status = rule(name).status
             if published.get(name) != status:  # a gauge keeps its value: set only what changed
                 self.telemetry.rule_state(self.run.run_id, name, status)

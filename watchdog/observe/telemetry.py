@@ -128,6 +128,7 @@ class WatchdogMetrics:
         self._phase_children = {p: self._phase.labels(phase=p) for p in TICK_PHASES}
         self._phase_acc = dict.fromkeys(TICK_PHASES, 0.0)
         self._data_age = Gauge(DATA_AGE.name, DATA_AGE.help, DATA_AGE.labels, registry=r)
+        self._age_children: dict[str, Any] = {}
         self._runs = Gauge(RUNS_WATCHED.name, RUNS_WATCHED.help, registry=r)
         self._last_tick = Gauge(LAST_TICK.name, LAST_TICK.help, registry=r)
         self._errors = Counter(_base(ERRORS.name), ERRORS.help, ERRORS.labels, registry=r)
@@ -179,7 +180,10 @@ class WatchdogMetrics:
 
     def data_age(self, run: str, seconds: float) -> None:
         """Set how old a run's newest data is."""
-        self._data_age.labels(run=run).set(seconds)
+        child = self._age_children.get(run)
+        if child is None:
+            child = self._age_children[run] = self._data_age.labels(run=run)
+        child.set(seconds)
 
     def runs_watched(self, n: int) -> None:
         """Set the number of runs watched."""
@@ -205,6 +209,7 @@ class WatchdogMetrics:
                 self._escalations.remove(run, rule)
             except KeyError:
                 pass
+        self._age_children.pop(run, None)
         try:
             self._data_age.remove(run)
         except KeyError:
