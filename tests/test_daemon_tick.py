@@ -122,6 +122,37 @@ def test_a_tick_whose_commit_fails_keeps_nothing_for_any_run_and_the_next_decide
         wd.close()
 
 
+def test_a_confirmation_read_in_a_tick_whose_commit_fails_is_counted_once_when_read_again(tmp_path: Path) -> None:
+    # The trainer's ``applied`` event closes a sent live set and counts it on /metrics; a tick whose commit
+    # then fails reads it again next tick, and /metrics must count it once (it counted it twice).
+    from watchdog.observe.telemetry import WatchdogMetrics
+
+    runs = _runs(tmp_path, 1)
+    wd = _daemon(tmp_path, runs)
+    try:
+        wd.telemetry = WatchdogMetrics()
+        wd.actuator._on_action = wd.telemetry.action
+        ctl = next(iter(wd.controllers.values()))
+        run_id = ctl.run.run_id
+        aid = wd.store.add_action(run_id, "live_set", {"rule": "kl_high", "set": {"algorithm.kl_ctrl.kl_coef": 0.002}})
+        wd.store.update_action(aid, status="sent", control_version=1, deadline=time.time() + 600)
+        ctl.run.control_version = 1
+        wd.store.update_run(run_id, control_version=1)
+        _append(runs[0], 1, 0.01)
+        rundir.append_event(runs[0], "applied", 1, version=1, commands=[])
+        counted = {"run": run_id, "rule": "kl_high", "kind": "live_set", "outcome": "ok"}
+        db = wd.store._db = _CountingDb(wd.store._db)
+        db.fail = 1
+        wd.tick()
+        assert wd.store.get_action(aid).status == "sent"  # the confirmation went with the commit
+        assert wd.telemetry.registry.get_sample_value("watchdog_actions_total", counted) is None
+        wd.tick()
+        assert wd.store.get_action(aid).status == "done"
+        assert wd.telemetry.registry.get_sample_value("watchdog_actions_total", counted) == 1
+    finally:
+        wd.close()
+
+
 def test_a_commit_failing_for_one_chunk_of_runs_keeps_the_other_chunks(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(daemon, "DECIDE_CHUNK", 2)  # five runs: three transactions a tick

@@ -153,3 +153,23 @@ def test_open_actions_sees_its_own_new_entries_and_an_entry_a_rollback_reopened(
     assert store.open_actions("r") == []
     second = store.add_action("r", "notify", {})
     assert [e.id for e in store.open_actions("r")] == [second]
+
+
+def test_after_commit_hooks_run_once_the_outer_transaction_commits_and_never_for_an_undone_unit(tmp_path):
+    store = Store(tmp_path)
+    said: list[str] = []
+    store.after_commit(lambda: said.append("outside"))  # no transaction: at once
+    assert said == ["outside"]
+    with pytest.raises(RuntimeError):
+        with store.transaction():
+            store.after_commit(lambda: said.append("rolled back"))
+            raise RuntimeError("the commit failed")
+    with store.transaction():
+        with store.savepoint():
+            store.after_commit(lambda: said.append("kept run"))
+        with pytest.raises(RuntimeError):
+            with store.savepoint():
+                store.after_commit(lambda: said.append("undone run"))
+                raise RuntimeError("one run's read failed")
+        assert said == ["outside"]  # nothing before the commit
+    assert said == ["outside", "kept run"]

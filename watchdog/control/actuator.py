@@ -438,7 +438,10 @@ class Actuator:
         if entry.decision_id is not None:
             self.store.settle_decision(entry.decision_id)
         outcome = "ok" if status == ActionStatus.DONE else "failed"
-        self._on_action(h.run.run_id, entry.payload.get("rule", ""), entry.kind, outcome)
+        run, rule, kind = h.run.run_id, entry.payload.get("rule", ""), entry.kind
+        # Counted and annotated once the entry's new status is committed (a confirmation read inside a tick
+        # that is then undone is read and confirmed again: said once, not twice).
+        self.store.after_commit(lambda: self._on_action(run, rule, kind, outcome))
 
     def _drive_live_set(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
         if not h.dialect.live and entry.status == ActionStatus.INTENT:

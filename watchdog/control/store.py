@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import sqlite3
 import threading
 import time
@@ -42,6 +43,8 @@ from watchdog.core.vocabulary import (
     Word,
 )
 from watchdog.protocol import rundir
+
+log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 4
 _JOURNAL_TABLE = """
@@ -207,10 +210,20 @@ class _Transaction:
             st._depth -= 1
             if kind is not None:
                 st._no_open.clear()  # a rollback can reopen an entry this transaction closed
-                if self.outer and st._db.in_transaction:  # (SQLite may have rolled it back itself: a full disk)
-                    st._db.execute("ROLLBACK")
+                if self.outer:
+                    st._after_commit.clear()
+                    if st._db.in_transaction:  # (SQLite may have rolled it back itself: a full disk)
+                        st._db.execute("ROLLBACK")
             elif self.outer:
-                st._db.execute("COMMIT")
+                try:
+                    st._db.execute("COMMIT")
+                except BaseException:  # (whatever SQLite kept of it, nothing is known of it any more)
+                    st._no_open.clear()
+                    st._after_commit.clear()
+                    raise
+                hooks, st._after_commit = st._after_commit, []
+                for hook in hooks:
+                    st._run_hook(hook)
         finally:
             st._lock.release()
 
@@ -351,6 +364,8 @@ class Store:
         """Runs known to have no open journal entry (:meth:`open_actions` answers them without a query) as of
         :attr:`_no_open_version`; forgotten on any journal write that could open one and on any rollback."""
         self._no_open_version: int | None = None
+        self._after_commit: list[Callable[[], None]] = []
+        """What :meth:`after_commit` holds until the running transaction commits (dropped if it does not)."""
         try:
             # isolation_level=None: we issue BEGIN/COMMIT ourselves so a decision, the engine
             # state and the journal intents land in one transaction.
@@ -386,6 +401,8 @@ class Store:
         """Runs known to have no open journal entry (:meth:`open_actions` answers them without a query) as of
         :attr:`_no_open_version`; forgotten on any journal write that could open one and on any rollback."""
         self._no_open_version: int | None = None
+        self._after_commit: list[Callable[[], None]] = []
+        """What :meth:`after_commit` holds until the running transaction commits (dropped if it does not)."""
         if path.stat().st_size == 0:
             # What a watchdog killed while creating its state leaves: no state yet (and none is written here).
             raise NoState(f"{path}: an empty file, no watchdog state in it yet (nothing was written to it)", path)
@@ -453,11 +470,13 @@ class Store:
             name = f"sp{self._savepoints}"
             self._db.execute(f"SAVEPOINT {name}")
             self._depth += 1
+            hooks = len(self._after_commit)
             try:
                 yield self._db
             except BaseException:
                 self._depth -= 1
                 self._no_open.clear()
+                del self._after_commit[hooks:]  # what the undone unit wanted done after the commit
                 if self._db.in_transaction:
                     try:
                         self._db.execute(f"ROLLBACK TO {name}")
@@ -467,6 +486,24 @@ class Store:
                 raise
             self._depth -= 1
             self._db.execute(f"RELEASE {name}")
+
+    def after_commit(self, hook: Callable[[], None]) -> None:
+        """Call ``hook`` once what is being written is committed: at once outside a transaction, else after
+        the outermost commit, and never when the transaction (or the savepoint it was asked in) is undone. For
+        what leaves the process (a counter on /metrics, a Grafana annotation): an undone tick must not say
+        twice what it will say again when its steps are read again."""
+        with self._lock:
+            if self._depth == 0:
+                self._run_hook(hook)
+            else:
+                self._after_commit.append(hook)
+
+    @staticmethod
+    def _run_hook(hook: Callable[[], None]) -> None:
+        try:
+            hook()
+        except Exception:  # what the commit kept stays kept; the hook's failure is said
+            log.exception("after a commit: %r failed", hook)
 
     # -- runs ---------------------------------------------------------------------------
 
