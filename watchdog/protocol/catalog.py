@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 #: Label every exported per-run series carries.
@@ -323,19 +324,39 @@ def sources_of(raw: str) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-_PLANS: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {}
+@dataclass(frozen=True)
+class _Plan:
+    """What to_short does with a record of one key set when the values it takes are all floats."""
+
+    get: Callable[[Mapping[str, object]], tuple[object, ...]]
+    """The chosen raw keys' values, in one C call (operator.itemgetter)."""
+    shorts: tuple[str, ...]
+    """The short name of each value ``get`` returns."""
+    sources: dict[str, str]
+    """short name -> the raw key it came from (what ``to_short(..., sources)`` records)."""
+
+
+_PLANS: dict[tuple[str, ...], _Plan] = {}
 _PLANS_MAX = 256
+_FLOATS = frozenset({float})
 
 
-def _plan(keys: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
-    """(raw key, short name) pairs to_short takes from a record of these keys, all values numeric."""
+def _plan(keys: tuple[str, ...]) -> _Plan:
+    """The plan of a record of these keys: the (raw key, short name) pairs to_short takes, all values numeric."""
     chosen: dict[str, tuple[int, str]] = {}
     for raw in keys:
         for short, r in sources_of(raw):
             if chosen.get(short, (3, ""))[0] <= r:
                 continue
             chosen[short] = (r, raw)
-    return tuple((raw, short) for short, (_, raw) in chosen.items())
+    raws = tuple(raw for _, raw in chosen.values())
+    shorts = tuple(chosen)
+    if len(raws) > 1:
+        get: Callable[[Mapping[str, object]], tuple[object, ...]] = operator.itemgetter(*raws)
+    else:  # itemgetter of one key returns the value itself, of none is not allowed
+        def get(data: Mapping[str, object]) -> tuple[object, ...]:
+            return tuple(data[raw] for raw in raws)
+    return _Plan(get, shorts, dict(zip(shorts, raws, strict=True)))
 
 
 def to_short(data: Mapping[str, object], sources: dict[str, str] | None = None) -> dict[str, float]:
@@ -346,25 +367,19 @@ def to_short(data: Mapping[str, object], sources: dict[str, str] | None = None) 
     ``actor/kl_loss``). ``sources``, when given, receives the verl key each short name came from.
     """
     # A trainer logs the same keys line after line: which raw key feeds which short name is worked
-    # out once per key set (as if every value were numeric) and replayed; a line whose chosen
-    # values are not all plain floats takes the general path below.
+    # out once per key set (as if every value were numeric) and replayed in C (one itemgetter, one
+    # type check, one zip); a line whose chosen values are not all plain floats takes the general path.
     keys = tuple(data)
     plan = _PLANS.get(keys)
     if plan is None:
         plan = _PLANS[keys] = _plan(keys)
         if len(_PLANS) > _PLANS_MAX:
             _PLANS.clear()
-    fast: dict[str, float] = {}
-    for raw, short in plan:
-        value = data[raw]
-        if type(value) is not float:
-            break
-        fast[short] = value
-    else:
+    values = plan.get(data)
+    if _FLOATS.issuperset(map(type, values)):
         if sources is not None:
-            for raw, short in plan:
-                sources[short] = raw
-        return fast
+            sources.update(plan.sources)
+        return dict(zip(plan.shorts, values, strict=True))  # type: ignore[arg-type]  # floats: checked above
     out: dict[str, float] = {}
     rank: dict[str, int] = {}
     for raw, value in data.items():

@@ -118,6 +118,8 @@ class JsonlChunk:
     """The line number of each record (for messages about its content)."""
     path: str = ""
     """The file read."""
+    next_line: int = 1
+    """The line number at ``offset`` (where the next read starts counting)."""
 
 
 def loads_line(raw: bytes) -> Any:
@@ -173,36 +175,82 @@ def read_jsonl(path: Path | str, offset: int = 0, first_line: int = 1, until: in
     Garbled lines are reported in ``errors`` (with file and line number) and skipped, so
     one bad line never hides the rest of a run. ``first_line`` is the line number at
     ``offset``, for messages. ``until``: read only the lines before this byte offset (what a
-    reader had consumed at a saved offset: a restarted watchdog rebuilds its window from it).
+    reader had consumed at a saved offset: a restarted watchdog rebuilds its window from it;
+    a tailer that has just stat'ed the file passes its size, and the bytes are read in one call).
     """
-    path = Path(path)
+    spath = os.fspath(path)
     try:
+        data = _read_bytes(spath, offset, until)
+    except FileNotFoundError:
+        return JsonlChunk([], offset, [], [], spath, first_line)
+    return parse_jsonl(data, offset, first_line, spath)
+
+
+def _read_bytes(path: str, offset: int, until: int | None) -> bytes:
+    """The bytes of ``path`` from ``offset`` to ``until`` (or the end): one pread where the end is known."""
+    if until is None:
         with open(path, "rb") as f:
             f.seek(offset)
-            data = f.read() if until is None else f.read(max(0, until - offset))
-    except FileNotFoundError:
-        return JsonlChunk([], offset, [], [], str(path))
-    end = data.rfind(b"\n") + 1
+            return f.read()
+    want = max(0, until - offset)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, want, offset)
+        if 0 < len(data) < want:  # a short read (not at the end of the file): take the rest the same way
+            parts = [data]
+            got = len(data)
+            while got < want:
+                more = os.pread(fd, want - got, offset + got)
+                if not more:
+                    break
+                parts.append(more)
+                got += len(more)
+            data = b"".join(parts)
+        return data
+    finally:
+        os.close(fd)
+
+
+def parse_jsonl(data: bytes, offset: int = 0, first_line: int = 1, path: str = "") -> JsonlChunk:
+    """The complete lines of ``data`` (read from ``offset`` of ``path``, ``first_line`` there) as a chunk.
+
+    One split of the bytes, one decoder call a line: a metrics line (~100 keys) goes straight to
+    orjson; only a line it refuses (blank, NaN, a huge integer, garbled) takes :func:`loads_line`'s
+    standard decoder, which also words the error. Lines are counted by ``\\n`` only.
+    """
+    parts = data.split(b"\n")
+    partial = parts.pop()  # after the last newline: an unterminated line (or nothing), left for later
     records: list[dict[str, Any]] = []
     errors: list[str] = []
     lines: list[int] = []
-    for n, raw in enumerate(data[:end].splitlines(), start=first_line):
-        if not raw.strip():
-            continue
+    fast = _orjson.loads if _orjson is not None else None
+    n = first_line
+    for raw in parts:
         try:
-            obj = loads_line(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            errors.append(f"{path}:{n}: not JSON ({exc})")
-            continue
-        except RecursionError:  # the decoder recurses once per nesting level
-            errors.append(f"{path}:{n}: JSON nested too deeply")
-            continue
+            if fast is None:
+                raise ValueError  # no orjson: every line takes the standard decoder below
+            obj = fast(raw)
+        except ValueError:  # orjson.JSONDecodeError is a ValueError
+            if not raw.strip():
+                n += 1
+                continue
+            try:
+                obj = loads_line(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                errors.append(f"{path}:{n}: not JSON ({exc})")
+                n += 1
+                continue
+            except RecursionError:  # the decoder recurses once per nesting level
+                errors.append(f"{path}:{n}: JSON nested too deeply")
+                n += 1
+                continue
         if not isinstance(obj, dict):
             errors.append(f"{path}:{n}: not a JSON object")
-            continue
-        records.append(obj)
-        lines.append(n)
-    return JsonlChunk(records, offset + end, errors, lines, str(path))
+        else:
+            records.append(obj)
+            lines.append(n)
+        n += 1
+    return JsonlChunk(records, offset + len(data) - len(partial), errors, lines, path, n)
 
 
 def events_of(chunk: JsonlChunk) -> list[Event]:
