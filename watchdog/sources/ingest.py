@@ -38,6 +38,11 @@ from typing import Any
 from watchdog.protocol import rundir
 from watchdog.protocol.events import Event
 
+try:  # optional (verl's environment has it): decodes and type-checks a metrics line in one C pass
+    import msgspec as _msgspec
+except ImportError:  # pragma: no cover - exercised where msgspec is absent
+    _msgspec = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 FORMAT_JSONL = "jsonl"
@@ -263,6 +268,32 @@ def record_from_json(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
     return {"step": step, "data": normalize_data(data)}, None
 
 
+if _msgspec is not None:
+    class _Line(_msgspec.Struct):
+        """A FileLogger line as verl writes it nearly always: an integer step and numbers only (no null)."""
+
+        step: int
+        data: dict[str, float]  # a JSON integer is read as a float, as normalize_data makes it
+
+    _LINE_TYPED: Any = _msgspec.json.Decoder(_Line).decode
+    """Decodes a metrics line that is an integer step and numbers only, in one pass (what it refuses,
+    raising a ValueError - a null, a flag, a float step, a garbled line - the general path reads)."""
+else:  # pragma: no cover - exercised where msgspec is absent
+    _Line = None  # type: ignore[assignment,misc]
+    _LINE_TYPED = None
+
+
+def _typed_record(line: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """record_from_json for a line the typed decoder read: its data is floats already."""
+    data = line.data
+    if line.step < 0:
+        return record_from_json({"step": line.step, "data": data})  # says why
+    for key, base, scale in _scaled_keys(tuple(data)):  # as normalize_data; the dict is this line's own
+        if base not in data:
+            data[base] = data[key] * scale
+    return {"step": line.step, "data": data}, None
+
+
 def _parse_jsonl(path: Path, lines: Sequence[str]) -> tuple[list[dict[str, Any]], list[ParseIssue]]:
     raw: list[dict[str, Any]] = []
     issues: list[ParseIssue] = []
@@ -481,7 +512,7 @@ class RunTailer:
         self._last = {"step": int(last["step"]), "data": dict(last["data"])} if last else None
         self._rewinds = [int(t) for t in value.get("rewinds", []) if isinstance(t, int)]
 
-    def _read(self, path: str, cur: _FileCursor) -> rundir.JsonlChunk:
+    def _read(self, path: str, cur: _FileCursor, typed: Any = None) -> rundir.JsonlChunk:
         try:
             st = os.stat(path)
         except FileNotFoundError:
@@ -495,7 +526,7 @@ class RunTailer:
             return rundir.JsonlChunk([], cur.offset, [], [], path, cur.line)
         # The new bytes up to the size just seen, read once; the chunk says where its complete lines end
         # and the line number there (a partial last line is read again, whole, by a later poll).
-        chunk = rundir.read_jsonl(path, cur.offset, cur.line, until=size)
+        chunk = rundir.read_jsonl(path, cur.offset, cur.line, until=size, typed=typed)
         cur.offset, cur.line = chunk.offset, chunk.next_line
         return chunk
 
@@ -508,11 +539,11 @@ class RunTailer:
         """(new metric records, new events) since the last poll."""
         raw: list[dict[str, Any]] = []
         raw_lines: list[int] = []
-        metrics = self._read(self._metrics_file, self._metrics)
+        metrics = self._read(self._metrics_file, self._metrics, _LINE_TYPED)
         if metrics.errors:
             self._note_errors(metrics.errors)
         for obj, line in zip(metrics.records, metrics.lines, strict=True):
-            rec, reason = record_from_json(obj)
+            rec, reason = _typed_record(obj) if type(obj) is _Line else record_from_json(obj)
             if rec is None:
                 msg = f"{self._metrics_file}:{line}: skipped a record: {reason}"
                 log.warning(msg)
