@@ -22,6 +22,7 @@ import operator
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 #: Label every exported per-run series carries.
 RUN_LABEL = "run"
@@ -324,18 +325,10 @@ def sources_of(raw: str) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """What to_short does with a record of one key set when the values it takes are all floats."""
-
-    get: Callable[[Mapping[str, object]], tuple[object, ...]]
-    """The chosen raw keys' values, in one C call (operator.itemgetter)."""
-    shorts: tuple[str, ...]
-    """The short name of each value ``get`` returns."""
-    sources: dict[str, str]
-    """short name -> the raw key it came from (what ``to_short(..., sources)`` records)."""
-
-
+#: What to_short does with a record of one key set when the values it takes are all floats: a getter of
+#: the chosen raw keys' values in one C call (operator.itemgetter), the short name of each value, and
+#: short name -> the raw key it came from (what ``to_short(..., sources)`` records).
+_Plan = tuple[Callable[[Mapping[str, object]], Any], tuple[str, ...], dict[str, str]]
 _PLANS: dict[tuple[str, ...], _Plan] = {}
 _PLANS_MAX = 256
 _FLOATS = frozenset({float})
@@ -352,11 +345,11 @@ def _plan(keys: tuple[str, ...]) -> _Plan:
     raws = tuple(raw for _, raw in chosen.values())
     shorts = tuple(chosen)
     if len(raws) > 1:
-        get: Callable[[Mapping[str, object]], tuple[object, ...]] = operator.itemgetter(*raws)
+        get: Callable[[Mapping[str, object]], Any] = operator.itemgetter(*raws)
     else:  # itemgetter of one key returns the value itself, of none is not allowed
         def get(data: Mapping[str, object]) -> tuple[object, ...]:
             return tuple(data[raw] for raw in raws)
-    return _Plan(get, shorts, dict(zip(shorts, raws, strict=True)))
+    return get, shorts, dict(zip(shorts, raws, strict=True))
 
 
 def to_short(data: Mapping[str, object], sources: dict[str, str] | None = None) -> dict[str, float]:
@@ -375,11 +368,12 @@ def to_short(data: Mapping[str, object], sources: dict[str, str] | None = None) 
         plan = _PLANS[keys] = _plan(keys)
         if len(_PLANS) > _PLANS_MAX:
             _PLANS.clear()
-    values = plan.get(data)
+    get, shorts, plan_sources = plan
+    values = get(data)
     if _FLOATS.issuperset(map(type, values)):
         if sources is not None:
-            sources.update(plan.sources)
-        return dict(zip(plan.shorts, values, strict=True))  # type: ignore[arg-type]  # floats: checked above
+            sources.update(plan_sources)
+        return dict(zip(shorts, values, strict=True))
     out: dict[str, float] = {}
     rank: dict[str, int] = {}
     for raw, value in data.items():

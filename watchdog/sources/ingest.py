@@ -512,18 +512,19 @@ class RunTailer:
         self._last = {"step": int(last["step"]), "data": dict(last["data"])} if last else None
         self._rewinds = [int(t) for t in value.get("rewinds", []) if isinstance(t, int)]
 
-    def _read(self, path: str, cur: _FileCursor, typed: Any = None) -> rundir.JsonlChunk:
+    def _read(self, path: str, cur: _FileCursor, typed: Any = None) -> rundir.JsonlChunk | None:
+        """The complete lines appended to ``path`` since ``cur`` (which moves past them); None when nothing is new."""
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            return rundir.JsonlChunk([], cur.offset, [], [], path, cur.line)
+            return None
         size = st.st_size
         if (cur.inode is not None and st.st_ino != cur.inode) or size < cur.offset:
             log.info("%s was replaced or truncated; reading it from the start", path)
             cur.offset, cur.line = 0, 1
         cur.inode = st.st_ino
         if size == cur.offset:  # nothing new: the stat was enough
-            return rundir.JsonlChunk([], cur.offset, [], [], path, cur.line)
+            return None
         # The new bytes up to the size just seen, read once; the chunk says where its complete lines end
         # and the line number there (a partial last line is read again, whole, by a later poll).
         chunk = rundir.read_jsonl(path, cur.offset, cur.line, until=size, typed=typed)
@@ -539,47 +540,50 @@ class RunTailer:
         """(new metric records, new events) since the last poll."""
         raw: list[dict[str, Any]] = []
         raw_lines: list[int] = []
+        last = self._last
+        prev = last["step"] if last is not None else -1
+        ascending = True  # every step after the one before (the usual poll: nothing to merge or drop)
         metrics = self._read(self._metrics_file, self._metrics, _LINE_TYPED)
-        if metrics.errors:
-            self._note_errors(metrics.errors)
-        for obj, line in zip(metrics.records, metrics.lines, strict=True):
-            rec, reason = _typed_record(obj) if type(obj) is _Line else record_from_json(obj)
-            if rec is None:
-                msg = f"{self._metrics_file}:{line}: skipped a record: {reason}"
-                log.warning(msg)
-                self.issues.append(msg)
-                continue
-            raw.append(rec)
-            raw_lines.append(line)
+        if metrics is not None:
+            if metrics.errors:
+                self._note_errors(metrics.errors)
+            for obj, line in zip(metrics.records, metrics.lines, strict=True):
+                rec, reason = _typed_record(obj) if type(obj) is _Line else record_from_json(obj)
+                if rec is None:
+                    msg = f"{self._metrics_file}:{line}: skipped a record: {reason}"
+                    log.warning(msg)
+                    self.issues.append(msg)
+                    continue
+                if rec["step"] <= prev:
+                    ascending = False
+                prev = rec["step"]
+                raw.append(rec)
+                raw_lines.append(line)
         # Events after metrics: a trainer writes its started/rollback event before the first line of the
         # new timeline, so a line read here has the event that explains it read too.
+        events: list[Event] = []
         chunk = self._read(self._events_file, self._events)
-        events = rundir.events_of(chunk) if chunk.records else []
-        if chunk.errors:
-            self._note_errors(chunk.errors)
-        if events:
-            self._rewinds += rewind_targets(events)
+        if chunk is not None:
+            events = rundir.events_of(chunk)
+            if chunk.errors:
+                self._note_errors(chunk.errors)
+            if events:
+                self._rewinds += rewind_targets(events)
         if not raw:
             if len(self._rewinds) > 16:  # as forward_only keeps them
                 self._rewinds = self._rewinds[-16:]
             return [], events
-        last = self._last
+        if ascending:  # the usual poll: each record is its step's whole record as it is
+            if len(self._rewinds) > 16:
+                self._rewinds = self._rewinds[-16:]
+            self._last = raw[-1]
+            return raw, events
         raw, backwards, self._rewinds = forward_only(raw, raw_lines, self._metrics_file,
                                                      last["step"] if last is not None else None, self._rewinds)
         if backwards:
             self._note_errors(backwards)
         if not raw:
             return [], events
-        # The usual poll: steps after the last one, each once (forward_only let none go back) - each record
-        # is its step's whole record as it is, so apply_records would only copy them.
-        prev = last["step"] if last is not None else -1
-        for rec in raw:
-            if rec["step"] <= prev:
-                break
-            prev = rec["step"]
-        else:
-            self._last = raw[-1]
-            return raw, events
         base = [last] if last is not None else []
         out = apply_records(base, raw)
         self._last = out[-1]
