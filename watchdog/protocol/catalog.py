@@ -18,11 +18,9 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 #: Label every exported per-run series carries.
 RUN_LABEL = "run"
@@ -325,31 +323,19 @@ def sources_of(raw: str) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-#: What to_short does with a record of one key set when the values it takes are all floats: a getter of
-#: the chosen raw keys' values in one C call (operator.itemgetter), the short name of each value, and
-#: short name -> the raw key it came from (what ``to_short(..., sources)`` records).
-_Plan = tuple[Callable[[Mapping[str, object]], Any], tuple[str, ...], dict[str, str]]
-_PLANS: dict[tuple[str, ...], _Plan] = {}
+_PLANS: dict[tuple[str, ...], tuple[tuple[str, str], ...]] = {}
 _PLANS_MAX = 256
-_FLOATS = frozenset({float})
 
 
-def _plan(keys: tuple[str, ...]) -> _Plan:
-    """The plan of a record of these keys: the (raw key, short name) pairs to_short takes, all values numeric."""
+def _plan(keys: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """(raw key, short name) pairs to_short takes from a record of these keys, all values numeric."""
     chosen: dict[str, tuple[int, str]] = {}
     for raw in keys:
         for short, r in sources_of(raw):
             if chosen.get(short, (3, ""))[0] <= r:
                 continue
             chosen[short] = (r, raw)
-    raws = tuple(raw for _, raw in chosen.values())
-    shorts = tuple(chosen)
-    if len(raws) > 1:
-        get: Callable[[Mapping[str, object]], Any] = operator.itemgetter(*raws)
-    else:  # itemgetter of one key returns the value itself, of none is not allowed
-        def get(data: Mapping[str, object]) -> tuple[object, ...]:
-            return tuple(data[raw] for raw in raws)
-    return get, shorts, dict(zip(shorts, raws, strict=True))
+    return tuple((raw, short) for short, (_, raw) in chosen.items())
 
 
 def to_short(data: Mapping[str, object], sources: dict[str, str] | None = None) -> dict[str, float]:
@@ -360,20 +346,25 @@ def to_short(data: Mapping[str, object], sources: dict[str, str] | None = None) 
     ``actor/kl_loss``). ``sources``, when given, receives the verl key each short name came from.
     """
     # A trainer logs the same keys line after line: which raw key feeds which short name is worked
-    # out once per key set (as if every value were numeric) and replayed in C (one itemgetter, one
-    # type check, one zip); a line whose chosen values are not all plain floats takes the general path.
+    # out once per key set (as if every value were numeric) and replayed; a line whose chosen
+    # values are not all plain floats takes the general path below.
     keys = tuple(data)
     plan = _PLANS.get(keys)
     if plan is None:
         plan = _PLANS[keys] = _plan(keys)
         if len(_PLANS) > _PLANS_MAX:
             _PLANS.clear()
-    get, shorts, plan_sources = plan
-    values = get(data)
-    if _FLOATS.issuperset(map(type, values)):
+    fast: dict[str, float] = {}
+    for raw, short in plan:
+        value = data[raw]
+        if type(value) is not float:
+            break
+        fast[short] = value
+    else:
         if sources is not None:
-            sources.update(plan_sources)
-        return dict(zip(shorts, values, strict=True))
+            for raw, short in plan:
+                sources[short] = raw
+        return fast
     out: dict[str, float] = {}
     rank: dict[str, int] = {}
     for raw, value in data.items():
