@@ -328,3 +328,113 @@ def test_lines_printed_by_verls_own_console_logger_parse_back_exactly(
     assert set(got) == set(data)
     for k, v in data.items():
         assert (math.isnan(got[k]) and math.isnan(v)) or got[k] == float(v)
+
+
+# -- the tailer's read path (one read of the new bytes, a typed decoder, the general path behind it) --------
+
+
+_LINES = [
+    b'{"step": 1, "data": {"critic/kl": 0.1}}\n',
+    b"\n",  # blank: skipped, still counted
+    b'{"step": 2, "data": {"critic/kl": 0.2}}\r\n',  # CRLF: one line
+    b"garbage\n",
+    b"[1, 2]\n",
+    b'{"step": -1, "data": {"critic/kl": 0.3}}\n',
+    b'{"step": 3, "data": {"critic/kl": 0.4}}\n',
+]
+
+
+def test_tailer_names_each_bad_line_once_with_its_line_number_wherever_the_polls_cut_the_file(
+        tmp_path: Path) -> None:
+    blob = b"".join(_LINES)
+    for cut in range(len(blob) + 1):
+        d = tmp_path / f"cut{cut}"
+        d.mkdir()
+        path = d / rundir.METRICS
+        path.write_bytes(blob[:cut])
+        t = ingest.RunTailer(d)
+        steps = [r["step"] for r in t.poll()[0]]
+        with open(path, "ab") as f:
+            f.write(blob[cut:])
+        for _ in range(3):  # nothing new after the first: nothing said again
+            steps += [r["step"] for r in t.poll()[0]]
+        assert steps == [1, 2, 3], cut
+        assert [re.sub(r": .*", "", i.removeprefix(f"{path}:")) for i in t.issues] == ["4", "5", "6"], (cut, t.issues)
+        assert "not JSON" in t.issues[0] and "not a JSON object" in t.issues[1] and "'step' must be >= 0" in t.issues[2]
+    # Lines after them keep their numbers.
+    with open(path, "ab") as f:
+        f.write(b'{"step": 4, "data": "x"}\n')
+    assert t.poll()[0] == [] and t.issues[-1] == f"{path}:8: skipped a record: 'data' must be an object, got str"
+
+
+def test_tailer_reads_a_replaced_file_from_its_start_even_when_the_new_one_is_longer(tmp_path: Path) -> None:
+    rundir.append_event(tmp_path, "started", 0)
+    for s in range(1, 3):
+        rundir.append_metrics(tmp_path, s, {"critic/kl": 0.1})
+    t = ingest.RunTailer(tmp_path)
+    assert [r["step"] for r in t.poll()[0]] == [1, 2]
+    # A restarted trainer writes a new file (another inode) that is already past the old offset.
+    new = tmp_path / "metrics.new"
+    new.write_text("".join(json.dumps({"step": s, "data": {"critic/kl": 0.5}}) + "\n" for s in range(1, 6)))
+    rundir.append_event(tmp_path, "started", 0)
+    new.replace(tmp_path / rundir.METRICS)
+    recs, _ = t.poll()
+    assert [(r["step"], r["data"]["critic/kl"]) for r in recs] == [(s, 0.5) for s in range(1, 6)]
+    assert t.offsets["metrics"]["line"] == 6 and t.issues == []
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal, NaN equal to NaN, and a float where the other has a float."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, float) and isinstance(b, float):
+        return type(a) is type(b) and (a == b or (math.isnan(a) and math.isnan(b)))
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.parametrize("decoders", ["typed", "orjson", "json"])
+def test_tailer_reads_null_nan_inf_ints_flags_strings_and_scaled_keys_as_a_whole_file_read_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, decoders: str) -> None:
+    if decoders != "typed":  # msgspec absent; and then orjson absent too
+        monkeypatch.setattr(ingest, "_LINE_TYPED", None)
+    if decoders == "json":
+        monkeypatch.setattr(rundir, "_orjson", None)
+    (tmp_path / rundir.METRICS).write_bytes(
+        b'{"step": 1, "data": {"a": null, "b": 1, "c": true, "d": 1e400, "e": -1e400, "f": 0.5, "g": "nan", '
+        b'"h": "np.float64(0.25)", "i": [1], "x(1e-3)": 2.0}}\n'
+        b'{"step": 2, "data": {"a": NaN, "b": Infinity, "c": -Infinity}}\n'
+        b'{"step": 3.0, "data": {"a": 1.0}}\n'
+        b'{"step": 4, "data": {"lr(1e-4)": 0.01, "lr": 5.0}}\n'
+        b'{"step": 5, "data": {"a": 0.1, "b": 2, "big": 123456789012345678901234567890, "y(1e-2)": 3}}\n')
+    inf, nan = math.inf, math.nan
+    expected = [
+        {"step": 1, "data": {"a": nan, "b": 1.0, "d": inf, "e": -inf, "f": 0.5, "g": nan, "h": 0.25,
+                             "x(1e-3)": 2.0, "x": 0.002}},
+        {"step": 2, "data": {"a": nan, "b": inf, "c": -inf}},
+        {"step": 3, "data": {"a": 1.0}},
+        {"step": 4, "data": {"lr(1e-4)": 0.01, "lr": 5.0}},
+        {"step": 5, "data": {"a": 0.1, "b": 2.0, "big": 1.2345678901234568e+29, "y(1e-2)": 3.0, "y": 0.03}},
+    ]
+    t = ingest.RunTailer(tmp_path)
+    recs, _ = t.poll()
+    assert _same(recs, expected), recs
+    assert _same(ingest.read_records(tmp_path), expected)
+    assert t.issues == []
+
+
+def test_polling_again_from_the_offsets_before_a_poll_reads_the_same_records_and_positions(tmp_path: Path) -> None:
+    rundir.append_metrics(tmp_path, 1, {"critic/kl": 0.1})
+    t = ingest.RunTailer(tmp_path)
+    t.poll()
+    saved = t.offsets
+    with open(tmp_path / rundir.METRICS, "a") as f:
+        f.write(json.dumps({"step": 2, "data": {"critic/kl": 0.2}}) + "\nnot json\n"
+                + json.dumps({"step": 3, "data": {"critic/kl": None}}) + "\n" + '{"step": 4, "da')
+    first = t.poll()[0]
+    after = t.offsets
+    t.offsets = saved  # an undone tick: the same bytes are read again
+    again = t.poll()[0]
+    assert _same(again, first) and [r["step"] for r in first] == [2, 3]
+    assert t.offsets == after and after["metrics"]["line"] == 5

@@ -23,7 +23,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,7 +109,8 @@ def append_event(run_dir: Path | str, kind: str, step: int | None, **fields: Any
 class JsonlChunk:
     """Records read from a JSONL file starting at an offset."""
 
-    records: list[dict[str, Any]]
+    records: list[Any]
+    """The JSON objects of the lines, in order (``dict``; what a ``typed`` decoder returned, where one read them)."""
     offset: int
     """Byte offset to resume from (after the last complete line)."""
     errors: list[str]
@@ -118,6 +119,8 @@ class JsonlChunk:
     """The line number of each record (for messages about its content)."""
     path: str = ""
     """The file read."""
+    next_line: int = 1
+    """The line number at ``offset`` (where the next read starts counting)."""
 
 
 def loads_line(raw: bytes) -> Any:
@@ -167,26 +170,79 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj)
 
 
-def read_jsonl(path: Path | str, offset: int = 0, first_line: int = 1, until: int | None = None) -> JsonlChunk:
+def read_jsonl(path: Path | str, offset: int = 0, first_line: int = 1, until: int | None = None,
+               typed: Callable[[bytes], Any] | None = None) -> JsonlChunk:
     """Read complete JSONL lines from ``offset``; an unterminated last line is left for later.
 
     Garbled lines are reported in ``errors`` (with file and line number) and skipped, so
     one bad line never hides the rest of a run. ``first_line`` is the line number at
     ``offset``, for messages. ``until``: read only the lines before this byte offset (what a
-    reader had consumed at a saved offset: a restarted watchdog rebuilds its window from it).
+    reader had consumed at a saved offset: a restarted watchdog rebuilds its window from it;
+    a tailer that has just stat'ed the file passes its size, and the bytes are read in one call).
+    ``typed``: see :func:`parse_jsonl`.
     """
-    path = Path(path)
+    spath = os.fspath(path)
     try:
+        data = _read_bytes(spath, offset, until)
+    except FileNotFoundError:
+        return JsonlChunk([], offset, [], [], spath, first_line)
+    return parse_jsonl(data, offset, first_line, spath, typed)
+
+
+def _read_bytes(path: str, offset: int, until: int | None) -> bytes:
+    """The bytes of ``path`` from ``offset`` to ``until`` (or the end): one pread where the end is known."""
+    if until is None:
         with open(path, "rb") as f:
             f.seek(offset)
-            data = f.read() if until is None else f.read(max(0, until - offset))
-    except FileNotFoundError:
-        return JsonlChunk([], offset, [], [], str(path))
-    end = data.rfind(b"\n") + 1
-    records: list[dict[str, Any]] = []
+            return f.read()
+    want = max(0, until - offset)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        data = os.pread(fd, want, offset)
+        if 0 < len(data) < want:  # a short read (not at the end of the file): take the rest the same way
+            parts = [data]
+            got = len(data)
+            while got < want:
+                more = os.pread(fd, want - got, offset + got)
+                if not more:
+                    break
+                parts.append(more)
+                got += len(more)
+            data = b"".join(parts)
+        return data
+    finally:
+        os.close(fd)
+
+
+def parse_jsonl(data: bytes, offset: int = 0, first_line: int = 1, path: str = "",
+                typed: Callable[[bytes], Any] | None = None) -> JsonlChunk:
+    """The complete lines of ``data`` (read from ``offset`` of ``path``, ``first_line`` there) as a chunk.
+
+    One split of the bytes, one decoder call a line: a line goes straight to orjson, or to ``typed``
+    where given (a decoder of the shape the lines nearly always have, e.g. a msgspec decoder that
+    checks the types as it parses; what it returns is taken as it is, a record of its own type, and
+    what it refuses - raising ValueError - is read as any line). Only a line orjson refuses (blank,
+    NaN, a huge integer, garbled) takes :func:`loads_line`'s standard decoder, which words the error.
+    Lines are counted by newlines only.
+    """
+    parts = data.split(b"\n")
+    partial = parts.pop()  # after the last newline: an unterminated line (or nothing), left for later
+    records: list[Any] = []
     errors: list[str] = []
     lines: list[int] = []
-    for n, raw in enumerate(data[:end].splitlines(), start=first_line):
+    fast = typed if typed is not None else _orjson.loads if _orjson is not None else json.loads
+    n = first_line - 1
+    for raw in parts:
+        n += 1
+        try:
+            obj = fast(raw)
+        except (ValueError, RecursionError):  # orjson's and msgspec's decode errors are ValueErrors
+            pass
+        else:
+            if typed is not None or isinstance(obj, dict):
+                records.append(obj)
+                lines.append(n)
+                continue
         if not raw.strip():
             continue
         try:
@@ -202,7 +258,7 @@ def read_jsonl(path: Path | str, offset: int = 0, first_line: int = 1, until: in
             continue
         records.append(obj)
         lines.append(n)
-    return JsonlChunk(records, offset + end, errors, lines, str(path))
+    return JsonlChunk(records, offset + len(data) - len(partial), errors, lines, path, n + 1)
 
 
 def events_of(chunk: JsonlChunk) -> list[Event]:

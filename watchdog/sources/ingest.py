@@ -38,6 +38,11 @@ from typing import Any
 from watchdog.protocol import rundir
 from watchdog.protocol.events import Event
 
+try:  # optional (verl's environment has it): decodes and type-checks a metrics line in one C pass
+    import msgspec as _msgspec
+except ImportError:  # pragma: no cover - exercised where msgspec is absent
+    _msgspec = None  # type: ignore[assignment]
+
 log = logging.getLogger(__name__)
 
 FORMAT_JSONL = "jsonl"
@@ -121,22 +126,33 @@ def parse_value(text: str) -> float | None:
         return None
 
 
+_FLOATS = frozenset({float})
+_NUMBERS = frozenset({float, int})
+
+
 def normalize_data(data: Mapping[str, Any]) -> dict[str, float]:
     """Numeric metrics only, as floats: ``null`` -> NaN (orjson's NaN), scaled keys unscaled."""
-    out: dict[str, float] = {}
-    for key, value in data.items():
-        if type(value) is float:  # nearly every value: no further test
-            out[key] = value
-        elif value is None:
-            out[key] = math.nan
-        elif isinstance(value, bool):
-            continue
-        elif isinstance(value, (int, float)):
-            out[key] = float(value)
-        elif isinstance(value, str):
-            parsed = parse_value(value)
-            if parsed is not None:
-                out[key] = parsed
+    values = data.values()
+    types = set(map(type, values))  # one pass in C; a FileLogger line is floats, ints now and then
+    if types <= _FLOATS:
+        out = dict(data)
+    elif types <= _NUMBERS:
+        out = dict(zip(data, map(float, values), strict=True))
+    else:
+        out = {}
+        for key, value in data.items():
+            if type(value) is float:
+                out[key] = value
+            elif value is None:
+                out[key] = math.nan
+            elif isinstance(value, bool):
+                continue
+            elif isinstance(value, (int, float)):
+                out[key] = float(value)
+            elif isinstance(value, str):
+                parsed = parse_value(value)
+                if parsed is not None:
+                    out[key] = parsed
     for key, base, scale in _scaled_keys(tuple(out)):
         if base not in out:
             out[base] = out[key] * scale
@@ -250,6 +266,32 @@ def record_from_json(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
     if not isinstance(data, dict):
         return None, f"'data' must be an object, got {type(data).__name__}"
     return {"step": step, "data": normalize_data(data)}, None
+
+
+if _msgspec is not None:
+    class _Line(_msgspec.Struct):
+        """A FileLogger line as verl writes it nearly always: an integer step and numbers only (no null)."""
+
+        step: int
+        data: dict[str, float]  # a JSON integer is read as a float, as normalize_data makes it
+
+    _LINE_TYPED: Any = _msgspec.json.Decoder(_Line).decode
+    """Decodes a metrics line that is an integer step and numbers only, in one pass (what it refuses,
+    raising a ValueError - a null, a flag, a float step, a garbled line - the general path reads)."""
+else:  # pragma: no cover - exercised where msgspec is absent
+    _Line = None  # type: ignore[assignment,misc]
+    _LINE_TYPED = None
+
+
+def _typed_record(line: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """record_from_json for a line the typed decoder read: its data is floats already."""
+    data = line.data
+    if line.step < 0:
+        return record_from_json({"step": line.step, "data": data})  # says why
+    for key, base, scale in _scaled_keys(tuple(data)):  # as normalize_data; the dict is this line's own
+        if base not in data:
+            data[base] = data[key] * scale
+    return {"step": line.step, "data": data}, None
 
 
 def _parse_jsonl(path: Path, lines: Sequence[str]) -> tuple[list[dict[str, Any]], list[ParseIssue]]:
@@ -437,6 +479,9 @@ class RunTailer:
         self.run_dir = Path(run_dir)
         self.metrics_path = Path(metrics_path) if metrics_path else self.run_dir / rundir.METRICS
         self.events_path = self.run_dir / rundir.EVENTS
+        # The paths as str, made once: a poll stats and reads them without building path objects.
+        self._metrics_file = os.fspath(self.metrics_path)
+        self._events_file = os.fspath(self.events_path)
         self._metrics = _FileCursor()
         self._events = _FileCursor()
         self._last: dict[str, Any] | None = None  # the newest step's record, for merging
@@ -467,23 +512,23 @@ class RunTailer:
         self._last = {"step": int(last["step"]), "data": dict(last["data"])} if last else None
         self._rewinds = [int(t) for t in value.get("rewinds", []) if isinstance(t, int)]
 
-    def _read(self, path: Path, cur: _FileCursor) -> rundir.JsonlChunk:
+    def _read(self, path: str, cur: _FileCursor, typed: Any = None) -> rundir.JsonlChunk | None:
+        """The complete lines appended to ``path`` since ``cur`` (which moves past them); None when nothing is new."""
         try:
             st = os.stat(path)
         except FileNotFoundError:
-            return rundir.JsonlChunk([], cur.offset, [], [], str(path))
-        if (cur.inode is not None and st.st_ino != cur.inode) or st.st_size < cur.offset:
+            return None
+        size = st.st_size
+        if (cur.inode is not None and st.st_ino != cur.inode) or size < cur.offset:
             log.info("%s was replaced or truncated; reading it from the start", path)
             cur.offset, cur.line = 0, 1
         cur.inode = st.st_ino
-        if st.st_size == cur.offset:  # nothing new: the stat was enough
-            return rundir.JsonlChunk([], cur.offset, [], [], str(path))
-        chunk = rundir.read_jsonl(path, cur.offset, cur.line)
-        if chunk.offset != cur.offset:
-            with open(path, "rb") as f:
-                f.seek(cur.offset)
-                cur.line += f.read(chunk.offset - cur.offset).count(b"\n")
-        cur.offset = chunk.offset
+        if size == cur.offset:  # nothing new: the stat was enough
+            return None
+        # The new bytes up to the size just seen, read once; the chunk says where its complete lines end
+        # and the line number there (a partial last line is read again, whole, by a later poll).
+        chunk = rundir.read_jsonl(path, cur.offset, cur.line, until=size, typed=typed)
+        cur.offset, cur.line = chunk.offset, chunk.next_line
         return chunk
 
     def _note_errors(self, errors: list[str]) -> None:
@@ -495,29 +540,51 @@ class RunTailer:
         """(new metric records, new events) since the last poll."""
         raw: list[dict[str, Any]] = []
         raw_lines: list[int] = []
-        metrics = self._read(self.metrics_path, self._metrics)
-        self._note_errors(metrics.errors)
-        for obj, line in zip(metrics.records, metrics.lines or [0] * len(metrics.records), strict=False):
-            rec, reason = record_from_json(obj)
-            if rec is None:
-                msg = f"{self.metrics_path}:{line}: skipped a record: {reason}"
-                log.warning(msg)
-                self.issues.append(msg)
-                continue
-            raw.append(rec)
-            raw_lines.append(line)
+        last = self._last
+        prev = last["step"] if last is not None else -1
+        ascending = True  # every step after the one before (the usual poll: nothing to merge or drop)
+        metrics = self._read(self._metrics_file, self._metrics, _LINE_TYPED)
+        if metrics is not None:
+            if metrics.errors:
+                self._note_errors(metrics.errors)
+            for obj, line in zip(metrics.records, metrics.lines, strict=True):
+                rec, reason = _typed_record(obj) if type(obj) is _Line else record_from_json(obj)
+                if rec is None:
+                    msg = f"{self._metrics_file}:{line}: skipped a record: {reason}"
+                    log.warning(msg)
+                    self.issues.append(msg)
+                    continue
+                if rec["step"] <= prev:
+                    ascending = False
+                prev = rec["step"]
+                raw.append(rec)
+                raw_lines.append(line)
         # Events after metrics: a trainer writes its started/rollback event before the first line of the
         # new timeline, so a line read here has the event that explains it read too.
-        chunk = self._read(self.events_path, self._events)
-        events = rundir.events_of(chunk)
-        self._note_errors(chunk.errors)
-        self._rewinds += rewind_targets(events)
-        raw, backwards, self._rewinds = forward_only(raw, raw_lines, self.metrics_path,
-                                                     self._last["step"] if self._last else None, self._rewinds)
-        self._note_errors(backwards)
+        events: list[Event] = []
+        chunk = self._read(self._events_file, self._events)
+        if chunk is not None:
+            events = rundir.events_of(chunk)
+            if chunk.errors:
+                self._note_errors(chunk.errors)
+            if events:
+                self._rewinds += rewind_targets(events)
+        if not raw:
+            if len(self._rewinds) > 16:  # as forward_only keeps them
+                self._rewinds = self._rewinds[-16:]
+            return [], events
+        if ascending:  # the usual poll: each record is its step's whole record as it is
+            if len(self._rewinds) > 16:
+                self._rewinds = self._rewinds[-16:]
+            self._last = raw[-1]
+            return raw, events
+        raw, backwards, self._rewinds = forward_only(raw, raw_lines, self._metrics_file,
+                                                     last["step"] if last is not None else None, self._rewinds)
+        if backwards:
+            self._note_errors(backwards)
         if not raw:
             return [], events
-        base = [self._last] if self._last is not None else []
+        base = [last] if last is not None else []
         out = apply_records(base, raw)
         self._last = out[-1]
         if base and out[0] == base[0]:
