@@ -38,7 +38,8 @@ from typing import Any
 from watchdog.protocol import rundir
 from watchdog.protocol.events import Event
 
-try:  # optional (verl's environment has it): decodes and type-checks a metrics line in one C pass
+try:  # a dependency (pyproject): decodes and type-checks a metrics line in one C pass; an install without
+    # it still reads every line, through orjson (tested)
     import msgspec as _msgspec
 except ImportError:  # pragma: no cover - exercised where msgspec is absent
     _msgspec = None  # type: ignore[assignment]
