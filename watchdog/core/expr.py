@@ -30,6 +30,7 @@ import dataclasses
 import difflib
 import math
 import re
+from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -670,17 +671,43 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
         c.read(name)
         reduce = _REDUCERS[kind]
         where = f"in the last {n} steps" if not lag else f"in the {n} steps ending {lag} back"
+        # The window's cache holds results at one evaluated step (``Window.cache_at``), keyed by a
+        # string built here once: its hash is cached, where a tuple's is recomputed at every lookup.
+        key = f"{kind}({name}, {n}, {lag})"
+        counting = kind == "count"
 
         def f(w: Window, at: int, seq: int) -> float:
-            key = (kind, name, n, lag, at)
-            v = w.cache.get(key)
-            if v is None:
-                end = at - lag
-                vals = w.values(name, n, end)
-                if not vals and kind != "count":
-                    raise MissingDataError(f"{kind}({name}, {n}{f', {lag}' if lag else ''}): no values {where}")
-                v = reduce(vals, w, name, n, end)
-                w.cache[key] = v
+            cache = w.cache
+            if w.cache_at != at:
+                cache.clear()
+                w.cache_at = at
+            else:
+                v = cache.get(key)
+                if v is not None:
+                    return v
+            end = at - lag
+            # Window.values inlined (the hot path of every rule): the bounds of the steps in
+            # (end - n, end] by bisection; ``count`` needs no slice.
+            s = w._series.get(name)
+            if s is None:
+                vals: Sequence[float] = ()
+            else:
+                steps = s.steps
+                if steps is None:
+                    steps = w._rows
+                    a = s.row0 - w._lo
+                    b = a + len(s.values)
+                else:
+                    a, b = 0, len(steps)
+                hi = b if b > a and steps[b - 1] <= end else bisect_right(steps, end, a, b)
+                lo = bisect_right(steps, end - n, a, hi)
+                if counting:
+                    v = cache[key] = float(hi - lo)
+                    return v
+                vals = s.values[lo - a:hi - a]
+            if not vals and not counting:
+                raise MissingDataError(f"{kind}({name}, {n}{f', {lag}' if lag else ''}): no values {where}")
+            v = cache[key] = reduce(vals, w, name, n, end)
             return v
 
         return f
@@ -688,9 +715,10 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
     return build
 
 
-def _has_nan(vals: list[float]) -> bool:
-    return any(map(math.isnan, vals))
-
+def _has_nan(vals: Sequence[float]) -> bool:
+    # A sum is NaN when a value is NaN (or +inf and -inf meet): one C loop, and a closer look only then.
+    t = sum(vals)
+    return t != t and any(map(math.isnan, vals))
 
 
 def _fsum(vals):  # type: ignore[no-untyped-def]
@@ -700,40 +728,45 @@ def _fsum(vals):  # type: ignore[no-untyped-def]
     except ValueError:
         return float("nan")
 
-def _avg(vals: list[float], *_: Any) -> float:
-    return _fsum(vals) / len(vals)
+
+def _avg(vals: Sequence[float], *_: Any) -> float:
+    try:
+        return math.fsum(vals) / len(vals)
+    except ValueError:  # inf + -inf: _fsum's nan
+        return math.nan
 
 
-def _min(vals: list[float], *_: Any) -> float:
+def _min(vals: Sequence[float], *_: Any) -> float:
     return math.nan if _has_nan(vals) else min(vals)
 
 
-def _max(vals: list[float], *_: Any) -> float:
+def _max(vals: Sequence[float], *_: Any) -> float:
     return math.nan if _has_nan(vals) else max(vals)
 
 
 def _std(vals: Sequence[float], *_: Any) -> float:
     m = _fsum(vals) / len(vals)
-    return math.sqrt(_fsum((v - m) ** 2 for v in vals) / len(vals))
+    return math.sqrt(_fsum([(v - m) ** 2 for v in vals]) / len(vals))
 
 
-def _median(vals: list[float], *_: Any) -> float:
-    if _has_nan(vals):
+def _median(vals: Sequence[float], *_: Any) -> float:
+    t = sum(vals)
+    if t != t and any(map(math.isnan, vals)):
         return math.nan
     srt = sorted(vals)
     mid = len(srt) // 2
     return srt[mid] if len(srt) % 2 else (srt[mid - 1] + srt[mid]) / 2
 
 
-def _count(vals: list[float], *_: Any) -> float:
+def _count(vals: Sequence[float], *_: Any) -> float:
     return float(len(vals))
 
 
-def _delta(vals: list[float], *_: Any) -> float:
+def _delta(vals: Sequence[float], *_: Any) -> float:
     return vals[-1] - vals[0]
 
 
-def _slope(vals: list[float], w: Window, name: str, n: int, at: int) -> float:
+def _slope(vals: Sequence[float], w: Window, name: str, n: int, at: int) -> float:
     steps, ys = w.points(name, n, at)
     if len(ys) < 2:
         raise MissingDataError(f"slope({name}, {n}): needs 2 values, has {len(ys)}")

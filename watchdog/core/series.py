@@ -144,8 +144,11 @@ class Window:
         """Sequence number of the newest event (0: none yet)."""
         self.nonfinite_steps: set[int] = set()
         """Steps at which some metric was NaN or inf (``nonfinite()`` without arguments)."""
-        self.cache: dict[tuple[Any, ...], float] = {}
-        """Window-function results at the current data; cleared on every append."""
+        self.cache: dict[str, float] = {}
+        """Window-function results at the current data and step ``cache_at``, by the function's text
+        (``watchdog.core.expr``); cleared on every append and event, and when ``cache_at`` moves."""
+        self.cache_at: int | None = None
+        """The evaluated step the entries of ``cache`` are for."""
         self.sources: dict[str, str] = {}
         """The verl key each short name was last read from (``kl``: ``actor/kl_loss`` in a GRPO run)."""
 
