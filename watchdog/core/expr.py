@@ -485,6 +485,9 @@ class _Compiler:
         self.required: set[str] = set()
         self.max_window = 1
         self.in_count_over = False
+        self.chains: dict[int, tuple[str, tuple[Fn, ...]]] = {}
+        """A compiled and/or chain's operands, by the id of its closure (flattened into its parent's)."""
+        self.keep: list[Fn] = []
 
     def compile(self, node: Node) -> tuple[Fn, str]:
         if isinstance(node, Num):
@@ -505,6 +508,9 @@ class _Compiler:
             return self.metric(node), NUM
         if isinstance(node, Unary):
             f = self.num(node.operand, "'-'")
+            c = self.const(node)
+            if c is not None:
+                return (lambda w, at, seq: c), NUM
             return (lambda w, at, seq: -f(w, at, seq)), NUM
         if isinstance(node, Binary):
             return self.binary(node), NUM
@@ -513,9 +519,7 @@ class _Compiler:
         if isinstance(node, BoolOp):
             a = self.cond(node.left, f"'{node.op}'")
             b = self.cond(node.right, f"'{node.op}'")
-            if node.op == "and":
-                return (lambda w, at, seq: a(w, at, seq) and b(w, at, seq)), BOOL
-            return (lambda w, at, seq: a(w, at, seq) or b(w, at, seq)), BOOL
+            return self.chain(node.op, a, b), BOOL
         if isinstance(node, Not):
             f = self.cond(node.operand, "'not'")
             return (lambda w, at, seq: not f(w, at, seq)), BOOL
@@ -526,6 +530,55 @@ class _Compiler:
         self.metrics.add(name)
         if not self.optional_depth:
             self.required.add(name)
+
+    def const(self, node: Node) -> float | None:
+        """The value of a constant operand (a number, a bound ``$param``, a negated constant), else None."""
+        if isinstance(node, Num):
+            return node.value
+        if isinstance(node, Param) and node.name in self.params:
+            return float(self.params[node.name])
+        if isinstance(node, Unary):
+            c = self.const(node.operand)
+            return None if c is None else -c
+        return None
+
+    def chain(self, op: str, a: Fn, b: Fn) -> Fn:
+        """``a and b`` (``or``) as one closure over the whole chain ``x and y and z ...``: conditions are
+        bools, so the chain's value is the first false (true) operand's or the last one's, as Python's."""
+        fns = self.chains.get(id(a), (op, (a,)))[1] if self.chains.get(id(a), ("",))[0] == op else (a,)
+        fns += self.chains.get(id(b), (op, (b,)))[1] if self.chains.get(id(b), ("",))[0] == op else (b,)
+        if op == "and":
+            if len(fns) == 2:
+                def f(w: Window, at: int, seq: int) -> bool:
+                    return a(w, at, seq) and b(w, at, seq)
+            elif len(fns) == 3:
+                f0, f1, f2 = fns
+
+                def f(w: Window, at: int, seq: int) -> bool:
+                    return f0(w, at, seq) and f1(w, at, seq) and f2(w, at, seq)
+            else:
+                def f(w: Window, at: int, seq: int) -> bool:
+                    for g in fns:
+                        if not g(w, at, seq):
+                            return False
+                    return True
+        elif len(fns) == 2:
+            def f(w: Window, at: int, seq: int) -> bool:
+                return a(w, at, seq) or b(w, at, seq)
+        elif len(fns) == 3:
+            f0, f1, f2 = fns
+
+            def f(w: Window, at: int, seq: int) -> bool:
+                return f0(w, at, seq) or f1(w, at, seq) or f2(w, at, seq)
+        else:
+            def f(w: Window, at: int, seq: int) -> bool:
+                for g in fns:
+                    if g(w, at, seq):
+                        return True
+                return False
+        self.chains[id(f)] = (op, fns)
+        self.keep.append(f)  # ids stay unique while compiling
+        return f
 
     def num(self, node: Node, where: str) -> Fn:
         f, t = self.compile(node)
@@ -552,12 +605,29 @@ class _Compiler:
     def binary(self, node: Binary) -> Fn:
         a = self.num(node.left, f"'{node.op}'")
         b = self.num(node.right, f"'{node.op}'")
+        # A constant operand (``$kl_jump * clamp_min(...)``) is read from the closure, not called:
+        # the same float in the same operation, one call fewer per evaluation.
+        ca, cb = self.const(node.left), self.const(node.right)
         if node.op == "+":
+            if cb is not None:
+                return lambda w, at, seq: a(w, at, seq) + cb
+            if ca is not None:
+                return lambda w, at, seq: ca + b(w, at, seq)
             return lambda w, at, seq: a(w, at, seq) + b(w, at, seq)
         if node.op == "-":
+            if cb is not None:
+                return lambda w, at, seq: a(w, at, seq) - cb
+            if ca is not None:
+                return lambda w, at, seq: ca - b(w, at, seq)
             return lambda w, at, seq: a(w, at, seq) - b(w, at, seq)
         if node.op == "*":
+            if cb is not None:
+                return lambda w, at, seq: a(w, at, seq) * cb
+            if ca is not None:
+                return lambda w, at, seq: ca * b(w, at, seq)
             return lambda w, at, seq: a(w, at, seq) * b(w, at, seq)
+        if cb is not None and cb != 0:  # NaN too: x / nan is nan, no exception
+            return lambda w, at, seq: a(w, at, seq) / cb
 
         def div(w: Window, at: int, seq: int) -> float:
             x, y = a(w, at, seq), b(w, at, seq)
@@ -573,12 +643,33 @@ class _Compiler:
         fns = [self.num(o, f"'{node.ops[0]}'") for o in node.operands]
         ops = [_CMP_FN[o] for o in node.ops]
         if len(ops) == 1:
+            # The common shapes, one closure each (the default pack is evaluated for thousands of
+            # runs per tick): against a constant (``kl > 0.1``), a metric against a constant (its
+            # value read inline), two computed sides.
             f0, f1 = fns
-            right = node.operands[1]
-            if isinstance(right, Num):
-                # The common shape (``kl > 0.1``): compare against the constant inline; the
-                # default pack is evaluated for thousands of runs per tick.
-                c = right.value
+            left, right = node.operands
+            op = node.ops[0]
+            c = self.const(right)
+            if c is not None and isinstance(left, Metric):
+                name = left.name
+                return {
+                    "<": lambda w, at, seq: w.value(name, at) < c,
+                    "<=": lambda w, at, seq: w.value(name, at) <= c,
+                    ">": lambda w, at, seq: w.value(name, at) > c,
+                    ">=": lambda w, at, seq: w.value(name, at) >= c,
+                    "==": lambda w, at, seq: w.value(name, at) == c,
+                    "!=": lambda w, at, seq: w.value(name, at) != c,
+                }[op]
+            if c is not None and isinstance(left, Step):
+                return {
+                    "<": lambda w, at, seq: float(at) < c,
+                    "<=": lambda w, at, seq: float(at) <= c,
+                    ">": lambda w, at, seq: float(at) > c,
+                    ">=": lambda w, at, seq: float(at) >= c,
+                    "==": lambda w, at, seq: float(at) == c,
+                    "!=": lambda w, at, seq: float(at) != c,
+                }[op]
+            if c is not None:
                 return {
                     "<": lambda w, at, seq: f0(w, at, seq) < c,
                     "<=": lambda w, at, seq: f0(w, at, seq) <= c,
@@ -586,9 +677,25 @@ class _Compiler:
                     ">=": lambda w, at, seq: f0(w, at, seq) >= c,
                     "==": lambda w, at, seq: f0(w, at, seq) == c,
                     "!=": lambda w, at, seq: f0(w, at, seq) != c,
-                }[node.ops[0]]
-            op = ops[0]
-            return lambda w, at, seq: op(f0(w, at, seq), f1(w, at, seq))
+                }[op]
+            if isinstance(left, Metric):
+                name = left.name
+                return {
+                    "<": lambda w, at, seq: w.value(name, at) < f1(w, at, seq),
+                    "<=": lambda w, at, seq: w.value(name, at) <= f1(w, at, seq),
+                    ">": lambda w, at, seq: w.value(name, at) > f1(w, at, seq),
+                    ">=": lambda w, at, seq: w.value(name, at) >= f1(w, at, seq),
+                    "==": lambda w, at, seq: w.value(name, at) == f1(w, at, seq),
+                    "!=": lambda w, at, seq: w.value(name, at) != f1(w, at, seq),
+                }[op]
+            return {
+                "<": lambda w, at, seq: f0(w, at, seq) < f1(w, at, seq),
+                "<=": lambda w, at, seq: f0(w, at, seq) <= f1(w, at, seq),
+                ">": lambda w, at, seq: f0(w, at, seq) > f1(w, at, seq),
+                ">=": lambda w, at, seq: f0(w, at, seq) >= f1(w, at, seq),
+                "==": lambda w, at, seq: f0(w, at, seq) == f1(w, at, seq),
+                "!=": lambda w, at, seq: f0(w, at, seq) != f1(w, at, seq),
+            }[op]
 
         def chain(w: Window, at: int, seq: int) -> bool:
             left = fns[0](w, at, seq)

@@ -355,7 +355,14 @@ class Window:
         s = self._series.get(name)
         if s is None or at is None:
             raise MissingDataError(f"no data for metric {name!r}")
-        steps, a, b = self._span(s)
+        # _span inlined: every rule reads metrics at the evaluated step, the newest one.
+        steps = s.steps
+        if steps is None:
+            steps = self._rows
+            a = s.row0 - self._lo
+            b = a + len(s.values)
+        else:
+            a, b = 0, len(steps)
         if b > a and steps[b - 1] == at:
             return s.values[-1]
         i = bisect_left(steps, at, a, b)
