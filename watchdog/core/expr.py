@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
 from bisect import bisect_right
@@ -780,8 +781,12 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
         where = f"in the last {n} steps" if not lag else f"in the {n} steps ending {lag} back"
         # The window's cache holds results at one evaluated step (``Window.cache_at``), keyed by a
         # string built here once: its hash is cached, where a tuple's is recomputed at every lookup.
+        # The values in the window are cached too (``span``): count, median and std of one window
+        # (``count(kl, 5, 1) >= 1 and kl > median(kl, 5, 1)``) bisect and slice it once.
         key = f"{kind}({name}, {n}, {lag})"
+        span = f"({name}, {n}, {lag})"
         counting = kind == "count"
+        sloping = kind == "slope"
 
         def f(w: Window, at: int, seq: int) -> float:
             cache = w.cache
@@ -793,26 +798,31 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
                 if v is not None:
                     return v
             end = at - lag
-            # Window.values inlined (the hot path of every rule): the bounds of the steps in
-            # (end - n, end] by bisection; ``count`` needs no slice.
-            s = w._series.get(name)
-            if s is None:
-                vals: Sequence[float] = ()
-            else:
-                steps = s.steps
-                if steps is None:
-                    steps = w._rows
-                    a = s.row0 - w._lo
-                    b = a + len(s.values)
+            vals = cache.get(span) if not sloping else None  # slope needs the steps too
+            if vals is None:
+                # Window.values inlined (the hot path of every rule): the steps in (end - n, end] by bisection.
+                s = w._series.get(name)
+                if s is None:
+                    vals = ()
                 else:
-                    a, b = 0, len(steps)
-                hi = b if b > a and steps[b - 1] <= end else bisect_right(steps, end, a, b)
-                lo = bisect_right(steps, end - n, a, hi)
-                if counting:
-                    v = cache[key] = float(hi - lo)
-                    return v
-                vals = s.values[lo - a:hi - a]
-            if not vals and not counting:
+                    steps = s.steps
+                    if steps is None:
+                        steps = w._rows
+                        a = s.row0 - w._lo
+                        b = a + len(s.values)
+                    else:
+                        a, b = 0, len(steps)
+                    hi = b if b > a and steps[b - 1] <= end else bisect_right(steps, end, a, b)
+                    lo = bisect_right(steps, end - n, a, hi)
+                    vals = s.values[lo - a:hi - a]
+                    if sloping and vals:
+                        v = cache[key] = _slope(vals, steps[lo:hi], name, n)
+                        return v
+                cache[span] = vals
+            if counting:
+                v = cache[key] = float(len(vals))
+                return v
+            if not vals:
                 raise MissingDataError(f"{kind}({name}, {n}{f', {lag}' if lag else ''}): no values {where}")
             v = cache[key] = reduce(vals, w, name, n, end)
             return v
@@ -873,14 +883,34 @@ def _delta(vals: Sequence[float], *_: Any) -> float:
     return vals[-1] - vals[0]
 
 
-def _slope(vals: Sequence[float], w: Window, name: str, n: int, at: int) -> float:
-    steps, ys = w.points(name, n, at)
+def _slope(ys: Sequence[float], steps: Sequence[int], name: str, n: int) -> float:
+    """Least-squares slope of ``ys`` over ``steps`` (Window.points of the window)."""
     if len(ys) < 2:
         raise MissingDataError(f"slope({name}, {n}): needs 2 values, has {len(ys)}")
-    mx = sum(steps) / len(steps)
+    k = len(steps)
+    first = steps[0]
     my = _fsum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in steps)
-    return _fsum((x - mx) * (y - my) for x, y in zip(steps, ys, strict=True)) / sxx
+    if steps[-1] - first == k - 1 and -_EXACT < first < _EXACT:
+        # Consecutive steps (nearly always): x - mean(x) is exactly i - (k - 1) / 2 (halves of small
+        # integers, exact in floats, as is the correctly rounded int mean), so those and their sum
+        # of squares are computed once per length: the same floats, the same sums, as below.
+        dx, sxx = _centred(k)
+    else:
+        mx = sum(steps) / k
+        dx = [x - mx for x in steps]
+        sxx = sum([d ** 2 for d in dx])
+    return _fsum([d * (y - my) for d, y in zip(dx, ys, strict=True)]) / sxx
+
+
+_EXACT = 2**50
+"""Steps below this in magnitude are exact in floats with room for the half of a centred mean."""
+
+
+@functools.lru_cache(maxsize=64)
+def _centred(k: int) -> tuple[list[float], float]:
+    mx = sum(range(k)) / k  # the mean of 0..k-1; of first..first+k-1 it is first + this, exactly
+    dx = [i - mx for i in range(k)]
+    return dx, sum([d ** 2 for d in dx])
 
 
 def _zscore(vals: list[float], w: Window, name: str, n: int, at: int) -> float:
@@ -897,7 +927,7 @@ def _zscore(vals: list[float], w: Window, name: str, n: int, at: int) -> float:
 
 _REDUCERS: dict[str, Callable[..., float]] = {
     "avg": _avg, "min": _min, "max": _max, "std": _std, "median": _median, "count": _count,
-    "delta": _delta, "slope": _slope, "zscore": _zscore,
+    "delta": _delta, "slope": _delta, "zscore": _zscore,  # slope: computed in _window_fn (steps needed)
 }
 
 
