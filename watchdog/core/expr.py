@@ -966,13 +966,78 @@ def _build_holds(c: _Compiler, node: Call) -> Fn:
     finally:
         c.optional_depth -= 1
 
-    def f(w: Window, at: int, seq: int) -> bool:
-        try:
-            return bool(cond(w, at, seq))
-        except MissingDataError:
-            return False
+    if _reads_seq(node):
+        def f(w: Window, at: int, seq: int) -> bool:
+            try:
+                return bool(cond(w, at, seq))
+            except MissingDataError:
+                return False
 
-    return f
+        return f
+
+    # A confirmation is often shared by many rules (``not holds(aborted_ratio > ...)`` in eight of the
+    # default pack), and often fails on a metric the run does not log: its value at a step is cached
+    # with the window functions', under a text naming every parameter's value (packs evaluated on
+    # one window may differ in them). Not when it reads events since the last evaluation (``seq``).
+    key = "holds:" + _key(node.args[0], c.params)
+
+    def held(w: Window, at: int, seq: int) -> bool:
+        cache = w.cache
+        if w.cache_at != at:
+            cache.clear()
+            w.cache_at = at
+        else:
+            v = cache.get(key)
+            if v is not None:
+                return v  # type: ignore[no-any-return]
+        try:
+            v = bool(cond(w, at, seq))
+        except MissingDataError:
+            v = False
+        cache[key] = v
+        return v
+
+    return held
+
+
+def _reads_seq(node: Node) -> bool:
+    """True when the expression calls ``event()`` (its value depends on the evaluation's ``seq``)."""
+    if isinstance(node, Call):
+        return node.func == "event" or any(_reads_seq(a) for a in node.args)
+    if isinstance(node, (Unary, Not)):
+        return _reads_seq(node.operand)
+    if isinstance(node, (Binary, BoolOp)):
+        return _reads_seq(node.left) or _reads_seq(node.right)
+    if isinstance(node, Compare):
+        return any(_reads_seq(o) for o in node.operands)
+    return False
+
+
+def _key(node: Node, params: Mapping[str, float]) -> str:
+    """Exact text of an expression for a cache key: fully parenthesised, numbers by repr, and each
+    ``$param`` with its value (two expressions with one key compute the same)."""
+    if isinstance(node, Num):
+        return repr(node.value)
+    if isinstance(node, Param):
+        return f"${node.name}={float(params[node.name])!r}"
+    if isinstance(node, Str):
+        return repr(node.value)
+    if isinstance(node, Step):
+        return "step"
+    if isinstance(node, Metric):
+        return node.name
+    if isinstance(node, Unary):
+        return f"(-{_key(node.operand, params)})"
+    if isinstance(node, (Binary, BoolOp)):
+        return f"({_key(node.left, params)} {node.op} {_key(node.right, params)})"
+    if isinstance(node, Compare):
+        parts = [_key(node.operands[0], params)]
+        for op, operand in zip(node.ops, node.operands[1:], strict=True):
+            parts += [op, _key(operand, params)]
+        return "(" + " ".join(parts) + ")"
+    if isinstance(node, Not):
+        return f"(not {_key(node.operand, params)})"
+    return f"{node.func}(" + ", ".join(_key(a, params) for a in node.args) + ")"
 
 
 def _build_count_over(c: _Compiler, node: Call) -> Fn:
