@@ -787,6 +787,7 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
         span = f"({name}, {n}, {lag})"
         counting = kind == "count"
         sloping = kind == "slope"
+        median = kind == "median"
 
         def f(w: Window, at: int, seq: int) -> float:
             cache = w.cache
@@ -814,7 +815,7 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
                         a, b = 0, len(steps)
                     hi = b if b > a and steps[b - 1] <= end else bisect_right(steps, end, a, b)
                     lo = bisect_right(steps, end - n, a, hi)
-                    vals = s.values[lo - a:hi - a]
+                    vals = s.values[lo - a:hi - a].tolist()  # boxed once for every reduction of it
                     if sloping and vals:
                         v = cache[key] = _slope(vals, steps[lo:hi], name, n)
                         return v
@@ -824,12 +825,25 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
                 return v
             if not vals:
                 raise MissingDataError(f"{kind}({name}, {n}{f', {lag}' if lag else ''}): no values {where}")
+            if median:  # _median inlined, the most common reduction
+                t = sum(vals)
+                if t != t and any(map(_isnan, vals)):
+                    v = math.nan
+                else:
+                    srt = sorted(vals)
+                    mid = len(srt) // 2
+                    v = srt[mid] if len(srt) % 2 else (srt[mid - 1] + srt[mid]) / 2
+                cache[key] = v
+                return v
             v = cache[key] = reduce(vals, w, name, n, end)
             return v
 
         return f
 
     return build
+
+
+_isnan = math.isnan
 
 
 def _has_nan(vals: Sequence[float]) -> bool:
