@@ -255,7 +255,7 @@ def evaluate(
             same = False
         states.append(new)
     # Nothing changed: the previous mapping serves again (it has these names, in this order).
-    new_rules = old if same and len(old) == len(names) and tuple(old) == names else dict(zip(names, states))
+    new_rules = old if same and len(old) == len(names) and tuple(old) == names else dict(zip(names, states, strict=True))
     # EngineState(clock, step, event_seq, new_rules), without the frozen dataclass's five
     # object.__setattr__ calls: the same fields, set once on a new object (a third of the time).
     new = _new_state(EngineState)
