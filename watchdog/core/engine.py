@@ -235,7 +235,14 @@ def evaluate(
     same = True
     for name, enabled, fn, rule in plan:
         rs = get(name, _INITIAL)
-        if not enabled:
+        if rs is _INITIAL and enabled:  # never fired, healthy: the commonest state, one identity test
+            try:
+                cond = fn(window, step, seq)
+            except Exception as exc:  # noqa: BLE001 - a broken rule must not stop the others; recorded
+                new = _failed(rule, rs, exc, step)
+            else:
+                new = _transition(rule, rs, True, None, window, step, clock, seq, decisions) if cond else rs
+        elif not enabled:
             new = rs
         elif rs.status == INACTIVE and rs.since is None:
             # At rest, the common case (most rules of most runs), inlined: _step_rule's first branch.
