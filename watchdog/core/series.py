@@ -175,7 +175,8 @@ class Window:
     def append_record(self, record: Mapping[str, Any]) -> None:
         """Append one FileLogger record; verl keys (and their aliases) map through the catalog."""
         data = record.get("data", {})
-        self.append(int(record["step"]), catalog.to_short(data if isinstance(data, Mapping) else {}, self.sources))
+        ok = type(data) is dict or isinstance(data, Mapping)  # the ABC check only for what is not a dict
+        self.append(int(record["step"]), catalog.to_short(data if ok else {}, self.sources))
 
     def append(self, step: int, values: Mapping[str, float]) -> None:
         """Record one step's values (short names). A step <= the newest first drops that step and later."""
@@ -186,16 +187,18 @@ class Window:
         row = self._lo + len(rows)
         rows.append(step)
         size = self.size
+        limit = 2 * size if size is not None else None
         keep = self.metrics
+        series = self._series
         for name, value in values.items():
             v = float(value)
             if v - v != 0.0:  # NaN or +-inf, without a function call per value
                 self.nonfinite_steps.add(step)
             if keep is not None and name not in keep:
                 continue
-            s = self._series.get(name)
+            s = series.get(name)
             if s is None:
-                s = self._series[name] = _Series(row)
+                s = series[name] = _Series(row)
             vals = s.values
             if s.steps is not None:
                 s.steps.append(step)
@@ -210,10 +213,10 @@ class Window:
             # NaN never becomes "best": a diverged step must not reset a stall detector.
             if v > s.top:
                 s.top, s.top_at = v, step
-            if size is not None and len(vals) > 2 * size:
-                self._trim(s, size)
-        if size is not None and len(rows) > 2 * size:
-            self._trim_rows(size)
+            if limit is not None and len(vals) > limit:
+                self._trim(s, size)  # type: ignore[arg-type]
+        if limit is not None and len(rows) > limit:
+            self._trim_rows(size)  # type: ignore[arg-type]
         self.step = step
 
     def _unalign(self, s: _Series) -> None:
