@@ -263,6 +263,9 @@ def evaluate(
         states.append(new)
     # Nothing changed: the previous mapping serves again (it has these names, in this order).
     new_rules = old if same and len(old) == len(names) and tuple(old) == names else dict(zip(names, states, strict=True))
+    # The window functions' results and the windows' values they shared are of no use once the step
+    # is judged (the next append clears them anyway): a daemon keeps a window per run between ticks.
+    window.cache.clear()
     # EngineState(clock, step, event_seq, new_rules), without the frozen dataclass's five
     # object.__setattr__ calls: the same fields, set once on a new object (a third of the time).
     new = _new_state(EngineState)
