@@ -489,6 +489,8 @@ class _Compiler:
         self.chains: dict[int, tuple[str, tuple[Fn, ...]]] = {}
         """A compiled and/or chain's operands, by the id of its closure (flattened into its parent's)."""
         self.keep: list[Fn] = []
+        self.holds: dict[int, tuple[Fn, str]] = {}
+        """A cached holds()'s condition and cache key, by the id of its closure (``not holds`` fuses them)."""
 
     def compile(self, node: Node) -> tuple[Fn, str]:
         if isinstance(node, Num):
@@ -523,6 +525,28 @@ class _Compiler:
             return self.chain(node.op, a, b), BOOL
         if isinstance(node, Not):
             f = self.cond(node.operand, "'not'")
+            held = self.holds.get(id(f))
+            if held is not None:
+                # ``not holds(...)``, in most rules of the default pack: one closure, the same cache entry.
+                cond, key = held
+
+                def not_held(w: Window, at: int, seq: int) -> bool:
+                    cache = w.cache
+                    if w.cache_at != at:
+                        cache.clear()
+                        w.cache_at = at
+                    else:
+                        v = cache.get(key)
+                        if v is not None:
+                            return not v
+                    try:
+                        v = bool(cond(w, at, seq))
+                    except MissingDataError:
+                        v = False
+                    cache[key] = v
+                    return not v
+
+                return not_held, BOOL
             return (lambda w, at, seq: not f(w, at, seq)), BOOL
         return self.call(node)
 
@@ -1011,6 +1035,8 @@ def _build_holds(c: _Compiler, node: Call) -> Fn:
         cache[key] = v
         return v
 
+    c.holds[id(held)] = (cond, key)
+    c.keep.append(held)  # ids stay unique while compiling
     return held
 
 
@@ -1128,6 +1154,23 @@ def _build_clamp(op: Callable[[float, float], float], name: str) -> Callable[[_C
     def build(c: _Compiler, node: Call) -> Fn:
         f = c.num(node.args[0], f"{name}()")
         b = c.num(node.args[1], f"{name}()")
+
+        bound = c.const(node.args[1])
+        if bound is not None and not math.isnan(bound):
+            # A constant bound (``clamp_min(median(kl, 5, 1), $kl_floor)``), the builtin inlined:
+            # max(x, bound) is x unless bound > x, min(x, bound) x unless bound < x.
+            if op is max:
+                def lo(w: Window, at: int, seq: int) -> float:
+                    x = f(w, at, seq)
+                    return math.nan if x != x else (bound if bound > x else x)  # x != x: NaN
+
+                return lo
+
+            def hi(w: Window, at: int, seq: int) -> float:
+                x = f(w, at, seq)
+                return math.nan if x != x else (bound if bound < x else x)
+
+            return hi
 
         def g(w: Window, at: int, seq: int) -> float:
             x, bound = f(w, at, seq), b(w, at, seq)
