@@ -252,3 +252,33 @@ def test_default_pack_evaluates_in_well_under_a_millisecond_per_run() -> None:
         evaluate(rules, w, s, 120)
     per_run = (time.process_time() - t0) / len(windows)
     assert per_run < 1e-3, f"{per_run * 1e6:.0f} us per run"
+
+
+def test_the_rule_states_are_kept_as_they_were_when_no_rule_changed_and_rebuilt_in_pack_order_otherwise() -> None:
+    rules = ruleset(rule("a", "kl > 0.5"), rule("b", "kl > 0.7"))
+    w = Window(5)
+    w.append(1, {"kl": 0.1})
+    _, st1 = evaluate(rules, w, EngineState(), 1)
+    w.append(2, {"kl": 0.2})
+    _, st2 = evaluate(rules, w, st1, 2)
+    assert st2.rules is st1.rules  # at rest: nothing to rebuild
+    # A state read back from JSON lists its rules sorted; the next one lists them in pack order.
+    loaded = EngineState.from_json({**st2.to_json(), "rules": {"b": {}, "a": {}, "gone": {}}})
+    w.append(3, {"kl": 0.3})
+    _, st3 = evaluate(rules, w, loaded, 3)
+    assert list(st3.rules) == ["a", "b"]
+
+
+def test_a_list_of_rules_and_the_ruleset_evaluate_alike() -> None:
+    rules = ruleset(rule("a", "kl > 0.5", **{"for": 1}), rule("b", "avg(kl, 2) > 0.4"), rule("c", "vf_loss > 1"))
+    kl = [0.1, 0.6, 0.7, 0.2, 0.9, 0.9]
+    w1, w2 = Window(5), Window(5)
+    s1 = s2 = EngineState()
+    for i, x in enumerate(kl, 1):
+        w1.append(i, {"kl": x})
+        w2.append(i, {"kl": x})
+        d1, s1 = evaluate(rules, w1, s1, i)
+        d2, s2 = evaluate(list(rules), w2, s2, i)
+        assert [d.to_json() for d in d1] == [d.to_json() for d in d2]
+        assert s1.to_json() == s2.to_json()
+    assert s1.rule("c").health == "unhealthy" and s1.rule("a").status == FIRING

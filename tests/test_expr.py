@@ -248,3 +248,85 @@ def test_the_kl_signal_is_the_best_ranked_key_the_record_carries(data: dict) -> 
     if want is not None:
         assert out["kl"] == float(data[want])
     assert ("kl_loss" in out) == ("actor/kl_loss" in numeric)
+
+
+# -- the hot path's shortcuts (issue 22): each gives what the plain evaluation gives -------------
+
+
+def test_a_holds_shared_by_two_packs_is_not_shared_when_their_parameters_differ() -> None:
+    # holds() is cached per step under its text; the text must carry the parameters' values.
+    w = window(kl=[0.5])
+    low = compile_expr("holds(kl > $t)", E.BOOL, {"t": 0.1})
+    high = compile_expr("holds(kl > $t)", E.BOOL, {"t": 1.0})
+    assert low(w) is True
+    assert high(w) is False
+    assert low(w) is True
+
+
+def test_a_holds_that_reads_events_is_evaluated_again_for_another_seq() -> None:
+    w = window(kl=[0.5])
+    w.add_event({"kind": "oom", "step": 1})
+    c = compile_expr('holds(event("oom") > 0)', E.BOOL)
+    assert c(w, 1, 0) is True
+    assert c(w, 1, 1) is False  # the event was seen by the last evaluation
+
+
+def test_a_window_function_cached_at_one_step_is_not_read_at_another() -> None:
+    w = window(kl=[1.0, 2.0, 4.0, 8.0, 16.0])
+    avg2 = compile_expr("avg(kl, 2)", E.NUM)
+    med3 = compile_expr("median(kl, 3, 1)", E.NUM)
+    assert avg2(w, 5) == 12.0 and avg2(w, 3) == 3.0 and avg2(w, 5) == 12.0
+    assert med3(w, 5) == 4.0 and med3(w, 4) == 2.0
+    w.append(6, {"kl": 32.0})  # new data: nothing cached survives
+    assert avg2(w, 6) == 24.0 and med3(w, 6) == 8.0
+
+
+def test_count_median_and_min_of_one_window_share_its_values_and_agree_with_the_plain_math() -> None:
+    vals = [3.0, -0.0, 0.0, 7.0, 1.0, math.nan, 2.0, 5.0]
+    w = window(kl=vals)
+    for at in range(1, len(vals) + 1):
+        recent = vals[max(0, at - 1 - 4):at - 1]  # the 4 steps before ``at``
+        c = compile_expr("count(kl, 4, 1) + median(kl, 4, 1) + min(kl, 4, 1)", E.NUM)
+        if not recent:
+            with pytest.raises(MissingDataError, match=r"median\(kl, 4, 1\): no values"):
+                c(w, at)
+            continue
+        want = len(recent) + (math.nan if any(map(math.isnan, recent)) else
+                              statistics.median(recent) + min(recent))
+        got = c(w, at)
+        assert (math.isnan(got) and math.isnan(want)) or got == want
+
+
+def test_slope_over_consecutive_steps_is_bit_for_bit_the_least_squares_formula() -> None:
+    rnd = np.random.default_rng(3)
+    for start in (1, 10**12):  # far steps too: the centred steps must stay exact
+        ys = [float(x) for x in rnd.normal(0.0, 1.0, 30)]
+        w = Window(100)
+        for i, y in enumerate(ys):
+            w.append(start + i, {"reward": y})
+        steps = list(range(start, start + 30))
+        mx = sum(steps) / 30
+        my = math.fsum(ys) / 30
+        want = math.fsum((x - mx) * (y - my) for x, y in zip(steps, ys, strict=True)) / sum((x - mx) ** 2 for x in steps)
+        assert compile_expr("slope(reward, 30)", E.NUM)(w).hex() == want.hex()
+
+
+def test_and_or_chains_stop_at_the_first_deciding_condition_as_python_does() -> None:
+    w = window(kl=[0.5])  # vf_loss is never logged: reading it raises
+    assert val("kl > 1 and kl > 0 and vf_loss > 0 and kl > 0", w, E.BOOL) is False
+    assert val("kl > 0 or vf_loss > 0 or kl > 1 or kl > 2", w, E.BOOL) is True
+    with pytest.raises(MissingDataError):
+        val("kl > 0 and kl > 0.1 and vf_loss > 0 and kl > 1", w, E.BOOL)
+    assert val("kl > 1 or kl > 2 or kl > 3 or kl > 0.4", w, E.BOOL) is True
+    assert val("kl > 1 or (kl > 2 and kl > 0) or kl < 0", w, E.BOOL) is False
+
+
+def test_constant_operands_and_parameters_compute_as_the_general_operations() -> None:
+    w = window(kl=[0.25])
+    p = {"k": 2.0, "z": 0.0}
+    assert compile_expr("$k * kl + 1 - kl / $k", E.NUM, p)(w) == 2.0 * 0.25 + 1 - 0.25 / 2.0
+    assert compile_expr("0 / (kl - kl) > 0", E.BOOL, p)(w) is False  # 0/0 is nan, not an error
+    assert compile_expr("1 / (kl - kl)", E.NUM, p)(w) == math.inf
+    assert compile_expr("kl / $z", E.NUM, p)(w) == math.inf
+    assert compile_expr("-$k < kl", E.BOOL, p)(w) is True
+    assert compile_expr("step >= 1 and kl == 0.25 and 2 > kl", E.BOOL, p)(w) is True

@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
+from bisect import bisect_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -484,6 +486,11 @@ class _Compiler:
         self.required: set[str] = set()
         self.max_window = 1
         self.in_count_over = False
+        self.chains: dict[int, tuple[str, tuple[Fn, ...]]] = {}
+        """A compiled and/or chain's operands, by the id of its closure (flattened into its parent's)."""
+        self.keep: list[Fn] = []
+        self.holds: dict[int, tuple[Fn, str]] = {}
+        """A cached holds()'s condition and cache key, by the id of its closure (``not holds`` fuses them)."""
 
     def compile(self, node: Node) -> tuple[Fn, str]:
         if isinstance(node, Num):
@@ -504,6 +511,9 @@ class _Compiler:
             return self.metric(node), NUM
         if isinstance(node, Unary):
             f = self.num(node.operand, "'-'")
+            c = self.const(node)
+            if c is not None:
+                return (lambda w, at, seq: c), NUM
             return (lambda w, at, seq: -f(w, at, seq)), NUM
         if isinstance(node, Binary):
             return self.binary(node), NUM
@@ -512,11 +522,31 @@ class _Compiler:
         if isinstance(node, BoolOp):
             a = self.cond(node.left, f"'{node.op}'")
             b = self.cond(node.right, f"'{node.op}'")
-            if node.op == "and":
-                return (lambda w, at, seq: a(w, at, seq) and b(w, at, seq)), BOOL
-            return (lambda w, at, seq: a(w, at, seq) or b(w, at, seq)), BOOL
+            return self.chain(node.op, a, b), BOOL
         if isinstance(node, Not):
             f = self.cond(node.operand, "'not'")
+            held = self.holds.get(id(f))
+            if held is not None:
+                # ``not holds(...)``, in most rules of the default pack: one closure, the same cache entry.
+                cond, key = held
+
+                def not_held(w: Window, at: int, seq: int) -> bool:
+                    cache = w.cache
+                    if w.cache_at != at:
+                        cache.clear()
+                        w.cache_at = at
+                    else:
+                        v = cache.get(key)
+                        if v is not None:
+                            return not v
+                    try:
+                        v = bool(cond(w, at, seq))
+                    except MissingDataError:
+                        v = False
+                    cache[key] = v
+                    return not v
+
+                return not_held, BOOL
             return (lambda w, at, seq: not f(w, at, seq)), BOOL
         return self.call(node)
 
@@ -525,6 +555,55 @@ class _Compiler:
         self.metrics.add(name)
         if not self.optional_depth:
             self.required.add(name)
+
+    def const(self, node: Node) -> float | None:
+        """The value of a constant operand (a number, a bound ``$param``, a negated constant), else None."""
+        if isinstance(node, Num):
+            return node.value
+        if isinstance(node, Param) and node.name in self.params:
+            return float(self.params[node.name])
+        if isinstance(node, Unary):
+            c = self.const(node.operand)
+            return None if c is None else -c
+        return None
+
+    def chain(self, op: str, a: Fn, b: Fn) -> Fn:
+        """``a and b`` (``or``) as one closure over the whole chain ``x and y and z ...``: conditions are
+        bools, so the chain's value is the first false (true) operand's or the last one's, as Python's."""
+        fns = self.chains.get(id(a), (op, (a,)))[1] if self.chains.get(id(a), ("",))[0] == op else (a,)
+        fns += self.chains.get(id(b), (op, (b,)))[1] if self.chains.get(id(b), ("",))[0] == op else (b,)
+        if op == "and":
+            if len(fns) == 2:
+                def f(w: Window, at: int, seq: int) -> bool:
+                    return a(w, at, seq) and b(w, at, seq)
+            elif len(fns) == 3:
+                f0, f1, f2 = fns
+
+                def f(w: Window, at: int, seq: int) -> bool:
+                    return f0(w, at, seq) and f1(w, at, seq) and f2(w, at, seq)
+            else:
+                def f(w: Window, at: int, seq: int) -> bool:
+                    for g in fns:
+                        if not g(w, at, seq):
+                            return False
+                    return True
+        elif len(fns) == 2:
+            def f(w: Window, at: int, seq: int) -> bool:
+                return a(w, at, seq) or b(w, at, seq)
+        elif len(fns) == 3:
+            f0, f1, f2 = fns
+
+            def f(w: Window, at: int, seq: int) -> bool:
+                return f0(w, at, seq) or f1(w, at, seq) or f2(w, at, seq)
+        else:
+            def f(w: Window, at: int, seq: int) -> bool:
+                for g in fns:
+                    if g(w, at, seq):
+                        return True
+                return False
+        self.chains[id(f)] = (op, fns)
+        self.keep.append(f)  # ids stay unique while compiling
+        return f
 
     def num(self, node: Node, where: str) -> Fn:
         f, t = self.compile(node)
@@ -551,12 +630,29 @@ class _Compiler:
     def binary(self, node: Binary) -> Fn:
         a = self.num(node.left, f"'{node.op}'")
         b = self.num(node.right, f"'{node.op}'")
+        # A constant operand (``$kl_jump * clamp_min(...)``) is read from the closure, not called:
+        # the same float in the same operation, one call fewer per evaluation.
+        ca, cb = self.const(node.left), self.const(node.right)
         if node.op == "+":
+            if cb is not None:
+                return lambda w, at, seq: a(w, at, seq) + cb
+            if ca is not None:
+                return lambda w, at, seq: ca + b(w, at, seq)
             return lambda w, at, seq: a(w, at, seq) + b(w, at, seq)
         if node.op == "-":
+            if cb is not None:
+                return lambda w, at, seq: a(w, at, seq) - cb
+            if ca is not None:
+                return lambda w, at, seq: ca - b(w, at, seq)
             return lambda w, at, seq: a(w, at, seq) - b(w, at, seq)
         if node.op == "*":
+            if cb is not None:
+                return lambda w, at, seq: a(w, at, seq) * cb
+            if ca is not None:
+                return lambda w, at, seq: ca * b(w, at, seq)
             return lambda w, at, seq: a(w, at, seq) * b(w, at, seq)
+        if cb is not None and cb != 0:  # NaN too: x / nan is nan, no exception
+            return lambda w, at, seq: a(w, at, seq) / cb
 
         def div(w: Window, at: int, seq: int) -> float:
             x, y = a(w, at, seq), b(w, at, seq)
@@ -572,12 +668,33 @@ class _Compiler:
         fns = [self.num(o, f"'{node.ops[0]}'") for o in node.operands]
         ops = [_CMP_FN[o] for o in node.ops]
         if len(ops) == 1:
+            # The common shapes, one closure each (the default pack is evaluated for thousands of
+            # runs per tick): against a constant (``kl > 0.1``), a metric against a constant (its
+            # value read inline), two computed sides.
             f0, f1 = fns
-            right = node.operands[1]
-            if isinstance(right, Num):
-                # The common shape (``kl > 0.1``): compare against the constant inline; the
-                # default pack is evaluated for thousands of runs per tick.
-                c = right.value
+            left, right = node.operands
+            op = node.ops[0]
+            c = self.const(right)
+            if c is not None and isinstance(left, Metric):
+                name = left.name
+                return {
+                    "<": lambda w, at, seq: w.value(name, at) < c,
+                    "<=": lambda w, at, seq: w.value(name, at) <= c,
+                    ">": lambda w, at, seq: w.value(name, at) > c,
+                    ">=": lambda w, at, seq: w.value(name, at) >= c,
+                    "==": lambda w, at, seq: w.value(name, at) == c,
+                    "!=": lambda w, at, seq: w.value(name, at) != c,
+                }[op]
+            if c is not None and isinstance(left, Step):
+                return {
+                    "<": lambda w, at, seq: float(at) < c,
+                    "<=": lambda w, at, seq: float(at) <= c,
+                    ">": lambda w, at, seq: float(at) > c,
+                    ">=": lambda w, at, seq: float(at) >= c,
+                    "==": lambda w, at, seq: float(at) == c,
+                    "!=": lambda w, at, seq: float(at) != c,
+                }[op]
+            if c is not None:
                 return {
                     "<": lambda w, at, seq: f0(w, at, seq) < c,
                     "<=": lambda w, at, seq: f0(w, at, seq) <= c,
@@ -585,9 +702,25 @@ class _Compiler:
                     ">=": lambda w, at, seq: f0(w, at, seq) >= c,
                     "==": lambda w, at, seq: f0(w, at, seq) == c,
                     "!=": lambda w, at, seq: f0(w, at, seq) != c,
-                }[node.ops[0]]
-            op = ops[0]
-            return lambda w, at, seq: op(f0(w, at, seq), f1(w, at, seq))
+                }[op]
+            if isinstance(left, Metric):
+                name = left.name
+                return {
+                    "<": lambda w, at, seq: w.value(name, at) < f1(w, at, seq),
+                    "<=": lambda w, at, seq: w.value(name, at) <= f1(w, at, seq),
+                    ">": lambda w, at, seq: w.value(name, at) > f1(w, at, seq),
+                    ">=": lambda w, at, seq: w.value(name, at) >= f1(w, at, seq),
+                    "==": lambda w, at, seq: w.value(name, at) == f1(w, at, seq),
+                    "!=": lambda w, at, seq: w.value(name, at) != f1(w, at, seq),
+                }[op]
+            return {
+                "<": lambda w, at, seq: f0(w, at, seq) < f1(w, at, seq),
+                "<=": lambda w, at, seq: f0(w, at, seq) <= f1(w, at, seq),
+                ">": lambda w, at, seq: f0(w, at, seq) > f1(w, at, seq),
+                ">=": lambda w, at, seq: f0(w, at, seq) >= f1(w, at, seq),
+                "==": lambda w, at, seq: f0(w, at, seq) == f1(w, at, seq),
+                "!=": lambda w, at, seq: f0(w, at, seq) != f1(w, at, seq),
+            }[op]
 
         def chain(w: Window, at: int, seq: int) -> bool:
             left = fns[0](w, at, seq)
@@ -670,17 +803,63 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
         c.read(name)
         reduce = _REDUCERS[kind]
         where = f"in the last {n} steps" if not lag else f"in the {n} steps ending {lag} back"
+        # The window's cache holds results at one evaluated step (``Window.cache_at``), keyed by a
+        # string built here once: its hash is cached, where a tuple's is recomputed at every lookup.
+        # The values in the window are cached too (``span``): count, median and std of one window
+        # (``count(kl, 5, 1) >= 1 and kl > median(kl, 5, 1)``) bisect and slice it once.
+        key = f"{kind}({name}, {n}, {lag})"
+        span = f"({name}, {n}, {lag})"
+        counting = kind == "count"
+        sloping = kind == "slope"
+        median = kind == "median"
 
         def f(w: Window, at: int, seq: int) -> float:
-            key = (kind, name, n, lag, at)
-            v = w.cache.get(key)
-            if v is None:
-                end = at - lag
-                vals = w.values(name, n, end)
-                if not vals and kind != "count":
-                    raise MissingDataError(f"{kind}({name}, {n}{f', {lag}' if lag else ''}): no values {where}")
-                v = reduce(vals, w, name, n, end)
-                w.cache[key] = v
+            cache = w.cache
+            if w.cache_at != at:
+                cache.clear()
+                w.cache_at = at
+            else:
+                v = cache.get(key)
+                if v is not None:
+                    return v
+            end = at - lag
+            vals = cache.get(span) if not sloping else None  # slope needs the steps too
+            if vals is None:
+                # Window.values inlined (the hot path of every rule): the steps in (end - n, end] by bisection.
+                s = w._series.get(name)
+                if s is None:
+                    vals = ()
+                else:
+                    steps = s.steps
+                    if steps is None:
+                        steps = w._rows
+                        a = s.row0 - w._lo
+                        b = a + len(s.values)
+                    else:
+                        a, b = 0, len(steps)
+                    hi = b if b > a and steps[b - 1] <= end else bisect_right(steps, end, a, b)
+                    lo = bisect_right(steps, end - n, a, hi)
+                    vals = s.values[lo - a:hi - a].tolist()  # boxed once for every reduction of it
+                    if sloping and vals:
+                        v = cache[key] = _slope(vals, steps[lo:hi], name, n)
+                        return v
+                cache[span] = vals
+            if counting:
+                v = cache[key] = float(len(vals))
+                return v
+            if not vals:
+                raise MissingDataError(f"{kind}({name}, {n}{f', {lag}' if lag else ''}): no values {where}")
+            if median:  # _median inlined, the most common reduction
+                t = sum(vals)
+                if t != t and any(map(_isnan, vals)):
+                    v = math.nan
+                else:
+                    srt = sorted(vals)
+                    mid = len(srt) // 2
+                    v = srt[mid] if len(srt) % 2 else (srt[mid - 1] + srt[mid]) / 2
+                cache[key] = v
+                return v
+            v = cache[key] = reduce(vals, w, name, n, end)
             return v
 
         return f
@@ -688,9 +867,13 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
     return build
 
 
-def _has_nan(vals: list[float]) -> bool:
-    return any(map(math.isnan, vals))
+_isnan = math.isnan
 
+
+def _has_nan(vals: Sequence[float]) -> bool:
+    # A sum is NaN when a value is NaN (or +inf and -inf meet): one C loop, and a closer look only then.
+    t = sum(vals)
+    return t != t and any(map(math.isnan, vals))
 
 
 def _fsum(vals):  # type: ignore[no-untyped-def]
@@ -700,47 +883,72 @@ def _fsum(vals):  # type: ignore[no-untyped-def]
     except ValueError:
         return float("nan")
 
-def _avg(vals: list[float], *_: Any) -> float:
-    return _fsum(vals) / len(vals)
+
+def _avg(vals: Sequence[float], *_: Any) -> float:
+    try:
+        return math.fsum(vals) / len(vals)
+    except ValueError:  # inf + -inf: _fsum's nan
+        return math.nan
 
 
-def _min(vals: list[float], *_: Any) -> float:
+def _min(vals: Sequence[float], *_: Any) -> float:
     return math.nan if _has_nan(vals) else min(vals)
 
 
-def _max(vals: list[float], *_: Any) -> float:
+def _max(vals: Sequence[float], *_: Any) -> float:
     return math.nan if _has_nan(vals) else max(vals)
 
 
 def _std(vals: Sequence[float], *_: Any) -> float:
     m = _fsum(vals) / len(vals)
-    return math.sqrt(_fsum((v - m) ** 2 for v in vals) / len(vals))
+    return math.sqrt(_fsum([(v - m) ** 2 for v in vals]) / len(vals))
 
 
-def _median(vals: list[float], *_: Any) -> float:
-    if _has_nan(vals):
+def _median(vals: Sequence[float], *_: Any) -> float:
+    t = sum(vals)
+    if t != t and any(map(math.isnan, vals)):
         return math.nan
     srt = sorted(vals)
     mid = len(srt) // 2
     return srt[mid] if len(srt) % 2 else (srt[mid - 1] + srt[mid]) / 2
 
 
-def _count(vals: list[float], *_: Any) -> float:
+def _count(vals: Sequence[float], *_: Any) -> float:
     return float(len(vals))
 
 
-def _delta(vals: list[float], *_: Any) -> float:
+def _delta(vals: Sequence[float], *_: Any) -> float:
     return vals[-1] - vals[0]
 
 
-def _slope(vals: list[float], w: Window, name: str, n: int, at: int) -> float:
-    steps, ys = w.points(name, n, at)
+def _slope(ys: Sequence[float], steps: Sequence[int], name: str, n: int) -> float:
+    """Least-squares slope of ``ys`` over ``steps`` (Window.points of the window)."""
     if len(ys) < 2:
         raise MissingDataError(f"slope({name}, {n}): needs 2 values, has {len(ys)}")
-    mx = sum(steps) / len(steps)
+    k = len(steps)
+    first = steps[0]
     my = _fsum(ys) / len(ys)
-    sxx = sum((x - mx) ** 2 for x in steps)
-    return _fsum((x - mx) * (y - my) for x, y in zip(steps, ys, strict=True)) / sxx
+    if steps[-1] - first == k - 1 and -_EXACT < first < _EXACT:
+        # Consecutive steps (nearly always): x - mean(x) is exactly i - (k - 1) / 2 (halves of small
+        # integers, exact in floats, as is the correctly rounded int mean), so those and their sum
+        # of squares are computed once per length: the same floats, the same sums, as below.
+        dx, sxx = _centred(k)
+    else:
+        mx = sum(steps) / k
+        dx = [x - mx for x in steps]
+        sxx = sum([d ** 2 for d in dx])
+    return _fsum([d * (y - my) for d, y in zip(dx, ys, strict=True)]) / sxx
+
+
+_EXACT = 2**50
+"""Steps below this in magnitude are exact in floats with room for the half of a centred mean."""
+
+
+@functools.lru_cache(maxsize=64)
+def _centred(k: int) -> tuple[list[float], float]:
+    mx = sum(range(k)) / k  # the mean of 0..k-1; of first..first+k-1 it is first + this, exactly
+    dx = [i - mx for i in range(k)]
+    return dx, sum([d ** 2 for d in dx])
 
 
 def _zscore(vals: list[float], w: Window, name: str, n: int, at: int) -> float:
@@ -757,7 +965,7 @@ def _zscore(vals: list[float], w: Window, name: str, n: int, at: int) -> float:
 
 _REDUCERS: dict[str, Callable[..., float]] = {
     "avg": _avg, "min": _min, "max": _max, "std": _std, "median": _median, "count": _count,
-    "delta": _delta, "slope": _slope, "zscore": _zscore,
+    "delta": _delta, "slope": _delta, "zscore": _zscore,  # slope: computed in _window_fn (steps needed)
 }
 
 
@@ -796,13 +1004,80 @@ def _build_holds(c: _Compiler, node: Call) -> Fn:
     finally:
         c.optional_depth -= 1
 
-    def f(w: Window, at: int, seq: int) -> bool:
-        try:
-            return bool(cond(w, at, seq))
-        except MissingDataError:
-            return False
+    if _reads_seq(node):
+        def f(w: Window, at: int, seq: int) -> bool:
+            try:
+                return bool(cond(w, at, seq))
+            except MissingDataError:
+                return False
 
-    return f
+        return f
+
+    # A confirmation is often shared by many rules (``not holds(aborted_ratio > ...)`` in eight of the
+    # default pack), and often fails on a metric the run does not log: its value at a step is cached
+    # with the window functions', under a text naming every parameter's value (packs evaluated on
+    # one window may differ in them). Not when it reads events since the last evaluation (``seq``).
+    key = "holds:" + _key(node.args[0], c.params)
+
+    def held(w: Window, at: int, seq: int) -> bool:
+        cache = w.cache
+        if w.cache_at != at:
+            cache.clear()
+            w.cache_at = at
+        else:
+            v = cache.get(key)
+            if v is not None:
+                return v  # type: ignore[no-any-return]
+        try:
+            v = bool(cond(w, at, seq))
+        except MissingDataError:
+            v = False
+        cache[key] = v
+        return v
+
+    c.holds[id(held)] = (cond, key)
+    c.keep.append(held)  # ids stay unique while compiling
+    return held
+
+
+def _reads_seq(node: Node) -> bool:
+    """True when the expression calls ``event()`` (its value depends on the evaluation's ``seq``)."""
+    if isinstance(node, Call):
+        return node.func == "event" or any(_reads_seq(a) for a in node.args)
+    if isinstance(node, (Unary, Not)):
+        return _reads_seq(node.operand)
+    if isinstance(node, (Binary, BoolOp)):
+        return _reads_seq(node.left) or _reads_seq(node.right)
+    if isinstance(node, Compare):
+        return any(_reads_seq(o) for o in node.operands)
+    return False
+
+
+def _key(node: Node, params: Mapping[str, float]) -> str:
+    """Exact text of an expression for a cache key: fully parenthesised, numbers by repr, and each
+    ``$param`` with its value (two expressions with one key compute the same)."""
+    if isinstance(node, Num):
+        return repr(node.value)
+    if isinstance(node, Param):
+        return f"${node.name}={float(params[node.name])!r}"
+    if isinstance(node, Str):
+        return repr(node.value)
+    if isinstance(node, Step):
+        return "step"
+    if isinstance(node, Metric):
+        return node.name
+    if isinstance(node, Unary):
+        return f"(-{_key(node.operand, params)})"
+    if isinstance(node, (Binary, BoolOp)):
+        return f"({_key(node.left, params)} {node.op} {_key(node.right, params)})"
+    if isinstance(node, Compare):
+        parts = [_key(node.operands[0], params)]
+        for op, operand in zip(node.ops, node.operands[1:], strict=True):
+            parts += [op, _key(operand, params)]
+        return "(" + " ".join(parts) + ")"
+    if isinstance(node, Not):
+        return f"(not {_key(node.operand, params)})"
+    return f"{node.func}(" + ", ".join(_key(a, params) for a in node.args) + ")"
 
 
 def _build_count_over(c: _Compiler, node: Call) -> Fn:
@@ -879,6 +1154,23 @@ def _build_clamp(op: Callable[[float, float], float], name: str) -> Callable[[_C
     def build(c: _Compiler, node: Call) -> Fn:
         f = c.num(node.args[0], f"{name}()")
         b = c.num(node.args[1], f"{name}()")
+
+        bound = c.const(node.args[1])
+        if bound is not None and not math.isnan(bound):
+            # A constant bound (``clamp_min(median(kl, 5, 1), $kl_floor)``), the builtin inlined:
+            # max(x, bound) is x unless bound > x, min(x, bound) x unless bound < x.
+            if op is max:
+                def lo(w: Window, at: int, seq: int) -> float:
+                    x = f(w, at, seq)
+                    return math.nan if x != x else (bound if bound > x else x)  # x != x: NaN
+
+                return lo
+
+            def hi(w: Window, at: int, seq: int) -> float:
+                x = f(w, at, seq)
+                return math.nan if x != x else (bound if bound < x else x)
+
+            return hi
 
         def g(w: Window, at: int, seq: int) -> float:
             x, bound = f(w, at, seq), b(w, at, seq)

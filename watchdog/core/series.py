@@ -144,8 +144,11 @@ class Window:
         """Sequence number of the newest event (0: none yet)."""
         self.nonfinite_steps: set[int] = set()
         """Steps at which some metric was NaN or inf (``nonfinite()`` without arguments)."""
-        self.cache: dict[tuple[Any, ...], float] = {}
-        """Window-function results at the current data; cleared on every append."""
+        self.cache: dict[str, float] = {}
+        """Window-function results at the current data and step ``cache_at``, by the function's text
+        (``watchdog.core.expr``); cleared on every append and event, and when ``cache_at`` moves."""
+        self.cache_at: int | None = None
+        """The evaluated step the entries of ``cache`` are for."""
         self.sources: dict[str, str] = {}
         """The verl key each short name was last read from (``kl``: ``actor/kl_loss`` in a GRPO run)."""
 
@@ -172,7 +175,8 @@ class Window:
     def append_record(self, record: Mapping[str, Any]) -> None:
         """Append one FileLogger record; verl keys (and their aliases) map through the catalog."""
         data = record.get("data", {})
-        self.append(int(record["step"]), catalog.to_short(data if isinstance(data, Mapping) else {}, self.sources))
+        ok = type(data) is dict or isinstance(data, Mapping)  # the ABC check only for what is not a dict
+        self.append(int(record["step"]), catalog.to_short(data if ok else {}, self.sources))
 
     def append(self, step: int, values: Mapping[str, float]) -> None:
         """Record one step's values (short names). A step <= the newest first drops that step and later."""
@@ -183,16 +187,18 @@ class Window:
         row = self._lo + len(rows)
         rows.append(step)
         size = self.size
+        limit = 2 * size if size is not None else None
         keep = self.metrics
+        series = self._series
         for name, value in values.items():
             v = float(value)
             if v - v != 0.0:  # NaN or +-inf, without a function call per value
                 self.nonfinite_steps.add(step)
             if keep is not None and name not in keep:
                 continue
-            s = self._series.get(name)
+            s = series.get(name)
             if s is None:
-                s = self._series[name] = _Series(row)
+                s = series[name] = _Series(row)
             vals = s.values
             if s.steps is not None:
                 s.steps.append(step)
@@ -207,10 +213,10 @@ class Window:
             # NaN never becomes "best": a diverged step must not reset a stall detector.
             if v > s.top:
                 s.top, s.top_at = v, step
-            if size is not None and len(vals) > 2 * size:
-                self._trim(s, size)
-        if size is not None and len(rows) > 2 * size:
-            self._trim_rows(size)
+            if limit is not None and len(vals) > limit:
+                self._trim(s, size)  # type: ignore[arg-type]
+        if limit is not None and len(rows) > limit:
+            self._trim_rows(size)  # type: ignore[arg-type]
         self.step = step
 
     def _unalign(self, s: _Series) -> None:
@@ -352,7 +358,14 @@ class Window:
         s = self._series.get(name)
         if s is None or at is None:
             raise MissingDataError(f"no data for metric {name!r}")
-        steps, a, b = self._span(s)
+        # _span inlined: every rule reads metrics at the evaluated step, the newest one.
+        steps = s.steps
+        if steps is None:
+            steps = self._rows
+            a = s.row0 - self._lo
+            b = a + len(s.values)
+        else:
+            a, b = 0, len(steps)
         if b > a and steps[b - 1] == at:
             return s.values[-1]
         i = bisect_left(steps, at, a, b)
@@ -465,10 +478,10 @@ class Window:
 
     def count_events(self, kind: str, since_seq: int) -> int:
         """Events of ``kind`` added after sequence number ``since_seq``."""
-        try:
-            k = self._kinds.index(kind)
-        except ValueError:
+        kinds = self._kinds
+        if kind not in kinds:  # most runs have no events at all: no exception raised and caught
             return 0
+        k = kinds.index(kind)
         ev = self._ev_kind
         return sum(1 for i in self._recent_events(since_seq) if ev[i] == k)
 
@@ -480,10 +493,10 @@ class Window:
         """
         at = self.step if at is None else at
         lo = -math.inf if at is None else at - n
-        try:
-            k = self._kinds.index(kind)
-        except ValueError:
+        kinds = self._kinds
+        if kind not in kinds:
             return 0
+        k = kinds.index(kind)
         ev, steps = self._ev_kind, self._ev_step
         c = 0
         for i in self._recent_events(0):
