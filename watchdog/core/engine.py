@@ -167,9 +167,14 @@ class EngineState:
         return replace(self, rules=rules)
 
     def to_json(self) -> dict[str, Any]:
+        # The rules' part is built once per rules mapping: :func:`evaluate` keeps the mapping (and this) when
+        # no rule changed, which is most steps of most runs, and a daemon writes every run's state every tick.
+        rules = self.__dict__.get("_rules_json")
+        if rules is None:
+            rules = self.__dict__["_rules_json"] = {n: s.to_json() for n, s in sorted(self.rules.items())}
         return {
             "version": self.version, "clock": self.clock, "last_step": self.last_step,
-            "event_seq": self.event_seq, "rules": {n: s.to_json() for n, s in sorted(self.rules.items())},
+            "event_seq": self.event_seq, "rules": {n: dict(r) for n, r in rules.items()},
         }
 
     @classmethod
@@ -273,6 +278,8 @@ def evaluate(
     new = _new_state(EngineState)
     new.__dict__.update(clock=clock, last_step=step, event_seq=max(window.event_seq, seq), rules=new_rules,
                         version=ENGINE_STATE_VERSION)
+    if new_rules is old and "_rules_json" in state.__dict__:
+        new.__dict__["_rules_json"] = state.__dict__["_rules_json"]  # (to_json's: the same rules, the same text)
     return decisions, new
 
 

@@ -133,6 +133,13 @@ class RunInfo:
     extra: dict[str, Any] = field(default_factory=dict)
     """Fields this version does not know, kept as they were."""
 
+    def __copy__(self) -> RunInfo:
+        # What copy.copy does for a dataclass (the same field values, a new object), without its generic
+        # __reduce_ex__ path: a daemon's cached read of run.json hands one out per run several times a tick.
+        new = object.__new__(RunInfo)
+        new.__dict__.update(self.__dict__)
+        return new
+
     # -- reading ---------------------------------------------------------------------------
     @classmethod
     def from_json(cls, doc: Any, path: Path | str = rundir.RUN_JSON) -> RunInfo:
