@@ -5,7 +5,9 @@ on a :class:`~watchdog.control.daemon.DaemonConfig` listing every run directory,
 the runs are watched, not launched). A simulated trainer per run writes the run-directory protocol
 (``run.json``, ``metrics.jsonl`` lines of ~100 verl keys from the real verl log of ../shared/testdata
 with a per-run random walk and a KL drift in a tenth of the runs, ``events.jsonl``: ``started``, a
-``checkpoint`` every ``--ckpt-every`` steps). The simulated clock advances one tick interval at a
+``checkpoint`` every ``--ckpt-every`` steps) and applies each newer ``control.json`` version at its next
+step boundary with the protocol's own :class:`~watchdog.protocol.control.ControlApplier` (an ``applied``
+event), as a trainer speaking the protocol does. The simulated clock advances one tick interval at a
 time: the trainers append the steps of that interval, then ``Watchdog.tick(now)`` runs, timed with
 ``perf_counter``; no sleeps, so an hour takes what the ticks cost. A tick is on time when it takes
 less than the tick interval (the scheduler runs ticks with ``max_instances=1, coalesce=True``: a
@@ -54,6 +56,7 @@ from bench_rules import KEYS_PER_RECORD, base_trajectory, deep_size  # noqa: E40
 from watchdog.control.daemon import DaemonConfig, RunSpec, prepare_daemon  # noqa: E402
 from watchdog.observe.telemetry import TICK_PHASE, TICK_PHASES  # noqa: E402
 from watchdog.protocol import rundir  # noqa: E402
+from watchdog.protocol.control import ControlApplier  # noqa: E402
 
 
 class Trainer:
@@ -74,6 +77,9 @@ class Trainer:
         run_dir.mkdir(parents=True)
         (run_dir / rundir.RUN_JSON).write_text(json.dumps({"id": run_dir.name, "pid": None}))
         rundir.append_event(run_dir, "started", 0)
+        # The protocol's own reader of control.json: at the end of each tick's steps (a step boundary) the
+        # trainer applies a newer version and writes its ``applied`` event, as a protocol trainer does.
+        self.control = ControlApplier(run_dir)
 
     def advance(self, steps: int, now: float) -> None:
         lines, events = [], []
@@ -97,6 +103,9 @@ class Trainer:
         if events:
             with open(self.dir / rundir.EVENTS, "a") as f:
                 f.write("\n".join(events) + "\n")
+        changes = self.control.poll(self.step)
+        if changes is not None:
+            self.control.mark_applied(changes, self.step, changes.changed)
 
 
 def phase_sums(wd: Any) -> dict[str, float]:
