@@ -76,7 +76,7 @@ KL_COEF_KEY = "algorithm.kl_ctrl.kl_coef"
 KL_COEF_METRIC = "actor/reward_kl_penalty_coeff"
 KL_METRIC = "actor/reward_kl_penalty"
 #: verl's defaults (trainer/config/ppo_trainer.yaml: algorithm.kl_ctrl, data.train_batch_size, rollout.n).
-KL_CTRL_DEFAULTS = {"algorithm.kl_ctrl.type": "fixed", "algorithm.kl_ctrl.target_kl": 0.1,
+KL_CTRL_DEFAULTS: dict[str, Any] = {"algorithm.kl_ctrl.type": "fixed", "algorithm.kl_ctrl.target_kl": 0.1,
                     "algorithm.kl_ctrl.horizon": 10000, "data.train_batch_size": 1024,
                     "actor_rollout_ref.rollout.n": 1}
 #: Steps of KL history kept (a rollback further back than this falls back to the last logged coefficient).

@@ -206,6 +206,7 @@ class _Transaction:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         st = self.store
+        hooks: list[Callable[[], None]] = []
         try:
             st._depth -= 1
             if kind is not None:
@@ -222,10 +223,10 @@ class _Transaction:
                     st._after_commit.clear()
                     raise
                 hooks, st._after_commit = st._after_commit, []
-                for hook in hooks:
-                    st._run_hook(hook)
         finally:
             st._lock.release()
+        for hook in hooks:  # (outside the lock: a Grafana annotation is an HTTP request)
+            st._run_hook(hook)
 
 
 class StoreError(RuntimeError):
@@ -357,15 +358,7 @@ class Store:
             raise StoreError(f"{path.parent}: cannot create the state directory ({exc.strerror or exc})") from exc
         self.path = path
         self.busy_timeout_s = busy_timeout_s
-        self._lock = threading.RLock()
-        self._depth = 0
-        self._savepoints = 0
-        self._no_open: set[str] = set()
-        """Runs known to have no open journal entry (:meth:`open_actions` answers them without a query) as of
-        :attr:`_no_open_version`; forgotten on any journal write that could open one and on any rollback."""
-        self._no_open_version: int | None = None
-        self._after_commit: list[Callable[[], None]] = []
-        """What :meth:`after_commit` holds until the running transaction commits (dropped if it does not)."""
+        self._init_unit_state()
         try:
             # isolation_level=None: we issue BEGIN/COMMIT ourselves so a decision, the engine
             # state and the journal intents land in one transaction.
@@ -389,11 +382,8 @@ class Store:
         except sqlite3.DatabaseError as exc:
             raise StoreError(_db_error(path, exc, busy_timeout_s)) from exc
 
-    def _open_read_only(self, path: Path, busy_timeout_s: float) -> None:
-        """Open an existing state for reading only; NoState for an empty file, StoreError for anything else
-        that is not this watchdog's state at this schema version."""
-        self.path = path
-        self.busy_timeout_s = busy_timeout_s
+    def _init_unit_state(self) -> None:
+        """What the connection's units of work keep (both ways of opening a store)."""
         self._lock = threading.RLock()
         self._depth = 0
         self._savepoints = 0
@@ -403,6 +393,13 @@ class Store:
         self._no_open_version: int | None = None
         self._after_commit: list[Callable[[], None]] = []
         """What :meth:`after_commit` holds until the running transaction commits (dropped if it does not)."""
+
+    def _open_read_only(self, path: Path, busy_timeout_s: float) -> None:
+        """Open an existing state for reading only; NoState for an empty file, StoreError for anything else
+        that is not this watchdog's state at this schema version."""
+        self.path = path
+        self.busy_timeout_s = busy_timeout_s
+        self._init_unit_state()
         if path.stat().st_size == 0:
             # What a watchdog killed while creating its state leaves: no state yet (and none is written here).
             raise NoState(f"{path}: an empty file, no watchdog state in it yet (nothing was written to it)", path)
@@ -493,10 +490,10 @@ class Store:
         what leaves the process (a counter on /metrics, a Grafana annotation): an undone tick must not say
         twice what it will say again when its steps are read again."""
         with self._lock:
-            if self._depth == 0:
-                self._run_hook(hook)
-            else:
+            if self._depth:
                 self._after_commit.append(hook)
+                return
+        self._run_hook(hook)
 
     @staticmethod
     def _run_hook(hook: Callable[[], None]) -> None:

@@ -275,12 +275,12 @@ def evaluate(
     window.cache.clear()
     # EngineState(clock, step, event_seq, new_rules), without the frozen dataclass's five
     # object.__setattr__ calls: the same fields, set once on a new object (a third of the time).
-    new = _new_state(EngineState)
-    new.__dict__.update(clock=clock, last_step=step, event_seq=max(window.event_seq, seq), rules=new_rules,
-                        version=ENGINE_STATE_VERSION)
+    after: EngineState = _new_state(EngineState)
+    after.__dict__.update(clock=clock, last_step=step, event_seq=max(window.event_seq, seq), rules=new_rules,
+                          version=ENGINE_STATE_VERSION)
     if new_rules is old and "_rules_json" in state.__dict__:
-        new.__dict__["_rules_json"] = state.__dict__["_rules_json"]  # (to_json's: the same rules, the same text)
-    return decisions, new
+        after.__dict__["_rules_json"] = state.__dict__["_rules_json"]  # (to_json's: the same rules, the same text)
+    return decisions, after
 
 
 _new_state = object.__new__

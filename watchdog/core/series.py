@@ -144,7 +144,7 @@ class Window:
         """Sequence number of the newest event (0: none yet)."""
         self.nonfinite_steps: set[int] = set()
         """Steps at which some metric was NaN or inf (``nonfinite()`` without arguments)."""
-        self.cache: dict[str, float] = {}
+        self.cache: dict[str, Any] = {}
         """Window-function results at the current data and step ``cache_at``, by the function's text
         (``watchdog.core.expr``); cleared on every append and event, and when ``cache_at`` moves."""
         self.cache_at: int | None = None
