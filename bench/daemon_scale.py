@@ -173,17 +173,17 @@ def main(argv: list[str] | None = None) -> int:
                 gc.collect()
                 tracemalloc.start()
             profiled = prof is not None and i >= 2 and not tracemalloc.is_tracing()
-            if profiled:
-                prof.enable()
             before = phase_sums(wd)
+            if profiled:  # the tick alone: phase_sums collects the whole registry
+                prof.enable()
             a, c = time.perf_counter(), time.process_time()
             wd.tick(now)
             tick_s.append(time.perf_counter() - a)
             cpu_s.append(time.process_time() - c)
-            for p, total in phase_sums(wd).items():
-                phase_ms[p].append((total - before[p]) * 1e3)
             if profiled:
                 prof.disable()
+            for p, total in phase_sums(wd).items():
+                phase_ms[p].append((total - before[p]) * 1e3)
             if tracemalloc.is_tracing():
                 traced_now, peak = tracemalloc.get_traced_memory()
                 traced_peak = max(traced_peak, peak)
@@ -272,6 +272,7 @@ def write_profile(prof: cProfile.Profile, path: Path, d: dict[str, Any]) -> None
     st.sort_stats("tottime").print_stats(30)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(buf.getvalue())
+    prof.dump_stats(path.with_suffix(".pstats"))  # for pstats / snakeviz: callers and callees
 
 
 def write_md(d: dict[str, Any], path: Path) -> None:

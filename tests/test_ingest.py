@@ -216,12 +216,15 @@ _record = st.one_of(
 
 
 @settings(max_examples=60, deadline=None)
-@given(records=st.lists(_record, max_size=25), cuts=st.lists(st.integers(0, 4000), max_size=4))
+@given(records=st.lists(_record, max_size=25), cuts=st.lists(st.integers(0, 4000), max_size=4),
+       restarts=st.booleans())
 @example(records=[{"step": 0, "data": {"critic/kl": 0.0, "critic/vf_loss": 1.0}},
                   {"step": 1, "data": {"critic/kl": 0.1, "critic/vf_loss": 1.0}},
-                  {"step": 0, "data": {"val-core/x/reward/mean@1": 0.5}}], cuts=[63])
+                  {"step": 0, "data": {"val-core/x/reward/mean@1": 0.5}}], cuts=[63], restarts=False)
+@example(records=[{"step": 1, "data": {"critic/kl": 0.1, "critic/vf_loss": 1.0}},
+                  {"step": 1, "data": {"val-core/x/reward/mean@1": 0.5}}], cuts=[63], restarts=True)
 def test_tailing_in_any_chunks_gives_the_same_timeline_as_reading_whole(
-    tmp_path_factory: pytest.TempPathFactory, records: list[dict], cuts: list[int]
+    tmp_path_factory: pytest.TempPathFactory, records: list[dict], cuts: list[int], restarts: bool
 ) -> None:
     d = tmp_path_factory.mktemp("run")
     blob = "".join(json.dumps(r) + "\n" for r in records).encode()
@@ -230,11 +233,13 @@ def test_tailing_in_any_chunks_gives_the_same_timeline_as_reading_whole(
     written = 0
     path = d / rundir.METRICS
     path.touch()
-    for cut in sorted(c for c in cuts if c < len(blob)) + [len(blob)]:
+    for i, cut in enumerate(sorted(c for c in cuts if c < len(blob)) + [len(blob)]):
         with open(path, "ab") as f:
             f.write(blob[written:cut])
         written = max(written, cut)
         history = _replace_steps(history, t.poll()[0])
+        if restarts and i % 2 == 0:  # a watchdog restarted from its saved positions (the last step read back)
+            t = ingest.RunTailer(d, offsets=json.loads(json.dumps(t.offsets)))
     # A live run's steps only go forward within an attempt: a line below the last step with no started or
     # rollback event to explain it is ignored (issue 20); the whole file read without those lines is the same.
     forward, _, _ = ingest.forward_only(records, range(1, len(records) + 1), path, None, [])
@@ -289,6 +294,30 @@ def test_a_validation_line_after_a_tailer_restart_is_merged_into_its_step(tmp_pa
     recs, _ = t2.poll()
     # the whole step comes back, so a consumer that replaces step 5 keeps its KL
     assert recs == [{"step": 5, "data": {"critic/kl": 0.05, "val-core/x/reward/mean@1": 0.4}}]
+
+
+def test_saved_positions_hold_the_last_steps_place_and_a_file_replaced_since_gives_the_step_alone(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # A daemon saves every run's positions at every tick: the last step's ~100 values are in the file, so
+    # the state keeps where they are, and a restart reads them back (merging a validation line into them).
+    rundir.append_metrics(tmp_path, 4, {"critic/kl": 0.04})
+    rundir.append_metrics(tmp_path, 5, {"critic/kl": 0.05, "critic/vf_loss": 1.5})
+    t = ingest.RunTailer(tmp_path)
+    t.poll()
+    saved = json.loads(json.dumps(t.offsets))
+    first = len(json.dumps({"step": 4, "data": {"critic/kl": 0.04}})) + 1
+    assert saved["last"] == {"step": 5, "at": [first, (tmp_path / rundir.METRICS).stat().st_size]}
+    assert ingest.RunTailer(tmp_path, offsets=saved)._last == {
+        "step": 5, "data": {"critic/kl": 0.05, "critic/vf_loss": 1.5}}
+    # The file replaced since (another inode): the step alone, said; the positions read it from the start.
+    (tmp_path / rundir.METRICS).unlink()
+    rundir.append_metrics(tmp_path, 6, {"critic/kl": 0.3})
+    with caplog.at_level("WARNING"):
+        t2 = ingest.RunTailer(tmp_path, offsets=saved)
+    assert t2._last == {"step": 5, "data": {}}
+    assert "changed since its read positions were saved: step 5's record is not there" in caplog.text
+    assert t2.poll()[0] == [{"step": 6, "data": {"critic/kl": 0.3}}]
+    assert t2.offsets["last"] == {"step": 6, "at": [0, (tmp_path / rundir.METRICS).stat().st_size]}  # (the new file's)
 
 
 def test_tailer_rejects_offsets_of_another_version(tmp_path: Path) -> None:

@@ -138,6 +138,24 @@ def test_open_actions_sees_an_entry_another_connection_added_after_it_found_none
     assert daemon.open_actions("r2") == []
 
 
+
+def test_inside_a_write_transaction_the_data_version_is_asked_once_and_a_later_commit_elsewhere_is_still_seen(tmp_path):
+    # No other connection can commit while this one holds the write lock (BEGIN IMMEDIATE): one look at
+    # SQLite's data_version serves the whole transaction (a daemon's chunk asks a thousand times), and the
+    # next transaction looks again.
+    daemon = Store(tmp_path)
+    asked: list[str] = []
+    daemon._db.set_trace_callback(lambda sql: asked.append(sql) if "data_version" in sql else None)
+    with daemon.transaction():
+        daemon.note_open_actions(["r1", "r2"])
+        assert daemon.open_actions("r1") == [] and daemon.open_actions("r2") == []
+        assert daemon.open_actions("r1") == []
+    assert len(asked) == 1
+    aid = Store(tmp_path).add_action("r1", "notify", {"rule": "x"})
+    with daemon.transaction():
+        assert [e.id for e in daemon.open_actions("r1")] == [aid]
+    assert len(asked) == 2
+
 def test_open_actions_sees_its_own_new_entries_and_an_entry_a_rollback_reopened(tmp_path):
     store = Store(tmp_path)
     aid = store.add_action("r", "live_set", {})

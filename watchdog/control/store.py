@@ -29,8 +29,7 @@ import logging
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -224,9 +223,66 @@ class _Transaction:
                     raise
                 hooks, st._after_commit = st._after_commit, []
         finally:
+            if self.outer:
+                st._no_open_synced = False  # (the write lock is let go: others may commit from now on)
             st._lock.release()
         for hook in hooks:  # (outside the lock: a Grafana annotation is an HTTP request)
             st._run_hook(hook)
+
+
+class _Savepoint:
+    """:meth:`Store.savepoint`'s context (a class, as :class:`_Transaction`: a daemon's tick enters one a run)."""
+
+    __slots__ = ("store", "tx", "name", "hooks")
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.tx: _Transaction | None = None
+        self.name = ""
+        self.hooks = 0
+
+    def __enter__(self) -> sqlite3.Connection:
+        st = self.store
+        st._lock.acquire()
+        if st._depth == 0:  # no transaction running: this unit is one (it takes the lock itself)
+            st._lock.release()
+            self.tx = _Transaction(st)
+            return self.tx.__enter__()
+        try:
+            if not st._db.in_transaction:
+                # SQLite ended the enclosing transaction itself (a full disk, an I/O error): what the units
+                # before this one wrote is gone, so nothing more is written in it; the caller's commit fails.
+                raise StoreError(f"{st.path}: the transaction was rolled back by SQLite; nothing of it is kept")
+            st._savepoints += 1
+            self.name = f"sp{st._savepoints}"
+            st._db.execute(f"SAVEPOINT {self.name}")
+            st._depth += 1
+            self.hooks = len(st._after_commit)
+        except BaseException:
+            st._lock.release()
+            raise
+        return st._db
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        if self.tx is not None:
+            self.tx.__exit__(kind, exc, tb)
+            return
+        st = self.store
+        try:
+            st._depth -= 1
+            if kind is None:
+                st._db.execute(f"RELEASE {self.name}")
+                return
+            st._no_open.clear()
+            del st._after_commit[self.hooks:]  # what the undone unit wanted done after the commit
+            if st._db.in_transaction:
+                try:
+                    st._db.execute(f"ROLLBACK TO {self.name}")
+                    st._db.execute(f"RELEASE {self.name}")
+                except sqlite3.Error:
+                    pass  # the whole transaction is gone; the next unit and the commit say so
+        finally:
+            st._lock.release()
 
 
 class StoreError(RuntimeError):
@@ -391,6 +447,9 @@ class Store:
         """Runs known to have no open journal entry (:meth:`open_actions` answers them without a query) as of
         :attr:`_no_open_version`; forgotten on any journal write that could open one and on any rollback."""
         self._no_open_version: int | None = None
+        self._no_open_synced = False
+        """:attr:`_no_open` checked against ``data_version`` in the running write transaction: no other
+        connection can commit while it holds the write lock (BEGIN IMMEDIATE), so once is enough."""
         self._after_commit: list[Callable[[], None]] = []
         """What :meth:`after_commit` holds until the running transaction commits (dropped if it does not)."""
 
@@ -450,39 +509,10 @@ class Store:
         """One atomic unit; nests (inner blocks join the outer transaction)."""
         return _Transaction(self)
 
-    @contextmanager
-    def savepoint(self) -> Iterator[sqlite3.Connection]:
+    def savepoint(self) -> _Savepoint:
         """A unit that is undone alone when it fails, inside a running transaction (a daemon's tick: one
         run's failure does not undo the others'); outside one, a transaction of its own."""
-        with self._lock:
-            if self._depth == 0:
-                with self.transaction() as db:
-                    yield db
-                return
-            if not self._db.in_transaction:
-                # SQLite ended the enclosing transaction itself (a full disk, an I/O error): what the units
-                # before this one wrote is gone, so nothing more is written in it; the caller's commit fails.
-                raise StoreError(f"{self.path}: the transaction was rolled back by SQLite; nothing of it is kept")
-            self._savepoints += 1
-            name = f"sp{self._savepoints}"
-            self._db.execute(f"SAVEPOINT {name}")
-            self._depth += 1
-            hooks = len(self._after_commit)
-            try:
-                yield self._db
-            except BaseException:
-                self._depth -= 1
-                self._no_open.clear()
-                del self._after_commit[hooks:]  # what the undone unit wanted done after the commit
-                if self._db.in_transaction:
-                    try:
-                        self._db.execute(f"ROLLBACK TO {name}")
-                        self._db.execute(f"RELEASE {name}")
-                    except sqlite3.Error:
-                        pass  # the whole transaction is gone; the next unit and the commit say so
-                raise
-            self._depth -= 1
-            self._db.execute(f"RELEASE {name}")
+        return _Savepoint(self)
 
     def after_commit(self, hook: Callable[[], None]) -> None:
         """Call ``hook`` once what is being written is committed: at once outside a transaction, else after
@@ -757,10 +787,13 @@ class Store:
         """Forget :attr:`_no_open` when another connection (a ``watchdog`` command, another process) has
         committed to the database since it was learnt (SQLite's ``data_version``); our own writes forget what
         they change themselves."""
+        if self._no_open_synced:
+            return
         version = self._db.execute("PRAGMA data_version").fetchone()[0]
         if version != self._no_open_version:
             self._no_open.clear()
             self._no_open_version = version
+        self._no_open_synced = self._depth > 0  # (inside a write transaction: good until it ends)
 
     def settle_decision(self, decision_id: int) -> str:
         """Derive a decision's status from its journal entries; returns the status."""

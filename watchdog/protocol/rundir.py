@@ -121,6 +121,8 @@ class JsonlChunk:
     """The file read."""
     next_line: int = 1
     """The line number at ``offset`` (where the next read starts counting)."""
+    last_start: int = -1
+    """Byte offset where the last complete line begins (-1: the chunk has none); it ends at ``offset``."""
 
 
 def loads_line(raw: bytes) -> Any:
@@ -258,7 +260,8 @@ def parse_jsonl(data: bytes, offset: int = 0, first_line: int = 1, path: str = "
             continue
         records.append(obj)
         lines.append(n)
-    return JsonlChunk(records, offset + len(data) - len(partial), errors, lines, path, n + 1)
+    end = offset + len(data) - len(partial)
+    return JsonlChunk(records, end, errors, lines, path, n + 1, end - len(parts[-1]) - 1 if parts else -1)
 
 
 def events_of(chunk: JsonlChunk) -> list[Event]:

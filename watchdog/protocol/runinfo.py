@@ -164,23 +164,23 @@ class RunInfo:
     @classmethod
     def read(cls, run_dir: Path | str) -> RunInfo:
         """The run directory's run.json (an empty :class:`RunInfo` when there is none yet)."""
-        path = Path(run_dir) / rundir.RUN_JSON
+        # (The path as text: a daemon asks for every run's run.json at every tick; a Path only to parse it.)
+        key = os.path.join(run_dir, rundir.RUN_JSON)
         try:
-            st = os.stat(path)
+            st = os.stat(key)
         except FileNotFoundError:
             return cls()
         except OSError as exc:
-            raise RunInfoError(path, f"cannot be read ({exc})") from exc
+            raise RunInfoError(key, f"cannot be read ({exc})") from exc
         # A daemon asks for a run's run.json several times a tick; it changes rarely (atomic
         # replaces: a new inode each). Parsed once per version of the file: the signature is its
         # inode, size and times, and only a file already READ_CACHE_AFTER_S old when read is
         # remembered, so a rewrite within the file system's timestamp granularity is never missed.
-        key = str(path)
         sig = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
         hit = _READ_CACHE.get(key)
         if hit is not None and hit[0] == sig:
             return copy.copy(hit[1])
-        info = cls._parse(path)
+        info = cls._parse(Path(key))
         if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > READ_CACHE_AFTER_S * 1e9:
             if len(_READ_CACHE) >= _READ_CACHE_MAX:
                 _READ_CACHE.clear()

@@ -486,6 +486,9 @@ class RunTailer:
         self._metrics = _FileCursor()
         self._events = _FileCursor()
         self._last: dict[str, Any] | None = None  # the newest step's record, for merging
+        self._last_at: tuple[int, int] | None = None
+        """Where in metrics.jsonl ``_last`` was read, when it is one line's record as it is (the usual poll):
+        the saved positions then hold its place, not its ~100 values, and a restart reads it back."""
         self._rewinds: list[int] = []  # steps started/rollback events went back to, not yet seen in metrics
         self.issues: list[str] = []
         """Garbled lines seen so far (``file:line: reason``), oldest first; capped at 1000."""
@@ -494,12 +497,15 @@ class RunTailer:
 
     @property
     def offsets(self) -> dict[str, Any]:
-        """A JSON-able snapshot of the read positions."""
+        """A JSON-able snapshot of the read positions (a daemon saves every run's at every tick)."""
+        last = self._last
+        if last is not None and self._last_at is not None:
+            last = {"step": last["step"], "at": list(self._last_at)}
         return {
             "version": self.OFFSETS_VERSION,
             "metrics": self._metrics.to_json(),
             "events": self._events.to_json(),
-            "last": self._last,
+            "last": last,
             "rewinds": list(self._rewinds),
         }
 
@@ -510,8 +516,31 @@ class RunTailer:
         self._metrics = _FileCursor.from_json(value.get("metrics", {}))
         self._events = _FileCursor.from_json(value.get("events", {}))
         last = value.get("last")
-        self._last = {"step": int(last["step"]), "data": dict(last["data"])} if last else None
+        self._last, self._last_at = None, None
+        if last and "data" not in last:
+            start, end = last["at"]
+            self._last, self._last_at = self._read_back(int(last["step"]), int(start), int(end))
+        elif last:
+            self._last = {"step": int(last["step"]), "data": dict(last["data"])}
         self._rewinds = [int(t) for t in value.get("rewinds", []) if isinstance(t, int)]
+
+    def _read_back(self, step: int, start: int, end: int) -> tuple[dict[str, Any], tuple[int, int] | None]:
+        """The last step's record read again from the bytes of metrics.jsonl it was read from (restored read
+        positions); when the file no longer holds them (replaced, truncated), the step alone, said."""
+        try:
+            st = os.stat(self._metrics_file)
+        except FileNotFoundError:
+            st = None
+        if st is not None and st.st_ino == self._metrics.inode and st.st_size >= end:
+            chunk = rundir.read_jsonl(self._metrics_file, start, until=end, typed=_LINE_TYPED)
+            if len(chunk.records) == 1 and chunk.offset == end:
+                obj = chunk.records[0]
+                rec, _ = _typed_record(obj) if type(obj) is _Line else record_from_json(obj)
+                if rec is not None and rec["step"] == step:
+                    return rec, (start, end)
+        log.warning("%s changed since its read positions were saved: step %d's record is not there to read "
+                    "back (a later line of that step starts its record afresh)", self._metrics_file, step)
+        return {"step": step, "data": {}}, None
 
     def _read(self, path: str, cur: _FileCursor, typed: Any = None) -> rundir.JsonlChunk | None:
         """The complete lines appended to ``path`` since ``cur`` (which moves past them); None when nothing is new."""
@@ -523,6 +552,8 @@ class RunTailer:
         if (cur.inode is not None and st.st_ino != cur.inode) or size < cur.offset:
             log.info("%s was replaced or truncated; reading it from the start", path)
             cur.offset, cur.line = 0, 1
+            if cur is self._metrics:
+                self._last_at = None  # (its bytes are gone: saved whole from now on)
         cur.inode = st.st_ino
         if size == cur.offset:  # nothing new: the stat was enough
             return None
@@ -578,6 +609,9 @@ class RunTailer:
             if len(self._rewinds) > 16:
                 self._rewinds = self._rewinds[-16:]
             self._last = raw[-1]
+            # (metrics is this poll's chunk: raw holds its records; the last one's bytes end the chunk)
+            self._last_at = ((metrics.last_start, metrics.offset)  # type: ignore[union-attr]
+                             if raw_lines[-1] == metrics.next_line - 1 else None)  # type: ignore[union-attr]
             return raw, events
         raw, backwards, self._rewinds = forward_only(raw, raw_lines, self._metrics_file,
                                                      last["step"] if last is not None else None, self._rewinds)
@@ -587,7 +621,7 @@ class RunTailer:
             return [], events
         base = [last] if last is not None else []
         out = apply_records(base, raw)
-        self._last = out[-1]
+        self._last, self._last_at = out[-1], None  # (a merge of lines: saved whole)
         if base and out[0] == base[0]:
             out = out[1:]  # the previous step, untouched: not news
         return out, events
