@@ -160,6 +160,24 @@ def test_a_rule_at_rest_is_stored_as_an_empty_object_and_a_firing_one_says_so() 
     assert EngineState.from_json(doc) == st_
 
 
+def test_the_state_as_text_is_its_json_at_every_step_while_the_rules_part_is_encoded_once_per_mapping() -> None:
+    # A daemon stores each run's state as text at every tick, the rules' part encoded once while the engine
+    # keeps its mapping; a rule that changes must make it encode again, never store the text of before.
+    rs = ruleset(rule(cooldown=2, repeat=True, budget={"max": 2, "window": 9}), rule("q", "kl < 0.5", **{"for": 2}))
+    encoded: list[object] = []
+
+    def encode(obj: object) -> str:
+        encoded.append(obj)
+        return json.dumps(obj)
+
+    states, st_ = [], EngineState()
+    for kl in [1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 0]:  # a tick a step: the state stored after each
+        _, st_, _ = drive(rs, [kl], st_, start=len(states) + 1)
+        assert json.loads(st_.to_json_text(encode)) == json.loads(json.dumps(st_.to_json()))
+        states.append(st_)
+    mappings = len({id(st_.rules) for st_ in states})
+    assert sum(1 for obj in encoded if isinstance(obj, dict) and "r" in obj) == mappings < len(states)
+
 def test_run_series_delivers_events_at_their_step_and_leftovers_at_the_end() -> None:
     rs = ruleset(rule(expr='event("oom") > 0'))
     records = [{"step": s, "data": {"actor/reward_kl_penalty": 0.0}} for s in (1, 2, 3)]

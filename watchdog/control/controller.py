@@ -811,10 +811,10 @@ class RunController:
             controller = self._controller_state()
             if not changed and controller == self._saved_state:
                 return
-            self.store.save_engine_state(self.run.run_id, {
-                "version": STATE_VERSION, "engine": self.state.to_json(), "tailer": self.tailer.offsets,
-                "controller": controller,
-            })
+            # The stored state as text: the engine's rules part comes encoded from its memo (unchanged most ticks).
+            self.store.save_engine_state(self.run.run_id, STATE_VERSION, (
+                f'{{"version": {STATE_VERSION}, "engine": {self.state.to_json_text(rundir.dumps)}, '
+                f'"tailer": {rundir.dumps(self.tailer.offsets)}, "controller": {rundir.dumps(controller)}}}'))
             self._saved_state = controller
             self.store.update_run(self.run.run_id, last_step=self.run.last_step,
                                   last_evaluated_step=result.new_steps[-1] if result.new_steps else

@@ -41,7 +41,6 @@ from watchdog.core.vocabulary import (
     ActionStatus,
     Word,
 )
-from watchdog.protocol import rundir
 
 log = logging.getLogger(__name__)
 
@@ -620,13 +619,11 @@ class Store:
             row = self._db.execute("SELECT state FROM rule_states WHERE run_id=?", (run_id,)).fetchone()
         return json.loads(row["state"]) if row else None
 
-    def save_engine_state(self, run_id: str, state: dict[str, Any]) -> None:
-        """Persist the engine state (it carries its own ``version``)."""
+    def save_engine_state(self, run_id: str, version: int, text: str) -> None:
+        """Persist a run's state: a JSON object as text (what :meth:`load_engine_state` reads back) of its
+        ``version``."""
         with self.transaction() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO rule_states VALUES (?, ?, ?, ?)",
-                (run_id, state.get("version"), rundir.dumps(state), _now()),
-            )
+            db.execute("INSERT OR REPLACE INTO rule_states VALUES (?, ?, ?, ?)", (run_id, version, text, _now()))
 
     # -- decisions ----------------------------------------------------------------------
 

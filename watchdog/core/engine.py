@@ -23,7 +23,7 @@ and the other rules carry on. Nothing here does I/O or reads a clock, so live ru
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -167,15 +167,28 @@ class EngineState:
         return replace(self, rules=rules)
 
     def to_json(self) -> dict[str, Any]:
-        # The rules' part is built once per rules mapping: :func:`evaluate` keeps the mapping (and this) when
-        # no rule changed, which is most steps of most runs, and a daemon writes every run's state every tick.
+        return {**self._head_json(), "rules": {n: dict(r) for n, r in self._rules_part().items()}}
+
+    def to_json_text(self, encode: Callable[[Any], str]) -> str:
+        """:meth:`to_json` as JSON text by ``encode`` (a JSON encoder), the rules' part encoded once per rules
+        mapping: a daemon writes every run's state at every tick, and :func:`evaluate` keeps the mapping (and
+        this) while no rule changes, which is most steps of most runs."""
+        memo = self.__dict__.get("_rules_text")
+        if memo is None or memo[0] is not encode:
+            memo = self.__dict__["_rules_text"] = (encode, encode(self._rules_part()))
+        head = encode(self._head_json())
+        return f'{head[:-1]}, "rules": {memo[1]}}}'  # (the head's closing brace moved past the rules)
+
+    def _head_json(self) -> dict[str, Any]:
+        return {"version": self.version, "clock": self.clock, "last_step": self.last_step,
+                "event_seq": self.event_seq}
+
+    def _rules_part(self) -> dict[str, dict[str, Any]]:
+        """The rules' part of :meth:`to_json`, built once per rules mapping and shared: never changed."""
         rules = self.__dict__.get("_rules_json")
         if rules is None:
             rules = self.__dict__["_rules_json"] = {n: s.to_json() for n, s in sorted(self.rules.items())}
-        return {
-            "version": self.version, "clock": self.clock, "last_step": self.last_step,
-            "event_seq": self.event_seq, "rules": {n: dict(r) for n, r in rules.items()},
-        }
+        return rules
 
     @classmethod
     def from_json(cls, d: Mapping[str, Any]) -> EngineState:
@@ -278,8 +291,12 @@ def evaluate(
     after: EngineState = _new_state(EngineState)
     after.__dict__.update(clock=clock, last_step=step, event_seq=max(window.event_seq, seq), rules=new_rules,
                           version=ENGINE_STATE_VERSION)
-    if new_rules is old and "_rules_json" in state.__dict__:
-        after.__dict__["_rules_json"] = state.__dict__["_rules_json"]  # (to_json's: the same rules, the same text)
+    if new_rules is old:  # (to_json's and to_json_text's memos: the same rules, the same JSON)
+        memo = state.__dict__
+        if "_rules_json" in memo:
+            after.__dict__["_rules_json"] = memo["_rules_json"]
+        if "_rules_text" in memo:
+            after.__dict__["_rules_text"] = memo["_rules_text"]
     return decisions, after
 
 
