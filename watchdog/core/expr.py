@@ -1014,6 +1014,21 @@ def _slide(w: Window, span: str, s: _Series, i: int, j: int) -> list[Any]:
     sl = w.slides.get(span)
     if sl is not None and sl[0] is s:
         lo0, hi0 = sl[1], sl[2]
+        if lo0 + 1 == lo and hi0 + 1 == hi and base <= lo0 and lo <= hi0:
+            # One step on (nearly always): the oldest value leaves, the newest enters.
+            vals, srt = s.values, sl[3]
+            x = vals[i - 1]
+            if x == x:
+                del srt[bisect_left(srt, x)]
+            else:
+                sl[4] -= 1
+            x = vals[j - 1]
+            if x == x:
+                insort_right(srt, x)
+            else:
+                sl[4] += 1
+            sl[1], sl[2] = lo, hi
+            return sl
         if lo0 == lo and hi0 == hi:
             return sl
         if base <= lo0 <= lo <= hi0 <= hi:
