@@ -32,6 +32,7 @@ import functools
 import math
 import operator
 import re
+from array import array
 from bisect import bisect_left, bisect_right, insort_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -1049,7 +1050,7 @@ def _slide(w: Window, span: str, s: _Series, i: int, j: int) -> list[Any]:
             return sl
     got = s.values[i:j].tolist()
     t = sum(got)
-    srt = sorted([x for x in got if x == x] if t != t else got)  # t != t: a NaN (or inf and -inf) in it
+    srt = array("d", sorted([x for x in got if x == x] if t != t else got))  # t != t: a NaN (or inf and -inf)
     sl = w.slides[span] = [s, lo, hi, srt, len(got) - len(srt)]
     return sl
 
