@@ -245,7 +245,7 @@ def evaluate(
         get = old.get
         olds = [get(name, _INITIAL) for name in names]
     changed: dict[str, RuleState] = {}
-    for (name, enabled, fn, rule), rs in zip(plan, olds):
+    for (name, enabled, fn, rule), rs in zip(plan, olds, strict=True):
         if rs is _INITIAL and enabled:  # never fired, healthy: the commonest state, one identity test
             try:
                 cond = fn(window, step, seq)
@@ -277,7 +277,7 @@ def evaluate(
     if aligned:
         new_rules = {**old, **changed} if changed else old
     else:
-        new_rules = dict(zip(names, olds))
+        new_rules = dict(zip(names, olds, strict=True))
         new_rules.update(changed)
     # The window functions' results and the windows' values they shared are of no use once the step
     # is judged (the next append clears them anyway): a daemon keeps a window per run between ticks.

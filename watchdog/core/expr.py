@@ -966,6 +966,7 @@ def _count_compare(node: Call, cmp: Callable[[Any, Any], Any], c: float) -> Fn:
 
     def f(w: Window, at: int, seq: int) -> bool:
         cache = w.cache
+        sp: Any
         if w.cache_at != at:
             cache.clear()
             w.cache_at = at
@@ -979,7 +980,10 @@ def _count_compare(node: Call, cmp: Callable[[Any, Any], Any], c: float) -> Fn:
     return f
 
 
-_SLIDE_MIN = int(__import__("os").environ.get("SLIDE_MIN", "20"))
+_SLIDE_MIN = 20
+"""Windows of ``median``, ``min`` and ``max`` this many steps long or longer keep their sorted values across
+steps (``Window.slides``); shorter ones sort again, which measured as cheap (callgrind, the default pack)
+and keeps no boxed values per run."""
 
 
 def _locate(w: Window, name: str, end: int, n: int) -> list[Any]:
