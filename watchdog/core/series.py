@@ -17,7 +17,9 @@ built for rules (``Window(window_steps(rules.max_window), rules.metrics)``, as t
 only the metrics they read, for the steps they read: about 25 KB a run for the default pack on a
 verl record of ~100 keys, where lists of every catalog metric held 240 KB (``tests/test_series.py``
 holds it under 50 KB; ``bench/bench_rules.py`` reports KB per run). Events are two small arrays
-(kind index, step); the last :data:`MAX_EVENTS` are read.
+(kind index, step); the last :data:`MAX_EVENTS` are read. Two things serve the engine's hot path:
+``now``, the newest step's values by name (rules read the step just appended), and ``slides``, the
+sorted values of long ``median``/``min``/``max`` windows carried across steps (``watchdog.core.expr``).
 
 Steps, not seconds: every window is "the last N training steps", the unit a training
 engineer reasons in. A step that arrives at or below the newest one (a resumed or rolled
