@@ -244,7 +244,7 @@ def evaluate(
         aligned = False
         get = old.get
         olds = [get(name, _INITIAL) for name in names]
-    changed: dict[str, RuleState] = {}
+    changed: dict[str, RuleState] | None = None  # (made when a rule changes: most steps none does)
     for (name, enabled, fn, rule), rs in zip(plan, olds, strict=True):
         if rs is _INITIAL and enabled:  # never fired, healthy: the commonest state, one identity test
             try:
@@ -272,13 +272,16 @@ def evaluate(
         else:
             new = _step_rule(rule, rs, window, step, clock, seq, decisions)
         if new is not rs:
+            if changed is None:
+                changed = {}
             changed[name] = new
     # Nothing changed: the previous mapping serves again (it has these names, in this order).
     if aligned:
-        new_rules = {**old, **changed} if changed else old
+        new_rules = old if changed is None else {**old, **changed}
     else:
         new_rules = dict(zip(names, olds, strict=True))
-        new_rules.update(changed)
+        if changed is not None:
+            new_rules.update(changed)
     # The window functions' results and the windows' values they shared are of no use once the step
     # is judged (the next append clears them anyway): a daemon keeps a window per run between ticks.
     window.cache.clear()
