@@ -250,20 +250,26 @@ def evaluate(
     decisions: list[Decision] = []
     names, plan = _plan(rules)
     old = state.rules
-    get = old.get
-    states: list[RuleState] = []
-    same = True
-    for name, enabled, fn, rule in plan:
-        rs = get(name, _INITIAL)
+    if len(old) == len(names) and tuple(old) == names:  # the last evaluation's mapping: its states in plan order
+        aligned = True
+        olds: Iterable[RuleState] = old.values()
+    else:
+        aligned = False
+        get = old.get
+        olds = [get(name, _INITIAL) for name in names]
+    changed: dict[str, RuleState] | None = None  # (made when a rule changes: most steps none does)
+    for (name, enabled, fn, rule), rs in zip(plan, olds, strict=True):
         if rs is _INITIAL and enabled:  # never fired, healthy: the commonest state, one identity test
             try:
                 cond = fn(window, step, seq)
             except Exception as exc:  # noqa: BLE001 - a broken rule must not stop the others; recorded
                 new = _failed(rule, rs, exc, step)
             else:
-                new = _transition(rule, rs, True, None, window, step, clock, seq, decisions) if cond else rs
+                if not cond:
+                    continue  # (stays the same object: nothing to record)
+                new = _transition(rule, rs, True, None, window, step, clock, seq, decisions)
         elif not enabled:
-            new = rs
+            continue
         elif rs.status == INACTIVE and rs.since is None:
             # At rest, the common case (most rules of most runs), inlined: _step_rule's first branch.
             try:
@@ -279,10 +285,16 @@ def evaluate(
         else:
             new = _step_rule(rule, rs, window, step, clock, seq, decisions)
         if new is not rs:
-            same = False
-        states.append(new)
+            if changed is None:
+                changed = {}
+            changed[name] = new
     # Nothing changed: the previous mapping serves again (it has these names, in this order).
-    new_rules = old if same and len(old) == len(names) and tuple(old) == names else dict(zip(names, states, strict=True))
+    if aligned:
+        new_rules = old if changed is None else {**old, **changed}
+    else:
+        new_rules = dict(zip(names, olds, strict=True))
+        if changed is not None:
+            new_rules.update(changed)
     # The window functions' results and the windows' values they shared are of no use once the step
     # is judged (the next append clears them anyway): a daemon keeps a window per run between ticks.
     window.cache.clear()

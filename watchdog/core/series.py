@@ -17,7 +17,9 @@ built for rules (``Window(window_steps(rules.max_window), rules.metrics)``, as t
 only the metrics they read, for the steps they read: about 25 KB a run for the default pack on a
 verl record of ~100 keys, where lists of every catalog metric held 240 KB (``tests/test_series.py``
 holds it under 50 KB; ``bench/bench_rules.py`` reports KB per run). Events are two small arrays
-(kind index, step); the last :data:`MAX_EVENTS` are read.
+(kind index, step); the last :data:`MAX_EVENTS` are read. Two things serve the engine's hot path:
+``now``, the newest step's values by name (rules read the step just appended), and ``slides``, the
+sorted values of long ``median``/``min``/``max`` windows carried across steps (``watchdog.core.expr``).
 
 Steps, not seconds: every window is "the last N training steps", the unit a training
 engineer reasons in. A step that arrives at or below the newest one (a resumed or rolled
@@ -84,11 +86,14 @@ class _Series:
     steps array. Otherwise ``steps`` holds its own steps, one per value.
     """
 
-    __slots__ = ("values", "row0", "steps", "top", "top_at", "evicted_best", "evicted_best_at", "lowest")
+    __slots__ = ("values", "row0", "steps", "top", "top_at", "evicted_best", "evicted_best_at", "lowest", "base")
 
     def __init__(self, row0: int) -> None:
         self.values = array("d")
         self.row0 = row0
+        self.base = 0
+        """Values trimmed from the front so far: ``values[k]`` is the series' value number ``base + k``
+        (numbers stay with their values until a rewind, which clears ``Window.slides``)."""
         self.steps: array[int] | None = None
         self.top = _NEG_INF
         """Best (max, NaN never) over every value of the branch, kept or trimmed: ``best`` now."""
@@ -125,6 +130,9 @@ class Window:
         (``RuleSet.metrics``); every value still counts for ``nonfinite()`` and ``sources``."""
         self.step: int | None = None
         """Newest step appended (None before the first)."""
+        self.now: dict[str, float] = {}
+        """The values of the newest step (``step``) by short name, of the metrics kept: what
+        ``value(name)`` gives at that step, read by rules without a bisection (``watchdog.core.expr``)."""
         self._series: dict[str, _Series] = {}
         self._rows: array[int] = array("q")
         """The window's steps, one row per appended record, ascending."""
@@ -149,6 +157,11 @@ class Window:
         (``watchdog.core.expr``); cleared on every append and event, and when ``cache_at`` moves."""
         self.cache_at: int | None = None
         """The evaluated step the entries of ``cache`` are for."""
+        self.slides: dict[str, list[Any]] = {}
+        """Sorted values of the windows ``median``, ``min`` and ``max`` read, carried from one evaluated step
+        to the next and slid by the values that left and entered (``watchdog.core.expr``): by the text of
+        the window, ``[series, first value number, end value number, sorted non-NaN values, NaN count]``.
+        Value numbers (``_Series.base``) survive appends and trims; a rewind clears this."""
         self.sources: dict[str, str] = {}
         """The verl key each short name was last read from (``kl``: ``actor/kl_loss`` in a GRPO run)."""
 
@@ -190,12 +203,14 @@ class Window:
         limit = 2 * size if size is not None else None
         keep = self.metrics
         series = self._series
+        now: dict[str, float] = {}
         for name, value in values.items():
             v = float(value)
             if v - v != 0.0:  # NaN or +-inf, without a function call per value
                 self.nonfinite_steps.add(step)
             if keep is not None and name not in keep:
                 continue
+            now[name] = v
             s = series.get(name)
             if s is None:
                 s = series[name] = _Series(row)
@@ -217,6 +232,7 @@ class Window:
                 self._trim(s, size)  # type: ignore[arg-type]
         if limit is not None and len(rows) > limit:
             self._trim_rows(size)  # type: ignore[arg-type]
+        self.now = now  # (with ``step``: a value that failed to convert leaves both as they were)
         self.step = step
 
     def _unalign(self, s: _Series) -> None:
@@ -230,6 +246,7 @@ class Window:
         if k >= 0:
             s.evicted_best, s.evicted_best_at = best, self._step_of(s, k)
         del s.values[:cut]
+        s.base += cut
         if s.steps is None:
             s.row0 += cut
             return
@@ -258,6 +275,9 @@ class Window:
             self.nonfinite_steps = {st for st in self.nonfinite_steps if st >= first}
 
     def _truncate_from(self, step: int) -> None:
+        # Value numbers past the cut are given again to the new branch's values: no slide survives.
+        self.slides.clear()
+        self.now = {}
         rows = self._rows
         end = self._lo + bisect_left(rows, step)
         for s in self._series.values():
