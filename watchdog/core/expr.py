@@ -33,7 +33,7 @@ import math
 import operator
 import re
 from array import array
-from bisect import bisect_left, bisect_right, insort_right
+from bisect import bisect_left, insort_right
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -987,21 +987,9 @@ over the default pack: the same at 10 and 20, more below) and keeps nothing per 
 
 
 def _locate(w: Window, name: str, end: int, n: int) -> list[Any]:
-    """Where the steps in (end - n, end] of ``name`` lie in its series: ``[series, first index, end index,
-    None]`` (the last slot is for the list of those values, made once asked); ``Window.values`` inlined."""
-    s = w._series.get(name)
-    if s is None:
-        return [None, 0, 0, None]
-    steps = s.steps
-    if steps is None:
-        steps = w._rows
-        a = s.row0 - w._lo
-        b = a + len(s.values)
-    else:
-        a, b = 0, len(steps)
-    hi = b if b > a and steps[b - 1] <= end else bisect_right(steps, end, a, b)
-    lo = bisect_right(steps, end - n, a, hi)
-    return [s, lo - a, hi - a, None]
+    """``Window.locate``'s answer as the window's cached span: ``[series, first index, end index, None]`` (the
+    last slot is for the list of those values, made once asked)."""
+    return [*w.locate(name, end, n), None]
 
 
 def _slide(w: Window, span: str, s: _Series, i: int, j: int) -> list[Any]:

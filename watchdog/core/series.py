@@ -404,10 +404,18 @@ class Window:
     def values(self, name: str, n: int, at: int | None = None) -> Sequence[float]:
         """Values of ``name`` in the last ``n`` steps ending at ``at``: steps in (at-n, at]."""
         at = self.step if at is None else at
-        s = self._series.get(name)
-        if s is None or at is None:
+        if at is None:
             return ()
-        # _span inlined: this is the hot path of every window function.
+        s, i, j = self.locate(name, at, n)
+        return s.values[i:j] if s is not None else ()
+
+    def locate(self, name: str, end: int, n: int) -> tuple[_Series | None, int, int]:
+        """Where the steps in (end - n, end] of ``name`` lie in its series: (the series, first value index, end
+        value index); (None, 0, 0) when it was never logged. The hot path of every window function (``_span``
+        inlined; ``watchdog.core.expr`` caches the answer for the step it evaluates)."""
+        s = self._series.get(name)
+        if s is None:
+            return None, 0, 0
         steps = s.steps
         if steps is None:
             steps = self._rows
@@ -415,9 +423,9 @@ class Window:
             b = a + len(s.values)
         else:
             a, b = 0, len(steps)
-        hi = b if b > a and steps[b - 1] <= at else bisect_right(steps, at, a, b)
-        lo = bisect_right(steps, at - n, a, hi)
-        return s.values[lo - a:hi - a]
+        hi = b if b > a and steps[b - 1] <= end else bisect_right(steps, end, a, b)
+        lo = bisect_right(steps, end - n, a, hi)
+        return s, lo - a, hi - a
 
     def points(self, name: str, n: int, at: int | None = None) -> tuple[Sequence[int], Sequence[float]]:
         """Steps and values of ``name`` in the last ``n`` steps ending at ``at``."""
