@@ -820,7 +820,7 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
         empty = f"{kind}({name}, {n}{f', {lag}' if lag else ''}): no values {where}"
         # The window's cache holds results at one evaluated step (``Window.cache_at``), keyed by a
         # string built here once: its hash is cached, where a tuple's is recomputed at every lookup.
-        # Where the window lies is cached too (``span``: the series and its values' index range, and
+        # Where the window lies is cached too (``span``: ``Window.locate``'s series and index range, and
         # their list once one is made): count, median and std of one window
         # (``count(kl, 5, 1) >= 1 and kl > median(kl, 5, 1)``) bisect it once.
         key = f"{kind}({name}, {n}, {lag})"
@@ -839,7 +839,7 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
                         return v  # type: ignore[no-any-return]
                     sp = cache.get(span)
                 if sp is None:
-                    sp = cache[span] = _locate(w, name, at - lag, n)
+                    sp = cache[span] = [*w.locate(name, at - lag, n), None]
                 v = cache[key] = float(sp[2] - sp[1])
                 return v
 
@@ -860,7 +860,7 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
                             return v  # type: ignore[no-any-return]
                         sp = cache.get(span)
                     if sp is None:
-                        sp = cache[span] = _locate(w, name, at - lag, n)
+                        sp = cache[span] = [*w.locate(name, at - lag, n), None]
                     vals = sp[3]
                     if vals is None:
                         s = sp[0]
@@ -896,7 +896,7 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
                         return v  # type: ignore[no-any-return]
                     sp = cache.get(span)
                 if sp is None:
-                    sp = cache[span] = _locate(w, name, at - lag, n)
+                    sp = cache[span] = [*w.locate(name, at - lag, n), None]
                 s, i, j, _ = sp
                 if i == j:
                     raise MissingDataError(empty)
@@ -932,7 +932,7 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
             end = at - lag
             sp = cache.get(span)
             if sp is None:
-                sp = cache[span] = _locate(w, name, end, n)
+                sp = cache[span] = [*w.locate(name, end, n), None]
             vals = sp[3]
             if vals is None:
                 s, i, j = sp[0], sp[1], sp[2]
@@ -970,11 +970,11 @@ def _count_compare(node: Call, cmp: Callable[[Any, Any], Any], c: float) -> Fn:
         if w.cache_at != at:
             cache.clear()
             w.cache_at = at
-            sp = cache[span] = _locate(w, name, at - lag, n)
+            sp = cache[span] = [*w.locate(name, at - lag, n), None]
         else:
             sp = cache.get(span)
             if sp is None:
-                sp = cache[span] = _locate(w, name, at - lag, n)
+                sp = cache[span] = [*w.locate(name, at - lag, n), None]
         return cmp(float(sp[2] - sp[1]), c)  # type: ignore[no-any-return]
 
     return f
@@ -984,12 +984,6 @@ _SLIDE_MIN = 20
 """Windows of ``median``, ``min`` and ``max`` this many steps long or longer keep their sorted values across
 steps (``Window.slides``); shorter ones sort again, which measured as cheap (callgrind's instruction count
 over the default pack: the same at 10 and 20, more below) and keeps nothing per run between steps."""
-
-
-def _locate(w: Window, name: str, end: int, n: int) -> list[Any]:
-    """``Window.locate``'s answer as the window's cached span: ``[series, first index, end index, None]`` (the
-    last slot is for the list of those values, made once asked)."""
-    return [*w.locate(name, end, n), None]
 
 
 def _slide(w: Window, span: str, s: _Series, i: int, j: int) -> list[Any]:
