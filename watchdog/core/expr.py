@@ -825,6 +825,8 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
         # (``count(kl, 5, 1) >= 1 and kl > median(kl, 5, 1)``) bisect it once.
         key = f"{kind}({name}, {n}, {lag})"
         span = f"({name}, {n}, {lag})"
+        # Each kind below opens with the same cache lookup, written out in each closure on purpose: a shared
+        # helper would be one more call per window function per rule per step (the engine's hot path).
 
         if kind == "count":
             def count(w: Window, at: int, seq: int) -> float:
