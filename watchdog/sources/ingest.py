@@ -284,6 +284,11 @@ else:  # pragma: no cover - exercised where msgspec is absent
     _LINE_TYPED = None
 
 
+def _metrics_record(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
+    """A metrics line as the tailer read it (the typed decoder's ``_Line``, or any JSON object) as a record."""
+    return _typed_record(obj) if type(obj) is _Line else record_from_json(obj)
+
+
 def _typed_record(line: Any) -> tuple[dict[str, Any] | None, str | None]:
     """record_from_json for a line the typed decoder read: its data is floats already."""
     data = line.data
@@ -535,7 +540,7 @@ class RunTailer:
             chunk = rundir.read_jsonl(self._metrics_file, start, until=end, typed=_LINE_TYPED)
             if len(chunk.records) == 1 and chunk.offset == end:
                 obj = chunk.records[0]
-                rec, _ = _typed_record(obj) if type(obj) is _Line else record_from_json(obj)
+                rec, _ = _metrics_record(obj)
                 if rec is not None and rec["step"] == step:
                     return rec, (start, end)
         log.warning("%s changed since its read positions were saved: step %d's record is not there to read "
@@ -580,7 +585,7 @@ class RunTailer:
             if metrics.errors:
                 self._note_errors(metrics.errors)
             for obj, line in zip(metrics.records, metrics.lines, strict=True):
-                rec, reason = _typed_record(obj) if type(obj) is _Line else record_from_json(obj)
+                rec, reason = _metrics_record(obj)
                 if rec is None:
                     msg = f"{self._metrics_file}:{line}: skipped a record: {reason}"
                     log.warning(msg)
