@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sqlite3
 import subprocess
 import sys
 import time
@@ -179,28 +180,61 @@ def test_a_commit_failing_for_one_chunk_of_runs_keeps_the_other_chunks(
         wd.close()
 
 
-def test_one_run_failing_its_read_undoes_only_its_own_part_of_the_tick(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stage", ["_evaluate", "_commit"])
+def test_one_run_failing_its_read_or_its_write_undoes_only_its_own_part_of_the_tick(
+        tmp_path: Path, stage: str) -> None:
+    # _evaluate: the rules, run before the chunk's transaction (nothing of the run's is written yet);
+    # _commit: after the run wrote its decision into the transaction (its savepoint must take that back).
     runs = _runs(tmp_path, 3)
     wd = _daemon(tmp_path, runs)
     try:
         for d in runs:
             _append(d, 1, math.nan)
         bad = wd.controllers["run1"]
-        real = bad._evaluate
-        failures = iter([RuntimeError("injected: this run's evaluation failed")])
+        real = getattr(bad, stage)
+        failures = iter([RuntimeError(f"injected: this run's {stage} failed")])
 
-        def evaluate(*a: Any, **k: Any) -> Any:
-            decisions = real(*a, **k)
+        def fail_once(*a: Any, **k: Any) -> Any:
+            out = real(*a, **k)
             exc = next(failures, None)
             if exc is not None:
-                raise exc  # after it wrote into the store: the savepoint must take that back
-            return decisions
+                raise exc
+            return out
 
-        bad._evaluate = evaluate  # type: ignore[method-assign]
+        setattr(bad, stage, fail_once)
         wd.tick()
         assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run2"]
         assert wd._tick_errors["run1"].startswith("RuntimeError: injected")
+        assert bad.run.last_step is None  # its read went back with it
         wd.tick()  # run1 reads the same line again and decides on it, once
+        assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run1", "run2"]
+    finally:
+        wd.close()
+
+
+def test_a_chunk_reads_and_runs_its_rules_without_holding_the_state_databases_write_lock(tmp_path: Path) -> None:
+    # Another writer of the state (a `watchdog resume`, a second daemon process) waits for a chunk's
+    # writes only, not for its reads and rules: while run1's rules run, a write elsewhere goes through.
+    runs = _runs(tmp_path, 3)
+    wd = _daemon(tmp_path, runs)
+    try:
+        for d in runs:
+            _append(d, 1, math.nan)
+        ctl = wd.controllers["run1"]
+        real = ctl._run_engine
+        other = sqlite3.connect(str(wd.store.path), timeout=0.0, isolation_level=None)
+        wrote: list[str] = []
+
+        def run_engine(*a: Any, **k: Any) -> Any:
+            other.execute("BEGIN IMMEDIATE")  # "database is locked" at once if the daemon held the lock
+            other.execute("ROLLBACK")
+            wrote.append("ok")
+            return real(*a, **k)
+
+        ctl._run_engine = run_engine  # type: ignore[method-assign]
+        wd.tick()
+        other.close()
+        assert wrote == ["ok"]
         assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run1", "run2"]
     finally:
         wd.close()

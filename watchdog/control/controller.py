@@ -252,6 +252,21 @@ class TickResult:
     """The run needs no more watching (finished or given up)."""
 
 
+@dataclass
+class _Read:
+    """What :meth:`RunController.read_and_evaluate` found, for :meth:`RunController.decide` to write."""
+
+    records: list[dict[str, Any]]
+    events: list[Event]
+    decisions: list[Any]
+    fresh: bool
+    """Anything to evaluate or save: new lines, held events, moved positions."""
+    first_step: int | None
+    """The run's first step this watchdog saw, when it is in this read (the steps before it were never judged)."""
+    state: Any
+    """The engine state before the read (the one the store holds while nothing changed)."""
+
+
 class RunController:
     """Watches and remediates one run; call :meth:`tick` periodically (never concurrently)."""
 
@@ -307,7 +322,9 @@ class RunController:
         self._saved_state: Any = None
         """The engine-state blob last committed (a tick that changed nothing does not write it again)."""
         self._undo: tuple[Any, ...] | None = None
-        """What the last :meth:`decide` changed, as it stood before (see :meth:`undo_decide`)."""
+        """What this tick's read changed, as it stood before (see :meth:`undo_decide`)."""
+        self._read: _Read | None = None
+        """This tick's read and evaluation, until :meth:`decide` writes it."""
         self._failed_ticks = 0
         """Ticks in a row that failed at the same read position (``_failed_at``)."""
         self._failed_at: Mapping[str, Any] | None = None
@@ -396,16 +413,16 @@ class RunController:
     def tick(self, now: float | None = None) -> TickResult:
         """Launch if new, ingest, evaluate, plan (committed), watch liveness, drive actions.
 
-        The three stages (:meth:`prepare`, :meth:`decide`, :meth:`act`) are what a daemon runs over all
-        its runs, with every run's :meth:`decide` in one transaction (``Watchdog.tick``); alone, a run
-        commits its own."""
+        The four stages (:meth:`prepare`, :meth:`read_and_evaluate`, :meth:`decide`, :meth:`act`) are
+        what a daemon runs over all its runs, with many runs' :meth:`decide` in one transaction
+        (``Watchdog.tick``); alone, a run commits its own."""
         now = time.time() if now is None else now
         result = TickResult()
         failed = self.prepare(now, result)
         if result.done:
             return result
         if failed is None:
-            failed = self.decide(now, result)
+            failed = self.read_and_evaluate(now, result) or self.decide(now, result)
         self.committed()
         if failed is None and result.decisions:
             self.actuator.crash_hook("decided")
@@ -437,18 +454,97 @@ class RunController:
             return exc
         return None
 
-    def decide(self, now: float, result: TickResult) -> Exception | None:
-        """Read what is new, evaluate, and write the decisions with the read positions (a savepoint in
-        the caller's transaction, or a transaction of its own); returns the error if it failed, in which
-        case nothing of it was kept (:meth:`_read_and_decide`)."""
-        self._undo = None
+    def read_and_evaluate(self, now: float, result: TickResult) -> Exception | None:
+        """Read what is new and run the rules over it, in memory only: nothing is written, so no lock is
+        held (a daemon reads and evaluates a chunk of runs before it opens the chunk's transaction).
+        Returns the error if it failed, in which case the run is back where the last commit left it.
+
+        The rules read the run's metrics and events alone, never the store, so what they decide here is
+        what they would decide inside the transaction; planning those decisions against the journal
+        is :meth:`decide`'s, inside it (RELIABILITY.md: no action on stale data)."""
+        offsets = self.tailer.offsets
+        if not getattr(self.tailer, "offsets_are_snapshots", False):
+            offsets = json.loads(json.dumps(offsets))  # a copy that the poll below cannot change
+        undo = (offsets, self.state, {name: _copy(getattr(self, name)) for name in _TICK_FIELDS},
+                {name: getattr(self.run, name) for name in _TICK_RUN_FIELDS})
+        self._undo, self._read = None, None
         try:
-            self._read_and_decide(now, result)
+            t0 = time.perf_counter()
+            records, events = self.tailer.poll()  # files (or a metric source) only
+            t1 = time.perf_counter()
+            self.telemetry.phase_time("read", t1 - t0)
+            fresh = (bool(records or events or self._held or self._events_since_eval)
+                     or self.tailer.offsets != offsets)
+            first_step = int(records[0]["step"]) if records and self.run.last_step is None else None
+            decisions = self._evaluate(records, events, now, result) if fresh else []
+            self.telemetry.phase_time("decide", time.perf_counter() - t1)
         except Exception as exc:
-            # Nothing of it was kept (see _read_and_decide). The trainer is still watched: a run whose
-            # files cannot be read right now (a garbled run.json) is still seen to end, or to hang.
+            self._restore(undo, result, exc)
             return exc
+        self._undo = undo
+        self._read = _Read(records, events, decisions, fresh, first_step, undo[1])
         return None
+
+    def decide(self, now: float, result: TickResult) -> Exception | None:
+        """Plan and write what :meth:`read_and_evaluate` found, with the read positions (a savepoint in the
+        caller's transaction, or a transaction of its own): all or nothing.
+
+        A tick that fails (a store that stays locked, an unforeseen error) keeps neither its
+        decisions nor its positions: the window, engine state and positions go back to where the
+        last commit left them, so the next tick reads the same lines again and decides on them.
+        A failure that repeats at the same position is said, once, to the console and the webhook.
+        Inside a daemon's tick transaction this is a savepoint: when the tick's commit itself fails
+        afterwards, the daemon calls :meth:`undo_decide` to put this run back the same way. Returns
+        the error if it failed; the trainer is still watched (a run whose files cannot be read right
+        now, a garbled run.json, is still seen to end, or to hang)."""
+        read, self._read = self._read, None
+        if read is None:
+            raise RuntimeError("decide() before read_and_evaluate()")
+        if not read.fresh and self._controller_state() == self._saved_state and not self._waiting():
+            # Nothing new, nothing held back, nothing waiting to be released, nothing unsaved: the engine
+            # did not run and nothing is written. A run with nothing new costs two stats.
+            self._failed_ticks = 0
+            return None
+        undo = self._undo
+        try:
+            # Everything this read writes (confirmations of applied versions, closed spans, decisions,
+            # intents, engine state, positions) is kept together or not at all.
+            with self.store.savepoint():
+                t0 = time.perf_counter()
+                self._handle_events(read.events, now)
+                self._after_events(read, now)
+                t1 = time.perf_counter()
+                self.telemetry.phase_time("decide", t1 - t0)
+                # Nothing read, nothing decided, the engine not run, the positions where they were: the
+                # stored state is still this one (an idle run costs a stat per file, no write).
+                changed = (bool(read.records or read.events or read.decisions) or self.state is not read.state
+                           or self.tailer.offsets != undo[0])
+                self._commit(read.decisions, result, changed)
+                self.telemetry.phase_time("commit", time.perf_counter() - t1)
+        except Exception as exc:
+            self._undo = None
+            self._restore(undo, result, exc)
+            return exc
+        self._failed_ticks = 0
+        return None
+
+    def _after_events(self, read: _Read, now: float) -> None:
+        """What the read's steps mean once its events are handled (the rules ran before them, in memory;
+        events change the run's record and journal, never what the rules see)."""
+        if not read.records:
+            return
+        if read.first_step is not None:
+            # The first step this watchdog sees of the run: the steps before it were never judged,
+            # and their checkpoints are not known-good (a run may be broken before it is watched).
+            self.store.mark_unwatched(self.run.run_id, read.first_step)
+        if self._rewind_to is not None and min(int(r["step"]) for r in read.records) <= self._rewind_to + 1:
+            # A step of the new timeline: metrics from there on are after the rollback.
+            self._rewind_pending, self._rewind_to = False, None
+        if self._started_ts is not None and self._started_ts >= (self.run.launched_ts or 0):
+            # A step from the process launched last (not a stale line of the one stopped before).
+            if self._launch_seen != self.run.launched_ts:
+                self._measure_startup(now)
+            self._launch_seen = self.run.launched_ts
 
     def act(self, now: float, result: TickResult, failed: Exception | None) -> TickResult:
         """After the decisions are committed: protect known-good checkpoints, watch liveness, drive the
@@ -489,60 +585,15 @@ class RunController:
                         self.run.run_id, failed)
         return result
 
-    def _read_and_decide(self, now: float, result: TickResult) -> None:
-        """Read what is new, evaluate and commit the decisions with the read positions: all or nothing.
-
-        A tick that fails (a store that stays locked, an unforeseen error) keeps neither its
-        decisions nor its positions: the window, engine state and positions go back to where the
-        last commit left them, so the next tick reads the same lines again and decides on them.
-        A failure that repeats at the same position is said, once, to the console and the webhook.
-        Inside a daemon's tick transaction this is a savepoint: when the tick's commit itself fails
-        afterwards, the daemon calls :meth:`undo_decide` to put this run back the same way.
-        """
-        offsets = self.tailer.offsets
-        if not getattr(self.tailer, "offsets_are_snapshots", False):
-            offsets = json.loads(json.dumps(offsets))  # a copy that the poll below cannot change
-        undo = (offsets, self.state, {name: _copy(getattr(self, name)) for name in _TICK_FIELDS},
-                {name: getattr(self.run, name) for name in _TICK_RUN_FIELDS})
-        state = self.state
-        try:
-            t0 = time.perf_counter()
-            records, events = self.tailer.poll()  # files (or a metric source) only: nothing written yet
-            t1 = time.perf_counter()
-            self.telemetry.phase_time("read", t1 - t0)
-            if (not (records or events or self._held or self._events_since_eval) and self.tailer.offsets == offsets
-                    and self._controller_state() == self._saved_state and not self._waiting()):
-                # Nothing new, nothing held back, nothing waiting to be released, nothing unsaved: the engine
-                # would not run and nothing would be written. A run with nothing new costs two stats.
-                self._undo = undo
-                self._failed_ticks = 0
-                return
-            # Everything this read writes (confirmations of applied versions, closed spans, decisions,
-            # intents, engine state, positions) is kept together or not at all.
-            with self.store.savepoint():
-                self._handle_events(events, now)
-                decisions = self._evaluate(records, events, now, result)
-                t2 = time.perf_counter()
-                self.telemetry.phase_time("decide", t2 - t1)
-                # Nothing read, nothing decided, the engine not run, the positions where they were: the
-                # stored state is still this one (an idle run costs a stat per file, no write).
-                changed = (bool(records or events or decisions) or self.state is not state
-                           or self.tailer.offsets != offsets)
-                self._commit(decisions, result, changed)
-                self.telemetry.phase_time("commit", time.perf_counter() - t2)
-        except Exception as exc:
-            self._restore(undo, result, exc)
-            raise
-        self._undo = undo
-        self._failed_ticks = 0
-
     def committed(self) -> None:
         """The transaction of the last :meth:`decide` committed: what it would undo is let go (a run's last
         record and engine state, held by no one else once the tick is over)."""
         self._undo = None
 
     def undo_decide(self, result: TickResult, exc: Exception) -> None:
-        """The transaction this run's last :meth:`decide` was part of did not commit: back to before it."""
+        """The transaction this run's last :meth:`decide` was part of did not commit (or never began): back
+        to before this tick's read."""
+        self._read = None
         if self._undo is not None:
             self._restore(self._undo, result, exc)
             self._undo = None
@@ -561,10 +612,6 @@ class RunController:
         result.decisions.clear()
         result.new_steps.clear()
         self._note_failed_tick(offsets, exc)
-
-    def note_failed_tick(self, exc: Exception) -> None:
-        """A tick whose transaction could not begin (nothing read): counted like any failed tick."""
-        self._note_failed_tick(self.tailer.offsets, exc)
 
     def _note_failed_tick(self, offsets: Mapping[str, Any], exc: Exception) -> None:
         same = offsets == self._failed_at
@@ -668,9 +715,6 @@ class RunController:
                 self.window.add_event(pending.pop(0))
             while pending and not isinstance(pending[0].get("step"), int):
                 self.window.add_event(pending.pop(0))
-            if self._rewind_to is not None and step <= self._rewind_to + 1:
-                # The first step of the new timeline: metrics from here on are after the rollback.
-                self._rewind_pending, self._rewind_to = False, None
             data = rec.get("data", {})
             # Mapped once, for the window (what the rules read) and for ``latest`` (what a set starts from).
             short = catalog.to_short(data if isinstance(data, Mapping) else {}, self.window.sources)
@@ -680,16 +724,7 @@ class RunController:
             if _finite(t):
                 self._step_times = (self._step_times + [float(t)])[-50:]
             self.run.last_progress_ts = now
-            if self.run.last_step is None:
-                # The first step this watchdog sees of the run: the steps before it were never judged,
-                # and their checkpoints are not known-good (a run may be broken before it is watched).
-                self.store.mark_unwatched(self.run.run_id, step)
             self.run.last_step = step
-            if self._started_ts is not None and self._started_ts >= (self.run.launched_ts or 0):
-                # A step from the process launched last (not a stale line of the one stopped before).
-                if self._launch_seen != self.run.launched_ts:
-                    self._measure_startup(now)
-                self._launch_seen = self.run.launched_ts
             self._events_since_eval = False
             decisions += self._run_engine(step, result)
         alive = self.h.proc is not None and self.h.proc.alive()

@@ -8,6 +8,7 @@ with ``max_instances=1`` (a slow tick is never overlapped by the next), ``coales
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -53,6 +54,11 @@ def state_dir_default() -> str:
 #: Runs whose reads and decisions share one SQLite transaction in a tick (one commit per this many runs
 #: instead of one per run; what a failed commit makes the tick undo in memory is bounded by it).
 DECIDE_CHUNK = 256
+
+
+#: How often a daemon's cyclic garbage collector makes a full pass over what earlier ticks left alive
+#: (seconds), after a tick's work (:meth:`Watchdog.freeze_survivors`).
+FULL_GC_EVERY_S = 3600.0
 
 
 class DaemonConfigError(ValueError):
@@ -293,6 +299,10 @@ class Watchdog:
         self._retry_at = 0.0
         self._tick_errors: dict[str, str] = {}
         """The last error said for each run's tick (a tick failing the same way is said once)."""
+        self.freeze_survivors = False
+        """After each tick, move what it left alive out of the cyclic collector's reach (a daemon's runs'
+        windows and states; see :meth:`_freeze_survivors`). Process-wide: set by ``prepare_daemon``."""
+        self._full_gc_at = time.monotonic()
 
     def add_run(self, run_dir: Path | str, run_id: str | None = None, command: Sequence[str] | None = None,
                 managed: bool = True, ray_address: str | None = None,
@@ -440,11 +450,25 @@ class Watchdog:
                 self.telemetry.last_tick(time.time())
                 self.telemetry.eval_seconds(time.perf_counter() - t0)
                 self.telemetry.tick_phases_done()
+            if self.freeze_survivors:
+                self._freeze_survivors()
             if all_done and self.controllers:
                 self.done.set()
             return all_done
         finally:
             self._lock.release()
+
+    def _freeze_survivors(self) -> None:
+        """What a tick leaves alive is long-lived (the runs' windows, engine states, read positions): frozen
+        (``gc.freeze``, O(1)) so that the collections inside the next tick scan only what that tick makes.
+        Left to CPython's policy, a full pass over every run's windows (about 200 ms at 1,000 runs,
+        ``bench/results/daemon_gc.md``) ran inside one tick in three. Cycles among frozen objects that die
+        later are found by a full pass every :data:`FULL_GC_EVERY_S`, here, after a tick's work."""
+        if time.monotonic() - self._full_gc_at >= FULL_GC_EVERY_S:
+            gc.unfreeze()
+            gc.collect()
+            self._full_gc_at = time.monotonic()
+        gc.freeze()
 
     def _tick_runs(self, now: float) -> bool:
         """Every run's tick in three passes: prepare (launches, relays), decide (the runs' reads, decisions,
@@ -488,30 +512,32 @@ class Watchdog:
 
     def _decide_chunk(self, now: float, chunk: list[tuple[str, RunController]], results: dict[str, TickResult],
                       failed: dict[str, Exception | None], decided: set[str]) -> None:
-        """Some runs' reads and decisions in one transaction (a savepoint each); when its commit fails, every
-        one of them is put back as it was. Chunks bound what the tick holds to undo that (a run's last
-        record and engine state) at :data:`DECIDE_CHUNK` runs, whatever the number of runs."""
+        """Some runs' reads and rules (in memory, no lock held), then their writes in one transaction (a
+        savepoint each); when its commit fails, every one of them is put back as it was. Chunks bound
+        what the tick holds to undo that (a run's last record and engine state) at :data:`DECIDE_CHUNK`
+        runs, whatever the number of runs, and SQLite's one write lock is held for the writes alone: a
+        ``watchdog`` command, or another process on the same state, waits for those, not for the rules."""
+        for run_id, ctl in chunk:
+            failed[run_id] = ctl.read_and_evaluate(now, results[run_id])
+        read = [(run_id, ctl) for run_id, ctl in chunk if failed[run_id] is None]
         t_commit: float | None = None
         try:
             with self.store.transaction():
                 # Which runs have nothing open in the journal, in one query: most runs' commit and act ask.
-                self.store.note_open_actions([run_id for run_id, _ in chunk])
-                for run_id, ctl in chunk:
+                self.store.note_open_actions([run_id for run_id, _ in read])
+                for run_id, ctl in read:
                     failed[run_id] = ctl.decide(now, results[run_id])
                     if failed[run_id] is None:
                         decided.add(run_id)
                 t_commit = time.perf_counter()
         except Exception as exc:  # the commit (locked past the timeout, a full disk): nothing of it kept
-            for run_id, ctl in chunk:
-                if failed[run_id] is None:
-                    if run_id in decided:
-                        decided.discard(run_id)
-                        ctl.undo_decide(results[run_id], exc)
-                    else:  # the transaction could not even begin: nothing was read
-                        ctl.note_failed_tick(exc)
+            for run_id, ctl in read:
+                if failed[run_id] is None:  # read (and perhaps written): back to before the read
+                    decided.discard(run_id)
+                    ctl.undo_decide(results[run_id], exc)
                     failed[run_id] = exc
         else:
-            for _, ctl in chunk:
+            for _, ctl in read:
                 ctl.committed()
         finally:
             if t_commit is not None and self.telemetry is not None:
@@ -552,6 +578,8 @@ class Watchdog:
         for held in reversed(self._locks):
             held.release()
         self._locks.clear()
+        if self.freeze_survivors:
+            gc.unfreeze()  # what it froze is the collector's again (a process that goes on, a test suite)
 
     def serve_forever(self, tick_s: float, until_done: bool = True, stop: threading.Event | None = None) -> None:
         """Run ticks on an APScheduler 3.x BackgroundScheduler until done (or ``stop`` is set)."""
@@ -686,6 +714,7 @@ def prepare_daemon(cfg: DaemonConfig, exclusive: bool = True) -> Watchdog:
                         cfg.metrics_port, cfg.metrics_addr, grafana_url=cfg.grafana_url,
                         webhook_url_file=cfg.webhook_url_file, exclusive=exclusive)
     wd._adopting = True
+    wd.freeze_survivors = True
     for spec in cfg.runs:
         def add(spec: RunSpec = spec) -> RunController:
             return _add_spec(wd, cfg, spec)
