@@ -263,8 +263,8 @@ class _Read:
     """Anything to evaluate or save: new lines, held events, moved positions."""
     first_step: int | None
     """The run's first step this watchdog saw, when it is in this read (the steps before it were never judged)."""
-    state: Any
-    """The engine state before the read (the one the store holds while nothing changed)."""
+    undo: tuple[Any, ...]
+    """The run as the last commit left it: read positions, engine state, tick fields (:meth:`RunController._restore`)."""
 
 
 class RunController:
@@ -482,7 +482,7 @@ class RunController:
             self._restore(undo, result, exc)
             return exc
         self._undo = undo
-        self._read = _Read(records, events, decisions, fresh, first_step, undo[1])
+        self._read = _Read(records, events, decisions, fresh, first_step, undo)
         return None
 
     def decide(self, now: float, result: TickResult) -> Exception | None:
@@ -505,7 +505,8 @@ class RunController:
             # did not run and nothing is written. A run with nothing new costs two stats.
             self._failed_ticks = 0
             return None
-        undo = self._undo
+        undo = read.undo
+        offsets, state = undo[0], undo[1]
         try:
             # Everything this read writes (confirmations of applied versions, closed spans, decisions,
             # intents, engine state, positions) is kept together or not at all.
@@ -517,8 +518,8 @@ class RunController:
                 self.telemetry.phase_time("decide", t1 - t0)
                 # Nothing read, nothing decided, the engine not run, the positions where they were: the
                 # stored state is still this one (an idle run costs a stat per file, no write).
-                changed = (bool(read.records or read.events or read.decisions) or self.state is not read.state
-                           or self.tailer.offsets != undo[0])
+                changed = (bool(read.records or read.events or read.decisions) or self.state is not state
+                           or self.tailer.offsets != offsets)
                 self._commit(read.decisions, result, changed)
                 self.telemetry.phase_time("commit", time.perf_counter() - t1)
         except Exception as exc:
