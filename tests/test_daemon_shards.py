@@ -162,7 +162,7 @@ IDS = [f"run-{i}" for i in range(300)] + ["qwen2-7b-gsm8k", "exp", "ünïcode-ru
 @pytest.mark.parametrize("shards", [1, 2, 3, 7, 256])
 def test_every_run_is_in_exactly_one_shard(shards: int) -> None:
     cfg = DaemonConfig(runs=[RunSpec(f"/srv/runs/{i}", id=i) for i in IDS], shards=shards)
-    parts = [[s.id for s in cfg.for_shard(k).runs] for k in range(shards)]
+    parts = [[str(s.id) for s in cfg.for_shard(k).runs] for k in range(shards)]
     assert sorted(i for part in parts for i in part) == sorted(IDS)  # every run, none twice
     if shards in (2, 3):  # a hash that spreads the runs, not one that gives them all to one process
         assert min(len(p) for p in parts) > len(IDS) / shards * 0.7, [len(p) for p in parts]

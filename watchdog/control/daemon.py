@@ -33,7 +33,13 @@ from watchdog.control.actuator import (
     webhook_target,
 )
 from watchdog.control.controller import ControllerConfig, EngineRules, RulesEngine, RunController, TickResult
-from watchdog.control.shards import MAX_SHARDS, ShardSupervisor, die_with_supervisor, shard_of, supervisor_alive
+from watchdog.control.shards import (
+    MAX_SHARDS,
+    ShardSupervisor,
+    die_with_supervisor,
+    shard_of,
+    supervisor_alive,
+)
 from watchdog.control.store import Phase, RunRecord, Store, StoreError
 from watchdog.core.planner import ON_ESCALATE
 from watchdog.core.rulefile import default_rules_paths
