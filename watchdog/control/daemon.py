@@ -736,7 +736,14 @@ def run_shard(cfg: DaemonConfig, shard: int, stop: threading.Event | None = None
     is gone (the kernel's SIGTERM on Linux; everywhere, its parent is no longer the supervisor)."""
     if shard and not 0 < shard < cfg.shards:
         raise DaemonConfigError(f"shard {shard}: the config has shards: {cfg.shards} (0 .. {cfg.shards - 1})")
-    supervisor = die_with_supervisor() if shard else None
+    children: ShardSupervisor | None = None
+    supervisor: int | None = None
+    if shard:
+        supervisor = die_with_supervisor()
+    elif config_path is None:
+        raise ValueError("a sharded daemon's supervisor needs its config file's path (the children read it)")
+    else:
+        children = ShardSupervisor(config_path, cfg.shards, say)
     mine = cfg.for_shard(shard)
     wd = prepare_daemon(mine, shard=shard)
     if not cfg.runs:
@@ -745,7 +752,6 @@ def run_shard(cfg: DaemonConfig, shard: int, stop: threading.Event | None = None
     port = wd.telemetry.port if wd.telemetry is not None else 0
     say(f"shard {shard} (pid {os.getpid()}): {len(mine.runs)} of {len(cfg.runs)} run(s)"
         + (f", /metrics on http://{cfg.metrics_addr}:{port}/metrics" if port else ""))
-    children: ShardSupervisor | None = None
     beside: Callable[[], bool]
     if supervisor is not None:
         def beside() -> bool:
@@ -753,11 +759,7 @@ def run_shard(cfg: DaemonConfig, shard: int, stop: threading.Event | None = None
                 return True
             say(f"shard {shard}: its supervisor (pid {supervisor}) is gone; stopping")
             return False
-    else:
-        if config_path is None:
-            wd.close()
-            raise ValueError("a sharded daemon's supervisor needs its config file's path (the children read it)")
-        children = ShardSupervisor(config_path, cfg.shards, say)
+    elif children is not None:
         beside = children.poll
     try:
         if children is not None:
