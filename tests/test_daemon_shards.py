@@ -4,7 +4,9 @@ The config key is checked where the others are; the partition is total and the s
 a real ``python -m watchdog daemon`` with ``shards: 2`` decides every run once, each run held by the
 process of its shard; a child killed with SIGKILL is started again and decides nothing twice; SIGTERM
 stops every process (exit 0, no orphan), and a supervisor killed with SIGKILL takes its child with it.
-Real processes, real run directories with metrics already written (no trainer), SQLite.
+The supervisor's backoff and its SIGKILL after the grace are checked with stand-in children (small
+scripts that exit or ignore SIGTERM) and, for the backoff, a clock the test moves. Real processes, real
+run directories with metrics already written (no trainer), SQLite.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typer.testing import CliRunner
 
 from watchdog.cli import app
 from watchdog.control.daemon import DaemonConfig, DaemonConfigError, RunSpec, load_daemon_config
-from watchdog.control.shards import shard_of
+from watchdog.control.shards import ShardSupervisor, shard_of
 from watchdog.control.store import Store
 from watchdog.protocol import lock as locks
 from watchdog.protocol import rundir
@@ -183,6 +185,62 @@ def test_a_runs_shard_is_decided_on_its_id_else_its_directorys_name(tmp_path: Pa
     (tmp_path / "link").symlink_to(tmp_path / "real")
     assert RunSpec(str(tmp_path / "real"), id="mine").shard_key() == "mine"
     assert RunSpec(str(tmp_path / "link")).shard_key() == "real"  # the name the daemon gives the run
+
+
+# -- the supervisor, with stand-in children ----------------------------------------------------------
+
+
+def _stand_in(tmp_path: Path, body: str) -> str:
+    """An executable run as the children's "python" (it gets `-m watchdog daemon ...` and ignores them)."""
+    exe = tmp_path / "stand_in"
+    exe.write_text(f"#!{sys.executable}\n{body}\n")
+    exe.chmod(0o755)
+    return str(exe)
+
+
+def test_a_child_that_exits_is_said_and_started_again_after_a_backoff_doubling_to_a_minute(tmp_path: Path) -> None:
+    now = [1000.0]
+    said: list[str] = []
+    sup = ShardSupervisor(tmp_path / "daemon.yaml", 2, said.append,
+                          python=_stand_in(tmp_path, "raise SystemExit(3)"), clock=lambda: now[0])
+    child = sup.children[0]
+    sup.start()
+    waits = []
+    try:
+        for ran in (0, 0, 0, 0, 0, 0, 0, 0, 61, 0):
+            pid = sup.pids()[1]
+            _wait(lambda: child.proc is not None and child.proc.poll() is not None, "the stand-in to exit")
+            now[0] += ran
+            sup.poll()
+            assert f"shard 1 (pid {pid}) exited with exit code 3 after {ran} s" in said[-1], said
+            assert sup.pids() == {}  # not before its backoff
+            waits.append(child.start_at - now[0])
+            now[0] = child.start_at
+            sup.poll()
+            assert sup.pids()[1] != pid
+    finally:
+        sup.stop(grace_s=10)
+    # 1 s doubling to 60 s; a child that ran a minute (the 9th) starts from 1 s again.
+    assert waits == [1, 2, 4, 8, 16, 32, 60, 60, 1, 2]
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_and_said(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    body = (f"import signal, time, pathlib\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+            f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(120)")
+    said: list[str] = []
+    sup = ShardSupervisor(tmp_path / "daemon.yaml", 2, said.append, python=_stand_in(tmp_path, body))
+    sup.start()
+    pid = sup.pids()[1]
+    try:
+        _wait(ready.exists, "the stand-in to ignore SIGTERM")
+        sup.stop(grace_s=0.5)
+        assert not _alive(pid)
+        assert said == [f"shard 1 (pid {pid}) still running 0.5 s after SIGTERM: SIGKILL",
+                        f"shard 1 (pid {pid}) stopped with signal SIGKILL"]
+    finally:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 # -- the processes ------------------------------------------------------------------------------------
