@@ -160,9 +160,9 @@ class ShardSupervisor:
                     self.say(f"shard {child.shard} (pid {child.proc.pid}) stopped with {exit_text(code)}")
                 child.proc = None
         except KeyboardInterrupt:
-            self.say("stopping again: SIGKILL to every shard still running")
             for child in self.children:
                 if child.proc is not None and child.proc.poll() is None:
+                    self.say(f"stopping again: SIGKILL to shard {child.shard} (pid {child.proc.pid})")
                     child.proc.kill()
                     child.proc.wait()
             raise
