@@ -1,9 +1,11 @@
 """What sharding a daemon's runs over processes would give: the same load as daemon_scale.py, ticked by N.
 
-A measurement for a design question (issue 22: "how far it scales and what bounds it"), not a product
-mode: the daemon is one process today. N worker processes each build the daemon over 1/N of the run
-directories (``prepare_daemon`` as ``watchdog daemon`` does, not exclusive, all on one state database by
-default, or one each with ``--state-per-shard``) and tick on the parent's word; the parent plays the
+A measurement for a design question (issue 22: "how far it scales and what bounds it"), the question
+behind the daemon's ``shards: N``. N worker processes each build the daemon over the share of the run
+directories the product's partition gives them (``DaemonConfig.for_shard``, as ``watchdog daemon`` with
+``shards: N`` does; ``prepare_daemon`` not exclusive, all on one state database by default, or one each
+with ``--state-per-shard``) and tick on the parent's word (not on their own schedulers, so that a tick is
+timed from one word to the last answer); the parent plays the
 trainers between ticks (daemon_scale.py's simulated trainers, the same lines and control.json replies) and
 times a tick from its word to the last shard's answer. So the figure is what a tick over all the runs
 takes when the shards run side by side on the machine's cores, SQLite's one writer at a time included.
@@ -85,8 +87,9 @@ def main(argv: list[str] | None = None) -> int:
         base = base_trajectory()
         trainers = [Trainer(tmp / "runs" / f"run{r:04d}", r, base, args.ckpt_every) for r in range(args.runs)]
         conns = []
+        everything = DaemonConfig(runs=[RunSpec(str(t.dir)) for t in trainers], shards=args.shards)
         for i in range(args.shards):
-            dirs = [str(t.dir) for t in trainers[i::args.shards]]
+            dirs = [spec.run_dir for spec in everything.for_shard(i).runs]
             state = tmp / (f"state{i}" if args.state_per_shard else "state")
             parent, child = ctx.Pipe()
             p = ctx.Process(target=shard, args=(child, dirs, str(state), args.tick_s), daemon=True)
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     cpu_sum = [sum(x) for x in shard_cpu]
     doc: dict[str, Any] = {
-        "benchmark": "the daemon's runs sharded over processes (a design measurement, not a product mode)",
+        "benchmark": "the daemon's runs sharded over processes (shard_of's partition, ticked on the parent's word)",
         "command": " ".join(["python bench/daemon_shards.py", *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "python": platform.python_version(), "cpus": os.cpu_count(),

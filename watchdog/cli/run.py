@@ -374,8 +374,10 @@ def _interrupted(wd: Any, ctl: Any, signum: int = signal.SIGINT) -> None:
 @_restoring_signals
 def daemon_cmd(
     config: Annotated[Path, typer.Option("--config", help="Daemon YAML: runs, rules, state_dir, tick_s, "
-                                         "metrics_port, webhook_url, controller, actuator.")],
+                                         "metrics_port, webhook_url, controller, actuator, shards.")],
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+    shard: Annotated[int | None, typer.Option(
+        "--shard", hidden=True, help="A sharded daemon's child K (1 .. shards-1), started by shard 0.")] = None,
 ) -> None:
     """Watch many run directories and serve the watchdog's own /metrics."""
     _logging(verbose)
@@ -384,10 +386,17 @@ def daemon_cmd(
     except DaemonConfigError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
-    console.print(f"watchdog daemon: {len(cfg.runs)} run(s), tick {cfg.tick_s}s, state {cfg.state_dir}")
+    if shard is not None and not 0 < shard < cfg.shards:
+        console.print(f"[red]{config}: --shard {shard}: the config has shards: {cfg.shards}, whose children are "
+                      f"shards 1 .. {cfg.shards - 1}[/red]")
+        raise typer.Exit(2)
+    if shard is None:
+        console.print(f"watchdog daemon: {len(cfg.runs)} run(s), tick {cfg.tick_s}s, state {cfg.state_dir}"
+                      + (f", {cfg.shards} shards (processes)" if cfg.shards > 1 else ""))
     stop = _stop_on_signals()
     try:
-        wd = run_daemon(cfg, stop=stop.event)
+        wd = run_daemon(cfg, stop=stop.event, config_path=config, shard=shard,
+                        say=functools.partial(console.print, markup=False, highlight=False))
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
     except (DaemonConfigError, StoreError, locks.LockHeld) as exc:  # e.g. a Grafana token file that cannot be
@@ -397,7 +406,8 @@ def daemon_cmd(
     # of the watchdog's host): said here, and `watchdog status` says it of each run until then.
     left = [(c.run, c.h.proc.pid) for c in wd.controllers.values() if c.h.proc is not None and c.h.proc.alive()]
     name = STOP_SIGNALS.get(stop.signals[0], "a signal") if stop.signals else "request"
-    console.print(f"watchdog daemon stopped by {name}; {len(left)} trainer(s) left running UNSUPERVISED until a "
+    who = f"watchdog daemon shard {shard or 0}" if cfg.shards > 1 else "watchdog daemon"
+    console.print(f"{who} stopped by {name}; {len(left)} trainer(s) left running UNSUPERVISED until a "
                   f"daemon or `watchdog run` adopts them" + "".join(
                       f"\n  {run.run_id}: pid {pid} in {run.run_dir}" for run, pid in left))
 

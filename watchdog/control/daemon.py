@@ -34,6 +34,13 @@ from watchdog.control.actuator import (
     webhook_target,
 )
 from watchdog.control.controller import ControllerConfig, EngineRules, RulesEngine, RunController, TickResult
+from watchdog.control.shards import (
+    MAX_SHARDS,
+    ShardSupervisor,
+    die_with_supervisor,
+    shard_of,
+    supervisor_alive,
+)
 from watchdog.control.store import Phase, RunRecord, Store, StoreError
 from watchdog.core.planner import ON_ESCALATE
 from watchdog.core.rulefile import default_rules_paths
@@ -96,6 +103,11 @@ class RunSpec:
     """When this run needs a human: pause | stop | continue (default: the daemon's ``controller.on_escalate``,
     itself pause: a daemon has a human to page)."""
 
+    def shard_key(self) -> str:
+        """What this run's shard is decided on: the id the daemon gives it, ``id`` else the directory's name
+        (as :meth:`Watchdog.add_run` names a new run). Two runs whose ids could collide land in one process."""
+        return self.id if self.id is not None else Path(self.run_dir).resolve().name
+
 
 @dataclass
 class DaemonConfig:
@@ -132,6 +144,11 @@ class DaemonConfig:
     grafana_url: str | None = None
     """Grafana for an annotation per action on the "PPO run" dashboard (default: $GRAFANA_URL; token from
     $GRAFANA_TOKEN_FILE or $GRAFANA_TOKEN, never from this file)."""
+    shards: int = 1
+    """Daemon processes sharing the runs (1 .. 256), all on the one state database: for more runs than one
+    core ticks in time. The process started is shard 0 and starts shards 1..N-1 as its children; each run is
+    watched by the one :func:`~watchdog.control.shards.shard_of` gives it. Shard K serves /metrics on
+    ``metrics_port`` + K (0: each a free port)."""
 
     def __post_init__(self) -> None:
         if not self.tick_s > 0:
@@ -140,6 +157,20 @@ class DaemonConfig:
             raise DaemonConfigError(f"metrics_port must be 0 (any free port) .. 65535, got {self.metrics_port!r}")
         if self.source not in SOURCES:
             raise DaemonConfigError(f"source must be one of {', '.join(SOURCES)}, got {self.source!r}")
+        if not (isinstance(self.shards, int) and not isinstance(self.shards, bool) and 1 <= self.shards <= MAX_SHARDS):
+            raise DaemonConfigError(f"shards must be an integer from 1 to {MAX_SHARDS} (daemon processes), "
+                                    f"got {self.shards!r}")
+        # Shard K serves on metrics_port + K: the last one's port must exist too.
+        if self.metrics_port and self.metrics_port + self.shards - 1 > 65535:
+            raise DaemonConfigError(f"shards: {self.shards} processes serve /metrics on metrics_port "
+                                    f"{self.metrics_port} .. {self.metrics_port + self.shards - 1}, past 65535")
+
+    def for_shard(self, shard: int) -> DaemonConfig:
+        """What one process of a sharded daemon watches, as a config of one process: its share of the runs,
+        its /metrics port."""
+        port = self.metrics_port + shard if self.metrics_port else self.metrics_port
+        return replace(self, runs=[s for s in self.runs if shard_of(s.shard_key(), self.shards) == shard],
+                       metrics_port=port, shards=1)
 
     def source_for(self, spec: RunSpec) -> SourceConfig:
         """The run's metric source: its own ``source``/``prometheus_url`` over the daemon's."""
@@ -581,8 +612,14 @@ class Watchdog:
         if self.freeze_survivors:
             gc.unfreeze()  # what it froze is the collector's again (a process that goes on, a test suite)
 
-    def serve_forever(self, tick_s: float, until_done: bool = True, stop: threading.Event | None = None) -> None:
-        """Run ticks on an APScheduler 3.x BackgroundScheduler until done (or ``stop`` is set)."""
+    def serve_forever(self, tick_s: float, until_done: bool = True, stop: threading.Event | None = None,
+                      beside: Callable[[], bool] | None = None, on_stop: Callable[[], None] | None = None) -> None:
+        """Run ticks on an APScheduler 3.x BackgroundScheduler until done (or ``stop`` is set).
+
+        A sharded daemon's hooks (``until_done=False`` only): ``beside`` is called in this thread every half
+        second while the ticks run (the supervisor's look at its children, a child's look at its supervisor;
+        False stops serving); ``on_stop`` once serving ends, before the tick in flight is waited for (the
+        children then stop side by side with it)."""
         from apscheduler.schedulers.background import BackgroundScheduler
 
         sched = BackgroundScheduler(daemon=True)
@@ -594,9 +631,11 @@ class Watchdog:
             while not stop.is_set():
                 if until_done and self.done.wait(timeout=0.2):
                     break
-                if not until_done:
-                    stop.wait(timeout=0.5)
+                if not until_done and not stop.wait(timeout=0.5) and beside is not None and not beside():
+                    break
         finally:
+            if on_stop is not None:
+                on_stop()
             sched.shutdown(wait=True)
 
 
@@ -611,13 +650,15 @@ def build_watchdog(
     controller: dict[str, Any] | None = None, actuator: dict[str, Any] | None = None,
     metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", crash_hook: Any = None,
     grafana_url: str | None = None, webhook_url_file: str | Path | None = None, exclusive: bool = False,
+    shard: int | None = None,
 ) -> Watchdog:
     """A Watchdog from plain settings (the CLI and the daemon config both land here).
 
     With a Grafana URL (``grafana_url`` or ``$GRAFANA_URL``) every action outcome is also posted
     as an annotation on the "PPO run" dashboard, from a background thread: a slow or down
     Grafana never holds up a tick. A token file that is named but unreadable is a
-    DaemonConfigError (someone meant to configure one).
+    DaemonConfigError (someone meant to configure one). ``shard``: a sharded daemon's child K, which
+    holds its shard's lock instead of the state's (:func:`hold_state`).
     """
     rules = EngineRules(list(rule_paths) if rule_paths else default_rules_paths())
     try:
@@ -627,7 +668,7 @@ def build_watchdog(
     controller_config, actuator_config = ControllerConfig(**(controller or {})), ActuatorConfig(**(actuator or {}))
     store = Store(state_dir)
     # The state is taken before anything is served or launched: a second watchdog on it stops here.
-    state_lock = hold_state(store) if exclusive else None
+    state_lock = hold_state(store, shard) if exclusive else None
     telemetry = WatchdogMetrics()
     if metrics_port is not None:
         try:
@@ -646,11 +687,17 @@ def build_watchdog(
     )
 
 
-def hold_state(store: Store) -> locks.HolderLock:
+def hold_state(store: Store, shard: int | None = None) -> locks.HolderLock:
     """Take the state directory for this watchdog; :class:`~watchdog.protocol.lock.LockHeld` names the one
-    that has it (two watchdogs writing one state would journal every firing twice)."""
+    that has it (two watchdogs writing one state would journal every firing twice). ``shard`` K (1..N-1): a
+    sharded daemon's child, which takes its shard's lock instead: its supervisor holds the state's."""
+    if shard:
+        held = locks.HolderLock(store.path.parent / locks.shard_lock(shard), f"shard {shard} of the state",
+                                role=f"watchdog daemon shard {shard}")
+    else:
+        held = locks.HolderLock(store.path.parent / locks.STATE_LOCK, "the state")
     try:
-        return locks.HolderLock(store.path.parent / locks.STATE_LOCK, "the state").acquire()
+        return held.acquire()
     except locks.LockHeld:
         store.close()
         raise
@@ -688,8 +735,15 @@ def _fan_out(*hooks: Callable[[str, str, str, str], None] | None) -> Callable[[s
     return on_action
 
 
-def run_daemon(cfg: DaemonConfig, stop: threading.Event | None = None) -> Watchdog:
-    """``watchdog daemon``: watch every configured run until stopped."""
+def run_daemon(cfg: DaemonConfig, stop: threading.Event | None = None, config_path: Path | str | None = None,
+               shard: int | None = None, say: Callable[[str], None] = log.info) -> Watchdog:
+    """``watchdog daemon``: watch every configured run until stopped.
+
+    With ``shards`` > 1 this process is one shard (:func:`run_shard`): ``shard`` None or 0, the supervisor,
+    which starts the others from ``config_path``; 1..N-1, a child it started. ``say``: the shards' news
+    (which runs and port each has, a child that exited) for the daemon's console."""
+    if cfg.shards > 1:
+        return run_shard(cfg, shard or 0, stop, config_path, say)
     wd = prepare_daemon(cfg)
     if not cfg.runs:  # a daemon that watches nothing is a config mistake, not a quiet success (said once
         wd.close()    # its state dir and port are checked: a config with no runs can get those wrong too)
@@ -701,18 +755,68 @@ def run_daemon(cfg: DaemonConfig, stop: threading.Event | None = None) -> Watchd
     return wd
 
 
-def prepare_daemon(cfg: DaemonConfig, exclusive: bool = True) -> Watchdog:
+def run_shard(cfg: DaemonConfig, shard: int, stop: threading.Event | None = None,
+              config_path: Path | str | None = None, say: Callable[[str], None] = log.info) -> Watchdog:
+    """One process of a daemon of ``cfg.shards``: the runs :func:`~watchdog.control.shards.shard_of` gives
+    ``shard``, on the shared state database. Shard 0 holds the state lock, starts the children from
+    ``config_path`` once its own runs are added (the database exists by then), starts each again when it
+    exits, and stops them when it stops. A child K holds its shard's lock and stops when its supervisor
+    is gone (the kernel's SIGTERM on Linux; everywhere, its parent is no longer the supervisor)."""
+    if shard and not 0 < shard < cfg.shards:
+        raise DaemonConfigError(f"shard {shard}: the config has shards: {cfg.shards} (0 .. {cfg.shards - 1})")
+    children: ShardSupervisor | None = None
+    supervisor: int | None = None
+    if shard:
+        supervisor = die_with_supervisor()
+    elif config_path is None:
+        raise ValueError("a sharded daemon's supervisor needs its config file's path (the children read it)")
+    else:
+        children = ShardSupervisor(config_path, cfg.shards, say)
+    mine = cfg.for_shard(shard)
+    wd = prepare_daemon(mine, shard=shard)
+    if not cfg.runs:
+        wd.close()
+        raise DaemonConfigError("no runs to watch: list run directories under 'runs:'")
+    port = wd.telemetry.port if wd.telemetry is not None else 0
+    say(f"shard {shard} (pid {os.getpid()}): {len(mine.runs)} of {len(cfg.runs)} run(s)"
+        + (f", /metrics on http://{cfg.metrics_addr}:{port}/metrics" if port else ""))
+    beside: Callable[[], bool]
+    if supervisor is not None:
+        def beside() -> bool:
+            if supervisor_alive(supervisor):
+                return True
+            say(f"shard {shard}: its supervisor (pid {supervisor}) is gone; stopping")
+            return False
+    elif children is not None:
+        beside = children.poll
+    try:
+        if children is not None:
+            children.start()
+        wd.serve_forever(cfg.tick_s, until_done=False, stop=stop, beside=beside,
+                         on_stop=children.terminate if children is not None else None)
+    finally:
+        try:
+            if children is not None:
+                children.stop()
+        finally:
+            wd.close()
+    return wd
+
+
+def prepare_daemon(cfg: DaemonConfig, exclusive: bool = True, shard: int | None = None) -> Watchdog:
     """The daemon's Watchdog with every configured run added (adopting trainers already running).
 
     ``exclusive``: hold the state directory and each run directory (a second daemon or ``watchdog run``
     on either is refused). A run that cannot be watched (a garbled run.json, a directory another
     watchdog holds) is said and alerted once and tried again later; the others are watched.
+    ``shard``: a sharded daemon's child K (1..N-1), which holds its shard's lock, not the state's;
+    ``cfg`` is then its share (:meth:`DaemonConfig.for_shard`).
     """
     if exclusive:
         _raise_fd_limit(len(cfg.runs) + 256)
     wd = build_watchdog(cfg.state_dir, cfg.rules, cfg.webhook_url, cfg.controller, cfg.actuator,
                         cfg.metrics_port, cfg.metrics_addr, grafana_url=cfg.grafana_url,
-                        webhook_url_file=cfg.webhook_url_file, exclusive=exclusive)
+                        webhook_url_file=cfg.webhook_url_file, exclusive=exclusive, shard=shard)
     wd._adopting = True
     wd.freeze_survivors = True
     for spec in cfg.runs:

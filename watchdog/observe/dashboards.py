@@ -259,14 +259,18 @@ def watchdog() -> dict[str, Any]:
         .with_variable(_ds_variable())
         .with_variable(_run_variable(t.DATA_AGE.name))
         .link(_links())
-        .with_panel(_stat(ids, "Runs watched", "Runs the watchdog watches now.", t.RUNS_WATCHED.name, "runs"))
+        # A sharded daemon (shards: N) is N scrape targets, each with its share: single numbers add them up
+        # (or show the worst one), so the panels read the same for one process or many.
+        .with_panel(_stat(ids, "Runs watched", "Runs the watchdog watches now (all its processes).",
+                          f"sum({t.RUNS_WATCHED.name})", "runs"))
         .with_panel(_stat(
             ids, "Firing rules", "Rules firing now over the selected runs.",
             f"count({t.RULE_STATE.name}{{{RUN_SEL}}} == 2) or vector(0)", "firing",
         ))
         .with_panel(_stat(
-            ids, "Since last tick", "Seconds since the watchdog's last completed evaluation.",
-            f"time() - max({t.LAST_TICK.name})", "age", unit="s",
+            ids, "Since last tick", "Seconds since the watchdog's last completed evaluation (of its process that "
+            "ticked longest ago, when it runs several).",
+            f"max(time() - {t.LAST_TICK.name})", "age", unit="s",
         ))
         .with_panel(_stat(
             ids, "Escalations (24h)", "Escalations to a human over the last day.",
@@ -286,10 +290,12 @@ def watchdog() -> dict[str, Any]:
             w=12, bars=True,
         ))
         .with_panel(_series(
-            ids, "Evaluation time", "Wall time of one evaluation tick over all runs (quantiles and mean).",
+            ids, "Evaluation time", "Wall time of one evaluation tick over all runs (quantiles and mean; with "
+            "several processes, of a process's tick over its runs).",
             [(quantile.format(q="0.5", m=t.EVALUATION.series()[0]), "p50"),
              (quantile.format(q="0.99", m=t.EVALUATION.series()[0]), "p99"),
-             (f"rate({t.EVALUATION.series()[1]}[$__rate_interval]) / rate({t.EVALUATION.series()[2]}[$__rate_interval])",
+             (f"sum(rate({t.EVALUATION.series()[1]}[$__rate_interval])) / "
+             f"sum(rate({t.EVALUATION.series()[2]}[$__rate_interval]))",
               "mean")],
             unit="s", w=12,
         ))

@@ -12,7 +12,10 @@ prints; that text is advice for a human, never what decides.
   watchdog takes it just before it launches a trainer and hands the descriptor to the child,
   so it lives exactly as long as something of that trainer does. A second trainer is never
   launched while it is held.
-- ``STATE_LOCK`` in a state directory: held by the one watchdog that writes that state.
+- ``STATE_LOCK`` in a state directory: held by the one watchdog that writes that state (with
+  ``shards: N``, the daemon's supervisor, shard 0).
+- :func:`shard_lock` in a state directory: held by shard K (1..N-1) of a sharded daemon, a child
+  process of the supervisor writing the same state for its share of the runs.
 
 ``flock`` is advisory and local to one machine's kernel (on NFS it is emulated by ``fcntl``
 locks on Linux >= 2.6.12, which keeps this behaviour across clients of one server).
@@ -35,6 +38,11 @@ TRAINER_LOCK = ".trainer.lock"
 """A run directory's trainer lock (held through the trainer's inherited descriptor)."""
 STATE_LOCK = "watchdog.lock"
 """A state directory's lock."""
+
+
+def shard_lock(shard: int) -> str:
+    """The lock file of a sharded daemon's shard ``shard`` (1..N-1) in its state directory."""
+    return f"watchdog.shard-{shard}.lock"
 
 
 class LockHeld(OSError):

@@ -1,0 +1,200 @@
+"""A sharded daemon (``shards: N``): which process watches a run, and the supervisor of the other processes.
+
+``watchdog daemon`` with ``shards: N > 1`` runs N processes over one state database. The process that was
+started is shard 0 and the supervisor: it holds the state lock as a daemon of one process does, and starts
+shards 1..N-1 as its children (``python -m watchdog daemon --config F --shard K``). Each process watches
+only the runs :func:`shard_of` gives it, so every run has exactly one watcher, and each child holds a lock
+of its own in the state directory (:func:`~watchdog.protocol.lock.shard_lock`). A child dies with its
+supervisor (``PR_SET_PDEATHSIG`` on Linux; everywhere, it stops when its parent is no longer the
+supervisor); a child that exits while the supervisor runs is said and started again after a backoff.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+MAX_SHARDS = 256
+"""The most processes one daemon may be cut into (a host with more cores than that has other limits first)."""
+SUPERVISOR_ENV = "WATCHDOG_SHARD_SUPERVISOR"
+"""Set in a child's environment to its supervisor's pid (argv carries only the config path and the shard)."""
+STOP_GRACE_S = 45.0
+"""How long the supervisor waits for its children after SIGTERM before SIGKILL. Each child finishes its
+tick in flight (a restart in it waits up to the actuator's 15 s stop grace); the children stop side by side
+with the supervisor's own last tick, all inside the 60 s systemd gives the daemon (deploy/systemd)."""
+BACKOFF_MIN_S = 1.0
+"""A child that exits is started again after this long at first, doubling at each exit ..."""
+BACKOFF_MAX_S = 60.0
+"""... up to this ..."""
+BACKOFF_RESET_S = 60.0
+"""... and back to the first once a child has run this long (a crash an hour is not a crash loop)."""
+PR_SET_PDEATHSIG = 1
+"""Linux prctl option: the signal this process gets when the thread that started it dies."""
+
+
+def shard_of(run_id: str, shards: int) -> int:
+    """The shard (0 .. ``shards``-1) that watches run ``run_id``: the same in every process, at every restart
+    and on every machine (CRC-32 of the id's UTF-8; Python's ``hash`` of a str is salted per interpreter)."""
+    return zlib.crc32(run_id.encode("utf-8")) % shards
+
+
+@dataclass
+class _Child:
+    """One child shard as the supervisor knows it."""
+
+    shard: int
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    """When ``proc`` was started (the supervisor's monotonic clock)."""
+    start_at: float = 0.0
+    """When to start it (again) while it has no process."""
+    backoff_s: float = BACKOFF_MIN_S
+    """The wait before the next start after an exit."""
+    terminated: bool = False
+    """SIGTERM sent to ``proc`` (once: a second stop signal tells a daemon to stop without finishing)."""
+
+
+class ShardSupervisor:
+    """Shard 0's children: started, started again when one exits, stopped with the supervisor."""
+
+    def __init__(self, config: Path | str, shards: int, say: Callable[[str], None] = log.warning,
+                 python: str = sys.executable, clock: Callable[[], float] = time.monotonic) -> None:
+        """``config``: the daemon's config file, read by each child itself; ``say``: where what happens to a
+        child is told (the daemon's console); ``python``: the interpreter the children run under."""
+        self.config = Path(config).resolve()  # a child reads the same file whatever directory it is in
+        self.python = python
+        self.say = say
+        self.clock = clock
+        self.children = [_Child(k) for k in range(1, shards)]
+
+    def command(self, shard: int) -> list[str]:
+        """A child's command line: nothing but the config path and its shard (secrets stay in files and the
+        environment, out of the argv every user of the machine can read)."""
+        return [self.python, "-m", "watchdog", "daemon", "--config", str(self.config), "--shard", str(shard)]
+
+    def pids(self) -> dict[int, int]:
+        """The pid of each child that has a process now, by shard."""
+        return {c.shard: c.proc.pid for c in self.children if c.proc is not None}
+
+    def start(self) -> None:
+        """Start every child (once the supervisor holds the state and the database exists)."""
+        for child in self.children:
+            self._start(child)
+
+    def poll(self) -> bool:
+        """Say each child that exited and start it again once its backoff has passed; True (serving goes on).
+        Called from the thread that started the children: on Linux a child's death signal follows the
+        thread that started it, not the process."""
+        now = self.clock()
+        for child in self.children:
+            if child.proc is not None:
+                code = child.proc.poll()
+                if code is None:
+                    continue
+                ran = now - child.started
+                if ran >= BACKOFF_RESET_S:
+                    child.backoff_s = BACKOFF_MIN_S
+                self.say(f"shard {child.shard} (pid {child.proc.pid}) exited with {exit_text(code)} after "
+                         f"{ran:.0f} s; starting it again in {child.backoff_s:g} s")
+                child.proc = None
+                child.start_at = now + child.backoff_s
+                child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
+            if now >= child.start_at:
+                self._start(child)
+        return True
+
+    def _start(self, child: _Child) -> None:
+        env = dict(os.environ, **{SUPERVISOR_ENV: str(os.getpid())})  # the daemon's own (webhook included)
+        try:
+            # Its own session: a Ctrl-C at the terminal reaches the supervisor alone, which stops the children
+            # in order (SIGTERM, bounded wait) instead of every process racing to stop on its own.
+            child.proc = subprocess.Popen(self.command(child.shard), env=env, stdin=subprocess.DEVNULL,
+                                          start_new_session=True)
+        except OSError as exc:  # out of processes or memory: tried again after the backoff, as an exit is
+            self.say(f"shard {child.shard}: cannot start ({exc.strerror or exc}); trying again in "
+                     f"{child.backoff_s:g} s")
+            child.start_at = self.clock() + child.backoff_s
+            child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
+            return
+        child.started = self.clock()
+        child.terminated = False
+        log.info("shard %d started: pid %d", child.shard, child.proc.pid)
+
+    def terminate(self) -> None:
+        """Send SIGTERM, once, to every child still running (each finishes its tick in flight and exits)."""
+        for child in self.children:
+            if child.proc is not None and not child.terminated and child.proc.poll() is None:
+                child.terminated = True
+                with contextlib.suppress(ProcessLookupError):
+                    child.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        """Stop every child: SIGTERM, a wait of at most ``grace_s`` for all of them, then SIGKILL (said).
+        A second Ctrl-C during the wait kills them at once."""
+        self.terminate()
+        deadline = self.clock() + grace_s
+        try:
+            for child in self.children:
+                if child.proc is None:
+                    continue
+                try:
+                    code = child.proc.wait(timeout=max(0.0, deadline - self.clock()))
+                except subprocess.TimeoutExpired:
+                    self.say(f"shard {child.shard} (pid {child.proc.pid}) still running {grace_s:g} s after "
+                             "SIGTERM: SIGKILL")
+                    child.proc.kill()
+                    code = child.proc.wait()
+                if code != 0:
+                    self.say(f"shard {child.shard} (pid {child.proc.pid}) stopped with {exit_text(code)}")
+                child.proc = None
+        except KeyboardInterrupt:
+            for child in self.children:
+                if child.proc is not None and child.proc.poll() is None:
+                    self.say(f"stopping again: SIGKILL to shard {child.shard} (pid {child.proc.pid})")
+                    child.proc.kill()
+                    child.proc.wait()
+            raise
+
+
+def exit_text(code: int) -> str:
+    """``exit code 2`` or ``signal SIGKILL`` for a Popen return code."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def die_with_supervisor() -> int:
+    """In a child shard: have Linux send this process SIGTERM when its supervisor dies; returns the
+    supervisor's pid (from :data:`SUPERVISOR_ENV`, else the parent's), for :func:`supervisor_alive`."""
+    raw = os.environ.pop(SUPERVISOR_ENV, "")  # the trainers this child starts have no use for it
+    supervisor = int(raw) if raw.isdigit() else os.getppid()
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+        except (OSError, AttributeError) as exc:
+            log.warning("cannot ask the kernel for a signal when the supervisor dies (%s): checked every "
+                        "half second instead", exc)
+    return supervisor
+
+
+def supervisor_alive(supervisor: int) -> bool:
+    """Whether this child's parent is still its supervisor (a child whose supervisor died is reparented; one
+    that died before :func:`die_with_supervisor` asked for the signal is caught here)."""
+    return os.getppid() == supervisor
