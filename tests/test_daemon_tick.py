@@ -4,12 +4,14 @@ the commit failure and the failing run are fault injection, named as such."""
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import sqlite3
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -295,3 +297,32 @@ def test_state_json_keeps_nan_and_infinity_which_orjson_would_write_as_null() ->
     text = rundir.dumps({"last": {"step": 3, "data": {"kl": math.nan, "x": 1.0}}, "y": [math.inf, None]})
     back = json.loads(text)
     assert math.isnan(back["last"]["data"]["kl"]) and back["y"] == [math.inf, None]
+
+
+def test_a_tick_freezes_what_it_leaves_alive_and_the_hourly_full_pass_finds_cycles_that_died_since(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a tick leaves alive (windows, states) is moved out of the collector's reach, so the next tick's
+    # collections do not walk it; a cycle among those objects that dies later is found by the full pass.
+    runs = _runs(tmp_path, 2)
+    wd = _daemon(tmp_path, runs)
+    try:
+        class Cycle:
+            me: Any
+
+        cycle = Cycle()
+        cycle.me = cycle
+        found: list[bool] = []
+        weakref.finalize(cycle, found.append, True)
+        _append(runs[0], 1, 0.01)
+        wd.tick()
+        assert gc.get_freeze_count() > 0
+        del cycle
+        gc.collect()
+        assert found == []  # frozen: no ordinary collection looks at it
+        monkeypatch.setattr(daemon, "FULL_GC_EVERY_S", 0.0)  # the hour has passed
+        wd.tick()
+        assert found == [True]
+        assert gc.get_freeze_count() > 0  # and what is alive is frozen again
+    finally:
+        wd.close()
+    assert gc.get_freeze_count() == 0  # a closed daemon leaves the collector as it found it

@@ -493,7 +493,7 @@ class Watchdog:
         """What a tick leaves alive is long-lived (the runs' windows, engine states, read positions): frozen
         (``gc.freeze``, O(1)) so that the collections inside the next tick scan only what that tick makes.
         Left to CPython's policy, a full pass over every run's windows (about 200 ms at 1,000 runs,
-        ``bench/results/daemon_gc.md``) ran inside one tick in three. Cycles among frozen objects that die
+        ``bench/results/daemon_scale.md``) ran inside one tick in three. Cycles among frozen objects that die
         later are found by a full pass every :data:`FULL_GC_EVERY_S`, here, after a tick's work."""
         if time.monotonic() - self._full_gc_at >= FULL_GC_EVERY_S:
             gc.unfreeze()
