@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -201,8 +202,10 @@ def _stand_in(tmp_path: Path, body: str) -> str:
 def test_a_child_that_exits_is_said_and_started_again_after_a_backoff_doubling_to_a_minute(tmp_path: Path) -> None:
     now = [1000.0]
     said: list[str] = []
+    alerted: list[tuple[int, str]] = []
     sup = ShardSupervisor(tmp_path / "daemon.yaml", 2, said.append,
-                          python=_stand_in(tmp_path, "raise SystemExit(3)"), clock=lambda: now[0])
+                          python=_stand_in(tmp_path, "raise SystemExit(3)"), clock=lambda: now[0],
+                          alert=lambda shard, why: alerted.append((shard, why)))
     child = sup.children[0]
     sup.start()
     waits = []
@@ -222,6 +225,8 @@ def test_a_child_that_exits_is_said_and_started_again_after_a_backoff_doubling_t
         sup.stop(grace_s=10)
     # 1 s doubling to 60 s; a child that ran a minute (the 9th) starts from 1 s again.
     assert waits == [1, 2, 4, 8, 16, 32, 60, 60, 1, 2]
+    # Alerted once, at its third exit in a row within a minute of its start (not again until it runs a minute).
+    assert [shard for shard, _ in alerted] == [1] and "3 exits in a row" in alerted[0][1], alerted
 
 
 def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_and_said(tmp_path: Path) -> None:
@@ -229,14 +234,20 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_and_said(tmp_pat
     body = (f"import signal, time, pathlib\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
             f"pathlib.Path({str(ready)!r}).touch()\ntime.sleep(120)")
     said: list[str] = []
-    sup = ShardSupervisor(tmp_path / "daemon.yaml", 2, said.append, python=_stand_in(tmp_path, body))
+    now = [1000.0]
+    sup = ShardSupervisor(tmp_path / "daemon.yaml", 2, said.append, python=_stand_in(tmp_path, body),
+                          clock=lambda: now[0])
     sup.start()
     pid = sup.pids()[1]
     try:
         _wait(ready.exists, "the stand-in to ignore SIGTERM")
-        sup.stop(grace_s=0.5)
+        sup.terminate()  # as when the stop signal came: the supervisor's own last tick takes the grace ...
+        now[0] += 30.0
+        started = time.monotonic()
+        sup.stop(grace_s=30.0)  # ... so the wait after it is what is left of the grace: nothing
+        assert time.monotonic() - started < 10.0
         assert not _alive(pid)
-        assert said == [f"shard 1 (pid {pid}) still running 0.5 s after SIGTERM: SIGKILL",
+        assert said == [f"shard 1 (pid {pid}) still running 30 s after SIGTERM: SIGKILL",
                         f"shard 1 (pid {pid}) stopped with signal SIGKILL"]
     finally:
         if _alive(pid):

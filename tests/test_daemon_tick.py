@@ -305,16 +305,27 @@ def test_a_tick_freezes_what_it_leaves_alive_and_the_hourly_full_pass_finds_cycl
     # collections do not walk it; a cycle among those objects that dies later is found by the full pass.
     runs = _runs(tmp_path, 2)
     wd = _daemon(tmp_path, runs)
+    wd.freeze_survivors = True  # as a daemon's serve_forever sets it
     try:
         class Cycle:
             me: Any
 
+        dead = Cycle()
+        dead.me = dead
+        freed: list[bool] = []
+        weakref.finalize(dead, freed.append, True)
+        del dead  # garbage already at the tick's end: collected, not frozen
         cycle = Cycle()
         cycle.me = cycle
         found: list[bool] = []
         weakref.finalize(cycle, found.append, True)
-        _append(runs[0], 1, 0.01)
-        wd.tick()
+        gc.disable()  # (so that only the tick's own pass can find the dead one)
+        try:
+            _append(runs[0], 1, 0.01)
+            wd.tick()
+        finally:
+            gc.enable()
+        assert freed == [True]
         assert gc.get_freeze_count() > 0
         del cycle
         gc.collect()
@@ -326,3 +337,63 @@ def test_a_tick_freezes_what_it_leaves_alive_and_the_hourly_full_pass_finds_cycl
     finally:
         wd.close()
     assert gc.get_freeze_count() == 0  # a closed daemon leaves the collector as it found it
+
+
+def test_a_run_that_cannot_even_be_put_back_fails_its_own_tick_and_the_others_decide(tmp_path: Path) -> None:
+    # Fault injection: run1's read fails, and so does reading its history back to put it where it was
+    # (a file that became unreadable). That is run1's failed tick; the other runs are read, decided, acted on.
+    runs = _runs(tmp_path, 3)
+    wd = _daemon(tmp_path, runs)
+    try:
+        for d in runs:
+            _append(d, 1, math.nan)
+        bad = wd.controllers["run1"]
+
+        def fail(*a: Any, **k: Any) -> Any:
+            raise OSError(5, "injected: Input/output error")
+
+        bad.tailer.poll = fail  # type: ignore[method-assign]
+        bad._rebuild_window = fail  # type: ignore[method-assign]
+        wd.tick()
+        assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run2"]
+        assert "injected" in wd._tick_errors["run1"]
+    finally:
+        wd.close()
+
+
+def test_a_chunk_whose_transaction_cannot_begin_reads_no_idle_runs_history_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = _runs(tmp_path, 3)
+    wd = _daemon(tmp_path, runs)
+    try:
+        _append(runs[0], 1, 0.01)
+        wd.tick()
+        _append(runs[0], 2, 0.01)  # run0 has a new line; run1 and run2 have nothing new
+        rebuilt: list[str] = []
+        for run_id, ctl in wd.controllers.items():
+            real = ctl._rebuild_window
+
+            def rebuild(*a: Any, run_id: str = run_id, real: Any = real) -> Any:
+                rebuilt.append(run_id)
+                return real(*a)
+
+            ctl._rebuild_window = rebuild  # type: ignore[method-assign]
+        db = wd.store._db
+        wd.store._db = _Refusing(db)  # fault injection: the state stays locked past the busy timeout
+        wd.tick()
+        assert rebuilt == ["run0"]  # the run whose read moved goes back; the idle ones had nothing to undo
+        assert all("locked" in why for why in wd._tick_errors.values()) and len(wd._tick_errors) == 3
+        wd.store._db = db
+        wd.tick()
+        assert wd.controllers["run0"].run.last_step == 2
+    finally:
+        wd.close()
+
+
+class _Refusing(_CountingDb):
+    """The store's connection refusing to begin a write transaction, as SQLite does past its busy timeout."""
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        if sql.strip().upper().startswith("BEGIN"):
+            raise sqlite3.OperationalError("database is locked")
+        return self._db.execute(sql, *args)

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from watchdog.backends.local import (
     Backend,
@@ -252,6 +252,21 @@ class TickResult:
     """The run needs no more watching (finished or given up)."""
 
 
+class _Undo(NamedTuple):
+    """A run as the last commit left it, for :meth:`RunController._restore`."""
+
+    offsets: Any
+    """The read positions."""
+    state: Any
+    """The engine state."""
+    fields: dict[str, Any]
+    """The controller's tick fields (:data:`_TICK_FIELDS`)."""
+    run_fields: dict[str, Any]
+    """The run record's (:data:`_TICK_RUN_FIELDS`)."""
+    rebuild: bool = True
+    """The window may have moved since: it is rebuilt from the files up to ``offsets``."""
+
+
 @dataclass
 class _Read:
     """What :meth:`RunController.read_and_evaluate` found, for :meth:`RunController.decide` to write."""
@@ -263,8 +278,8 @@ class _Read:
     """Anything to evaluate or save: new lines, held events, moved positions."""
     first_step: int | None
     """The run's first step this watchdog saw, when it is in this read (the steps before it were never judged)."""
-    undo: tuple[Any, ...]
-    """The run as the last commit left it: read positions, engine state, tick fields (:meth:`RunController._restore`)."""
+    undo: _Undo
+    """The run as the last commit left it."""
 
 
 class RunController:
@@ -321,7 +336,7 @@ class RunController:
         self._rule_names: tuple[str, ...] | None = None
         self._saved_state: Any = None
         """The engine-state blob last committed (a tick that changed nothing does not write it again)."""
-        self._undo: tuple[Any, ...] | None = None
+        self._undo: _Undo | None = None
         """What this tick's read changed, as it stood before (see :meth:`undo_decide`)."""
         self._read: _Read | None = None
         """This tick's read and evaluation, until :meth:`decide` writes it."""
@@ -422,7 +437,9 @@ class RunController:
         if result.done:
             return result
         if failed is None:
-            failed = self.read_and_evaluate(now, result) or self.decide(now, result)
+            failed = self.read_and_evaluate(now, result)
+            if failed is None:
+                failed = self.decide(now, result)
         self.committed()
         if failed is None and result.decisions:
             self.actuator.crash_hook("decided")
@@ -462,12 +479,20 @@ class RunController:
         The rules read the run's metrics and events alone, never the store, so what they decide here is
         what they would decide inside the transaction; planning those decisions against the journal
         is :meth:`decide`'s, inside it (RELIABILITY.md: no action on stale data)."""
+        self._undo, self._read = None, None
+        try:
+            self._read = self._read_ahead(now, result)
+        except Exception as exc:  # put back (or putting it back failed too): this run's tick fails alone
+            return exc
+        self._undo = self._read.undo
+        return None
+
+    def _read_ahead(self, now: float, result: TickResult) -> _Read:
         offsets = self.tailer.offsets
         if not getattr(self.tailer, "offsets_are_snapshots", False):
             offsets = json.loads(json.dumps(offsets))  # a copy that the poll below cannot change
-        undo = (offsets, self.state, {name: _copy(getattr(self, name)) for name in _TICK_FIELDS},
-                {name: getattr(self.run, name) for name in _TICK_RUN_FIELDS})
-        self._undo, self._read = None, None
+        undo = _Undo(offsets, self.state, {name: _copy(getattr(self, name)) for name in _TICK_FIELDS},
+                     {name: getattr(self.run, name) for name in _TICK_RUN_FIELDS})
         try:
             t0 = time.perf_counter()
             records, events = self.tailer.poll()  # files (or a metric source) only
@@ -480,10 +505,10 @@ class RunController:
             self.telemetry.phase_time("decide", time.perf_counter() - t1)
         except Exception as exc:
             self._restore(undo, result, exc)
-            return exc
-        self._undo = undo
-        self._read = _Read(records, events, decisions, fresh, first_step, undo)
-        return None
+            raise
+        # Nothing read: the window and positions did not move, and a failure later keeps them as they are
+        # (a chunk whose transaction cannot begin does not read 256 runs' history again).
+        return _Read(records, events, decisions, fresh, first_step, undo if fresh else undo._replace(rebuild=False))
 
     def decide(self, now: float, result: TickResult) -> Exception | None:
         """Plan and write what :meth:`read_and_evaluate` found, with the read positions (a savepoint in the
@@ -500,14 +525,20 @@ class RunController:
         read, self._read = self._read, None
         if read is None:
             raise RuntimeError("decide() before read_and_evaluate()")
-        if not read.fresh and self._controller_state() == self._saved_state and not self._waiting():
-            # Nothing new, nothing held back, nothing waiting to be released, nothing unsaved: the engine
-            # did not run and nothing is written. A run with nothing new costs two stats.
-            self._failed_ticks = 0
-            return None
-        undo = read.undo
-        offsets, state = undo[0], undo[1]
         try:
+            self._write(read, now, result)
+        except Exception as exc:  # put back (or putting it back failed too): this run's tick fails alone
+            return exc
+        self._failed_ticks = 0
+        return None
+
+    def _write(self, read: _Read, now: float, result: TickResult) -> None:
+        offsets, state = read.undo.offsets, read.undo.state
+        try:
+            if not read.fresh and self._controller_state() == self._saved_state and not self._waiting():
+                # Nothing new, nothing held back, nothing waiting to be released, nothing unsaved: the engine
+                # did not run and nothing is written. A run with nothing new costs two stats.
+                return
             # Everything this read writes (confirmations of applied versions, closed spans, decisions,
             # intents, engine state, positions) is kept together or not at all.
             with self.store.savepoint():
@@ -523,11 +554,9 @@ class RunController:
                 self._commit(read.decisions, result, changed)
                 self.telemetry.phase_time("commit", time.perf_counter() - t1)
         except Exception as exc:
-            self._undo = None
-            self._restore(undo, result, exc)
-            return exc
-        self._failed_ticks = 0
-        return None
+            self._undo = None  # put back here: the chunk's failure, if any, does not put it back again
+            self._restore(read.undo, result, exc)
+            raise
 
     def _after_events(self, read: _Read, now: float) -> None:
         """What the read's steps mean once its events are handled (the rules ran before them, in memory;
@@ -594,25 +623,24 @@ class RunController:
     def undo_decide(self, result: TickResult, exc: Exception) -> None:
         """The transaction this run's last :meth:`decide` was part of did not commit (or never began): back
         to before this tick's read."""
-        self._read = None
-        if self._undo is not None:
-            self._restore(self._undo, result, exc)
-            self._undo = None
+        undo, self._undo, self._read = self._undo, None, None
+        if undo is not None:
+            self._restore(undo, result, exc)
 
-    def _restore(self, undo: tuple[Any, ...], result: TickResult, exc: Exception) -> None:
-        offsets, state, kept, run_kept = undo
-        self.tailer.offsets = offsets
-        self.state = state
+    def _restore(self, undo: _Undo, result: TickResult, exc: Exception) -> None:
+        self.tailer.offsets = undo.offsets
+        self.state = undo.state
         self._saved_state = None  # what the store holds is the last committed blob, not this tick's
-        for name, value in kept.items():
+        for name, value in undo.fields.items():
             setattr(self, name, value)
-        for name, value in run_kept.items():
+        for name, value in undo.run_fields.items():
             setattr(self.run, name, value)
-        self.window = self.rules.new_window(self.config.window_size)
-        self._rebuild_window(offsets)
+        if undo.rebuild:
+            self.window = self.rules.new_window(self.config.window_size)
+            self._rebuild_window(undo.offsets)
         result.decisions.clear()
         result.new_steps.clear()
-        self._note_failed_tick(offsets, exc)
+        self._note_failed_tick(undo.offsets, exc)
 
     def _note_failed_tick(self, offsets: Mapping[str, Any], exc: Exception) -> None:
         same = offsets == self._failed_at

@@ -64,7 +64,7 @@ DECIDE_CHUNK = 256
 
 
 #: How often a daemon's cyclic garbage collector makes a full pass over what earlier ticks left alive
-#: (seconds), after a tick's work (:meth:`Watchdog.freeze_survivors`).
+#: (seconds), after a tick's work (:meth:`Watchdog._freeze_survivors`).
 FULL_GC_EVERY_S = 3600.0
 
 
@@ -332,7 +332,9 @@ class Watchdog:
         """The last error said for each run's tick (a tick failing the same way is said once)."""
         self.freeze_survivors = False
         """After each tick, move what it left alive out of the cyclic collector's reach (a daemon's runs'
-        windows and states; see :meth:`_freeze_survivors`). Process-wide: set by ``prepare_daemon``."""
+        windows and states; see :meth:`_freeze_survivors`). Process-wide, so set by a daemon's
+        :meth:`serve_forever` (``until_done=False``: many runs, for days), not by a library user's Watchdog."""
+        self._froze = False
         self._full_gc_at = time.monotonic()
 
     def add_run(self, run_dir: Path | str, run_id: str | None = None, command: Sequence[str] | None = None,
@@ -493,13 +495,15 @@ class Watchdog:
         """What a tick leaves alive is long-lived (the runs' windows, engine states, read positions): frozen
         (``gc.freeze``, O(1)) so that the collections inside the next tick scan only what that tick makes.
         Left to CPython's policy, a full pass over every run's windows (about 200 ms at 1,000 runs,
-        ``bench/results/daemon_scale.md``) ran inside one tick in three. Cycles among frozen objects that die
-        later are found by a full pass every :data:`FULL_GC_EVERY_S`, here, after a tick's work."""
+        ``bench/results/daemon_scale.md``) ran inside one tick in three. A pass over what this tick made
+        comes first, so that no cycle already dead is frozen; cycles among frozen objects that die later
+        are found by a full pass every :data:`FULL_GC_EVERY_S`, here, after a tick's work."""
         if time.monotonic() - self._full_gc_at >= FULL_GC_EVERY_S:
             gc.unfreeze()
-            gc.collect()
             self._full_gc_at = time.monotonic()
+        gc.collect()  # what this tick made (the rest is frozen): no cycle that is garbage already is frozen
         gc.freeze()
+        self._froze = True
 
     def _tick_runs(self, now: float) -> bool:
         """Every run's tick in three passes: prepare (launches, relays), decide (the runs' reads, decisions,
@@ -565,8 +569,11 @@ class Watchdog:
             for run_id, ctl in read:
                 if failed[run_id] is None:  # read (and perhaps written): back to before the read
                     decided.discard(run_id)
-                    ctl.undo_decide(results[run_id], exc)
                     failed[run_id] = exc
+                    try:
+                        ctl.undo_decide(results[run_id], exc)
+                    except Exception as undo_exc:  # (its files unreadable now): its tick fails, the others go on
+                        failed[run_id] = undo_exc
         else:
             for _, ctl in read:
                 ctl.committed()
@@ -609,8 +616,9 @@ class Watchdog:
         for held in reversed(self._locks):
             held.release()
         self._locks.clear()
-        if self.freeze_survivors:
+        if self._froze:
             gc.unfreeze()  # what it froze is the collector's again (a process that goes on, a test suite)
+            self._froze = False
 
     def serve_forever(self, tick_s: float, until_done: bool = True, stop: threading.Event | None = None,
                       beside: Callable[[], bool] | None = None, on_stop: Callable[[], None] | None = None) -> None:
@@ -622,6 +630,7 @@ class Watchdog:
         children then stop side by side with it)."""
         from apscheduler.schedulers.background import BackgroundScheduler
 
+        self.freeze_survivors |= not until_done
         sched = BackgroundScheduler(daemon=True)
         sched.add_job(self.tick, "interval", seconds=tick_s, max_instances=1, coalesce=True,
                       misfire_grace_time=max(1, int(tick_s * 5)), next_run_time=_now_dt())
@@ -774,6 +783,12 @@ def run_shard(cfg: DaemonConfig, shard: int, stop: threading.Event | None = None
         children = ShardSupervisor(config_path, cfg.shards, say)
     mine = cfg.for_shard(shard)
     wd = prepare_daemon(mine, shard=shard)
+    if children is not None:
+        def alert(child: int, why: str) -> None:
+            wd.actuator.notifier.notify(alert_payload(f"shard-{child}", "watchdog:shard", "critical",
+                                                      "a daemon shard keeps exiting", why))
+
+        children.alert = alert
     if not cfg.runs:
         wd.close()
         raise DaemonConfigError("no runs to watch: list run directories under 'runs:'")
@@ -794,6 +809,10 @@ def run_shard(cfg: DaemonConfig, shard: int, stop: threading.Event | None = None
             children.start()
         wd.serve_forever(cfg.tick_s, until_done=False, stop=stop, beside=beside,
                          on_stop=children.terminate if children is not None else None)
+    except KeyboardInterrupt:  # a second Ctrl-C while the last tick finished: the children go at once
+        if children is not None:
+            children.stop(grace_s=0.0)
+        raise
     finally:
         try:
             if children is not None:
@@ -818,7 +837,6 @@ def prepare_daemon(cfg: DaemonConfig, exclusive: bool = True, shard: int | None 
                         cfg.metrics_port, cfg.metrics_addr, grafana_url=cfg.grafana_url,
                         webhook_url_file=cfg.webhook_url_file, exclusive=exclusive, shard=shard)
     wd._adopting = True
-    wd.freeze_survivors = True
     for spec in cfg.runs:
         def add(spec: RunSpec = spec) -> RunController:
             return _add_spec(wd, cfg, spec)

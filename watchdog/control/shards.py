@@ -40,6 +40,9 @@ BACKOFF_MAX_S = 60.0
 """... up to this ..."""
 BACKOFF_RESET_S = 60.0
 """... and back to the first once a child has run this long (a crash an hour is not a crash loop)."""
+ALERT_AFTER_EXITS = 3
+"""A child that exits this many times in a row, each before it ran :data:`BACKOFF_RESET_S`, is alerted on
+(the webhook), once until it runs that long: its runs are unsupervised meanwhile."""
 PR_SET_PDEATHSIG = 1
 """Linux prctl option: the signal this process gets when the thread that started it dies."""
 
@@ -64,20 +67,27 @@ class _Child:
     """The wait before the next start after an exit."""
     terminated: bool = False
     """SIGTERM sent to ``proc`` (once: a second stop signal tells a daemon to stop without finishing)."""
+    quick_exits: int = 0
+    """Exits in a row, each before the child ran :data:`BACKOFF_RESET_S`."""
 
 
 class ShardSupervisor:
     """Shard 0's children: started, started again when one exits, stopped with the supervisor."""
 
     def __init__(self, config: Path | str, shards: int, say: Callable[[str], None] = log.warning,
-                 python: str = sys.executable, clock: Callable[[], float] = time.monotonic) -> None:
+                 python: str = sys.executable, clock: Callable[[], float] = time.monotonic,
+                 alert: Callable[[int, str], None] | None = None) -> None:
         """``config``: the daemon's config file, read by each child itself; ``say``: where what happens to a
-        child is told (the daemon's console); ``python``: the interpreter the children run under."""
+        child is told (the daemon's console); ``python``: the interpreter the children run under; ``alert``:
+        called with a shard and why when it keeps exiting (:data:`ALERT_AFTER_EXITS`: the daemon's webhook)."""
         self.config = Path(config).resolve()  # a child reads the same file whatever directory it is in
         self.python = python
         self.say = say
+        self.alert = alert
         self.clock = clock
         self.children = [_Child(k) for k in range(1, shards)]
+        self._stopping_since: float | None = None
+        """When SIGTERM went to the children: the grace of :meth:`stop` counts from there."""
 
     def command(self, shard: int) -> list[str]:
         """A child's command line: nothing but the config path and its shard (secrets stay in files and the
@@ -105,9 +115,15 @@ class ShardSupervisor:
                     continue
                 ran = now - child.started
                 if ran >= BACKOFF_RESET_S:
-                    child.backoff_s = BACKOFF_MIN_S
-                self.say(f"shard {child.shard} (pid {child.proc.pid}) exited with {exit_text(code)} after "
-                         f"{ran:.0f} s; starting it again in {child.backoff_s:g} s")
+                    child.backoff_s, child.quick_exits = BACKOFF_MIN_S, 0
+                child.quick_exits += 1
+                why = (f"shard {child.shard} (pid {child.proc.pid}) exited with {exit_text(code)} after {ran:.0f} s; "
+                       f"starting it again in {child.backoff_s:g} s")
+                self.say(why)
+                if child.quick_exits == ALERT_AFTER_EXITS and self.alert is not None:
+                    self.alert(child.shard, f"{why} ({child.quick_exits} exits in a row, each within "
+                                            f"{BACKOFF_RESET_S:g} s of its start: its runs are unsupervised "
+                                            f"meanwhile; its console output is the daemon's)")
                 child.proc = None
                 child.start_at = now + child.backoff_s
                 child.backoff_s = min(child.backoff_s * 2, BACKOFF_MAX_S)
@@ -134,6 +150,8 @@ class ShardSupervisor:
 
     def terminate(self) -> None:
         """Send SIGTERM, once, to every child still running (each finishes its tick in flight and exits)."""
+        if self._stopping_since is None:
+            self._stopping_since = self.clock()
         for child in self.children:
             if child.proc is not None and not child.terminated and child.proc.poll() is None:
                 child.terminated = True
@@ -141,10 +159,11 @@ class ShardSupervisor:
                     child.proc.send_signal(signal.SIGTERM)
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        """Stop every child: SIGTERM, a wait of at most ``grace_s`` for all of them, then SIGKILL (said).
-        A second Ctrl-C during the wait kills them at once."""
+        """Stop every child: SIGTERM, a wait of at most ``grace_s`` for all of them from when they were first
+        sent it (:meth:`terminate`, while the supervisor's own last tick finished), then SIGKILL (said). A
+        second Ctrl-C during the wait kills them at once."""
         self.terminate()
-        deadline = self.clock() + grace_s
+        deadline = (self._stopping_since if self._stopping_since is not None else self.clock()) + grace_s
         try:
             for child in self.children:
                 if child.proc is None:
