@@ -54,6 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             dirs.append(d)
         wd = prepare_daemon(DaemonConfig(runs=[RunSpec(str(d)) for d in dirs], state_dir=str(tmp / "state"),
                                          tick_s=60))
+        wd.freeze_survivors = True  # as `watchdog daemon` ticks (serve_forever)
         now = 1_700_000_000.0
         wd.tick(now)  # reads the 20 steps of every run
         cpu: list[float] = []

@@ -182,6 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = DaemonConfig(runs=[RunSpec(str(t.dir)) for t in trainers], state_dir=str(tmp / "state"),
                            tick_s=args.tick_s)
         wd = prepare_daemon(cfg)
+        wd.freeze_survivors = True  # as `watchdog daemon` ticks (serve_forever)
         setup_s = time.perf_counter() - t0
         rss_start = rss_mib()
         n_ticks = int(round(args.hours * 3600 / args.tick_s))

@@ -47,6 +47,7 @@ def shard(conn: Connection, run_dirs: list[str], state_dir: str, tick_s: float) 
     """One shard: the daemon over its runs, a tick per word from the parent; answers (wall s, CPU s)."""
     wd = prepare_daemon(DaemonConfig(runs=[RunSpec(d) for d in run_dirs], state_dir=state_dir, tick_s=tick_s),
                         exclusive=False)
+    wd.freeze_survivors = True  # as `watchdog daemon` ticks (serve_forever)
     conn.send("ready")
     while True:
         now = conn.recv()
