@@ -356,7 +356,8 @@ def write_md(d: dict[str, Any], path: Path) -> None:
         f"The cyclic garbage collector inside the ticks (all {d['ticks']}): "
         f"{d['gc_in_ticks']['seconds_by_generation']} s in generations 0, 1 and 2, in "
         f"{d['gc_in_ticks']['passes_by_generation']} passes; {d['gc_in_ticks']['ticks_with_a_full_pass']} tick(s) "
-        f"held a full pass (generation 2, over everything the daemon keeps).",
+        f"held a generation-2 pass (over every object not frozen: left to CPython, everything the daemon keeps; "
+        f"once a daemon freezes what each tick leaves alive, what the tick made).",
         "",
         f"Memory: RSS {d['rss_mib_start']} MiB after adding the runs, {d['rss_mib_end']} MiB at the end, "
         f"{d['rss_mib_steady_min_max'][0]}-{d['rss_mib_steady_min_max'][1]} MiB over the last three quarters; "
