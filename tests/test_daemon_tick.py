@@ -306,6 +306,7 @@ def test_a_tick_freezes_what_it_leaves_alive_and_the_hourly_full_pass_finds_cycl
     runs = _runs(tmp_path, 2)
     wd = _daemon(tmp_path, runs)
     wd.freeze_survivors = True  # as a daemon's serve_forever sets it
+    before = gc.get_threshold()
     try:
         class Cycle:
             me: Any
@@ -327,6 +328,7 @@ def test_a_tick_freezes_what_it_leaves_alive_and_the_hourly_full_pass_finds_cycl
             gc.enable()
         assert freed == [True]
         assert gc.get_freeze_count() > 0
+        assert gc.get_threshold()[2] > 10**9  # the oldest generation's passes are the daemon's own
         del cycle
         gc.collect()
         assert found == []  # frozen: no ordinary collection looks at it
@@ -336,7 +338,7 @@ def test_a_tick_freezes_what_it_leaves_alive_and_the_hourly_full_pass_finds_cycl
         assert gc.get_freeze_count() > 0  # and what is alive is frozen again
     finally:
         wd.close()
-    assert gc.get_freeze_count() == 0  # a closed daemon leaves the collector as it found it
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before  # a closed daemon leaves the collector as it was
 
 
 def test_a_run_that_cannot_even_be_put_back_fails_its_own_tick_and_the_others_decide(tmp_path: Path) -> None:

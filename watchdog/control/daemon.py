@@ -335,6 +335,8 @@ class Watchdog:
         windows and states; see :meth:`_freeze_survivors`). Process-wide, so set by a daemon's
         :meth:`serve_forever` (``until_done=False``: many runs, for days), not by a library user's Watchdog."""
         self._froze = False
+        self._gc_threshold: tuple[int, ...] = gc.get_threshold()
+        """The collector's thresholds before this Watchdog took its full passes (:meth:`_freeze_survivors`)."""
         self._full_gc_at = time.monotonic()
 
     def add_run(self, run_dir: Path | str, run_id: str | None = None, command: Sequence[str] | None = None,
@@ -497,7 +499,16 @@ class Watchdog:
         Left to CPython's policy, a full pass over every run's windows (about 200 ms at 1,000 runs,
         ``bench/results/daemon_scale.md``) ran inside one tick in three. A pass over what this tick made
         comes first, so that no cycle already dead is frozen; cycles among frozen objects that die later
-        are found by a full pass every :data:`FULL_GC_EVERY_S`, here, after a tick's work."""
+        are found by a full pass every :data:`FULL_GC_EVERY_S`, here, after a tick's work.
+
+        The oldest generation's passes are the daemon's alone from then on (its threshold out of reach):
+        CPython triggers one when the objects promoted since the last reach a quarter of those it kept, and
+        after a freeze that count is small, so a tick that makes many long-lived objects (10,000 runs'
+        windows filling) ran several inside it, each over everything that tick had made so far. The young
+        generations' passes go on as CPython's policy has them."""
+        if not self._froze:
+            self._gc_threshold = gc.get_threshold()
+            gc.set_threshold(self._gc_threshold[0], self._gc_threshold[1], 2**31 - 1)
         if time.monotonic() - self._full_gc_at >= FULL_GC_EVERY_S:
             gc.unfreeze()
             self._full_gc_at = time.monotonic()
@@ -618,6 +629,7 @@ class Watchdog:
         self._locks.clear()
         if self._froze:
             gc.unfreeze()  # what it froze is the collector's again (a process that goes on, a test suite)
+            gc.set_threshold(*self._gc_threshold)
             self._froze = False
 
     def serve_forever(self, tick_s: float, until_done: bool = True, stop: threading.Event | None = None,
