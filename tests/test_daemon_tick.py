@@ -82,6 +82,19 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     yield calls
 
 
+@pytest.fixture
+def nan_daemon(tmp_path: Path) -> Iterator[Any]:
+    """A daemon over three runs (run0, run1, run2), each with a NaN at step 1: the rule fires once in each."""
+    runs = _runs(tmp_path, 3)
+    wd = _daemon(tmp_path, runs)
+    try:
+        for d in runs:
+            _append(d, 1, math.nan)
+        yield wd
+    finally:
+        wd.close()
+
+
 def test_a_tick_over_many_runs_with_new_steps_commits_once(tmp_path: Path) -> None:
     runs = _runs(tmp_path, 5)
     wd = _daemon(tmp_path, runs)
@@ -184,62 +197,50 @@ def test_a_commit_failing_for_one_chunk_of_runs_keeps_the_other_chunks(
 
 @pytest.mark.parametrize("stage", ["_evaluate", "_commit"])
 def test_one_run_failing_its_read_or_its_write_undoes_only_its_own_part_of_the_tick(
-        tmp_path: Path, stage: str) -> None:
+        nan_daemon: Any, stage: str) -> None:
     # _evaluate: the rules, run before the chunk's transaction (nothing of the run's is written yet);
     # _commit: after the run wrote its decision into the transaction (its savepoint must take that back).
-    runs = _runs(tmp_path, 3)
-    wd = _daemon(tmp_path, runs)
-    try:
-        for d in runs:
-            _append(d, 1, math.nan)
-        bad = wd.controllers["run1"]
-        real = getattr(bad, stage)
-        failures = iter([RuntimeError(f"injected: this run's {stage} failed")])
+    wd = nan_daemon
+    bad = wd.controllers["run1"]
+    real = getattr(bad, stage)
+    failures = iter([RuntimeError(f"injected: this run's {stage} failed")])
 
-        def fail_once(*a: Any, **k: Any) -> Any:
-            out = real(*a, **k)
-            exc = next(failures, None)
-            if exc is not None:
-                raise exc
-            return out
+    def fail_once(*a: Any, **k: Any) -> Any:
+        out = real(*a, **k)
+        exc = next(failures, None)
+        if exc is not None:
+            raise exc
+        return out
 
-        setattr(bad, stage, fail_once)
-        wd.tick()
-        assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run2"]
-        assert wd._tick_errors["run1"].startswith("RuntimeError: injected")
-        assert bad.run.last_step is None  # its read went back with it
-        wd.tick()  # run1 reads the same line again and decides on it, once
-        assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run1", "run2"]
-    finally:
-        wd.close()
+    setattr(bad, stage, fail_once)
+    wd.tick()
+    assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run2"]
+    assert wd._tick_errors["run1"].startswith("RuntimeError: injected")
+    assert bad.run.last_step is None  # its read went back with it
+    wd.tick()  # run1 reads the same line again and decides on it, once
+    assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run1", "run2"]
 
 
-def test_a_chunk_reads_and_runs_its_rules_without_holding_the_state_databases_write_lock(tmp_path: Path) -> None:
+def test_a_chunk_reads_and_runs_its_rules_without_holding_the_state_databases_write_lock(nan_daemon: Any) -> None:
     # Another writer of the state (a `watchdog resume`, a second daemon process) waits for a chunk's
     # writes only, not for its reads and rules: while run1's rules run, a write elsewhere goes through.
-    runs = _runs(tmp_path, 3)
-    wd = _daemon(tmp_path, runs)
-    try:
-        for d in runs:
-            _append(d, 1, math.nan)
-        ctl = wd.controllers["run1"]
-        real = ctl._run_engine
-        other = sqlite3.connect(str(wd.store.path), timeout=0.0, isolation_level=None)
-        wrote: list[str] = []
+    wd = nan_daemon
+    ctl = wd.controllers["run1"]
+    real = ctl._run_engine
+    other = sqlite3.connect(str(wd.store.path), timeout=0.0, isolation_level=None)
+    wrote: list[str] = []
 
-        def run_engine(*a: Any, **k: Any) -> Any:
-            other.execute("BEGIN IMMEDIATE")  # "database is locked" at once if the daemon held the lock
-            other.execute("ROLLBACK")
-            wrote.append("ok")
-            return real(*a, **k)
+    def run_engine(*a: Any, **k: Any) -> Any:
+        other.execute("BEGIN IMMEDIATE")  # "database is locked" at once if the daemon held the lock
+        other.execute("ROLLBACK")
+        wrote.append("ok")
+        return real(*a, **k)
 
-        ctl._run_engine = run_engine  # type: ignore[method-assign]
-        wd.tick()
-        other.close()
-        assert wrote == ["ok"]
-        assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run1", "run2"]
-    finally:
-        wd.close()
+    ctl._run_engine = run_engine  # type: ignore[method-assign]
+    wd.tick()
+    other.close()
+    assert wrote == ["ok"]
+    assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run1", "run2"]
 
 
 def test_attaching_a_run_with_a_running_trainer_reads_its_run_json_once(
@@ -341,26 +342,20 @@ def test_a_tick_freezes_what_it_leaves_alive_and_the_hourly_full_pass_finds_cycl
     assert gc.get_freeze_count() == 0 and gc.get_threshold() == before  # a closed daemon leaves the collector as it was
 
 
-def test_a_run_that_cannot_even_be_put_back_fails_its_own_tick_and_the_others_decide(tmp_path: Path) -> None:
+def test_a_run_that_cannot_even_be_put_back_fails_its_own_tick_and_the_others_decide(nan_daemon: Any) -> None:
     # Fault injection: run1's read fails, and so does reading its history back to put it where it was
     # (a file that became unreadable). That is run1's failed tick; the other runs are read, decided, acted on.
-    runs = _runs(tmp_path, 3)
-    wd = _daemon(tmp_path, runs)
-    try:
-        for d in runs:
-            _append(d, 1, math.nan)
-        bad = wd.controllers["run1"]
+    wd = nan_daemon
+    bad = wd.controllers["run1"]
 
-        def fail(*a: Any, **k: Any) -> Any:
-            raise OSError(5, "injected: Input/output error")
+    def fail(*a: Any, **k: Any) -> Any:
+        raise OSError(5, "injected: Input/output error")
 
-        bad.tailer.poll = fail  # type: ignore[method-assign]
-        bad._rebuild_window = fail  # type: ignore[method-assign]
-        wd.tick()
-        assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run2"]
-        assert "injected" in wd._tick_errors["run1"]
-    finally:
-        wd.close()
+    bad.tailer.poll = fail  # type: ignore[method-assign]
+    bad._rebuild_window = fail  # type: ignore[method-assign]
+    wd.tick()
+    assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run2"]
+    assert "injected" in wd._tick_errors["run1"]
 
 
 def test_a_chunk_whose_transaction_cannot_begin_reads_no_idle_runs_history_again(
