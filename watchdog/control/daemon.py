@@ -478,6 +478,8 @@ class Watchdog:
         try:
             now = time.time() if now is None else now
             t0 = time.perf_counter()
+            if self.freeze_survivors and not self._froze:
+                self._freeze_survivors()  # what the start-up built (every run attached), before the first tick's work
             self.retry_unwatched(now)
             all_done = self._tick_runs(now)
             if self.telemetry is not None:
