@@ -28,7 +28,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from watchdog.control.daemon import DaemonConfig, RunSpec, prepare_daemon  # noqa: E402
+from daemon_scale import served_daemon  # noqa: E402
+
+from watchdog.control.daemon import DaemonConfig, RunSpec  # noqa: E402
 from watchdog.protocol import rundir  # noqa: E402
 
 
@@ -52,9 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                     f.write(json.dumps({"step": s, "data": {"actor/reward_kl_penalty": 0.01, "critic/score/mean": 0.5,
                                                             "actor/entropy": 1.0}}) + "\n")
             dirs.append(d)
-        wd = prepare_daemon(DaemonConfig(runs=[RunSpec(str(d)) for d in dirs], state_dir=str(tmp / "state"),
-                                         tick_s=60))
-        wd.freeze_survivors = True  # as `watchdog daemon` ticks (serve_forever)
+        wd = served_daemon(DaemonConfig(runs=[RunSpec(str(d)) for d in dirs], state_dir=str(tmp / "state"),
+                                        tick_s=60))
         now = 1_700_000_000.0
         wd.tick(now)  # reads the 20 steps of every run
         cpu: list[float] = []

@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_rules import KEYS_PER_RECORD, base_trajectory, deep_size  # noqa: E402
 
-from watchdog.control.daemon import DaemonConfig, RunSpec, prepare_daemon  # noqa: E402
+from watchdog.control.daemon import DaemonConfig, RunSpec, Watchdog, prepare_daemon  # noqa: E402
 from watchdog.observe.telemetry import TICK_PHASE, TICK_PHASES  # noqa: E402
 from watchdog.protocol import rundir  # noqa: E402
 from watchdog.protocol.control import ControlApplier  # noqa: E402
@@ -144,6 +144,13 @@ class GcInTicks:
                 "ticks_with_a_full_pass": self.ticks_with_full_pass}
 
 
+
+def served_daemon(cfg: DaemonConfig, exclusive: bool = True) -> Watchdog:
+    """The daemon as ``watchdog daemon`` builds and ticks it (``serve_forever``: the collector's freeze)."""
+    wd = prepare_daemon(cfg, exclusive=exclusive)
+    wd.freeze_survivors = True
+    return wd
+
 def phase_sums(wd: Any) -> dict[str, float]:
     """Seconds the daemon has spent in each tick phase so far, from its own /metrics histogram."""
     reg = wd.telemetry.registry
@@ -181,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         trainers = [Trainer(tmp / "runs" / f"run{r:04d}", r, base, args.ckpt_every) for r in range(args.runs)]
         cfg = DaemonConfig(runs=[RunSpec(str(t.dir)) for t in trainers], state_dir=str(tmp / "state"),
                            tick_s=args.tick_s)
-        wd = prepare_daemon(cfg)
-        wd.freeze_survivors = True  # as `watchdog daemon` ticks (serve_forever)
+        wd = served_daemon(cfg)
         setup_s = time.perf_counter() - t0
         rss_start = rss_mib()
         n_ticks = int(round(args.hours * 3600 / args.tick_s))

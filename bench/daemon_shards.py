@@ -38,16 +38,15 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_rules import base_trajectory  # noqa: E402
-from daemon_scale import Trainer, pct  # noqa: E402
+from daemon_scale import Trainer, pct, served_daemon  # noqa: E402
 
-from watchdog.control.daemon import DaemonConfig, RunSpec, prepare_daemon  # noqa: E402
+from watchdog.control.daemon import DaemonConfig, RunSpec  # noqa: E402
 
 
 def shard(conn: Connection, run_dirs: list[str], state_dir: str, tick_s: float) -> None:
     """One shard: the daemon over its runs, a tick per word from the parent; answers (wall s, CPU s)."""
-    wd = prepare_daemon(DaemonConfig(runs=[RunSpec(d) for d in run_dirs], state_dir=state_dir, tick_s=tick_s),
-                        exclusive=False)
-    wd.freeze_survivors = True  # as `watchdog daemon` ticks (serve_forever)
+    wd = served_daemon(DaemonConfig(runs=[RunSpec(d) for d in run_dirs], state_dir=state_dir, tick_s=tick_s),
+                       exclusive=False)
     conn.send("ready")
     while True:
         now = conn.recv()

@@ -386,10 +386,6 @@ def daemon_cmd(
     except DaemonConfigError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
-    if shard is not None and not 0 < shard < cfg.shards:
-        console.print(f"[red]{config}: --shard {shard}: the config has shards: {cfg.shards}, whose children are "
-                      f"shards 1 .. {cfg.shards - 1}[/red]")
-        raise typer.Exit(2)
     if shard is None:
         console.print(f"watchdog daemon: {len(cfg.runs)} run(s), tick {cfg.tick_s}s, state {cfg.state_dir}"
                       + (f", {cfg.shards} shards (processes)" if cfg.shards > 1 else ""))

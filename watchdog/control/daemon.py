@@ -765,6 +765,9 @@ def run_daemon(cfg: DaemonConfig, stop: threading.Event | None = None, config_pa
     With ``shards`` > 1 this process is one shard (:func:`run_shard`): ``shard`` None or 0, the supervisor,
     which starts the others from ``config_path``; 1..N-1, a child it started. ``say``: the shards' news
     (which runs and port each has, a child that exited) for the daemon's console."""
+    if shard is not None and not 0 <= shard < cfg.shards:
+        raise DaemonConfigError(f"--shard {shard}: the config has shards: {cfg.shards}, whose processes are "
+                                f"shards 0 .. {cfg.shards - 1}")
     if cfg.shards > 1:
         return run_shard(cfg, shard or 0, stop, config_path, say)
     wd = prepare_daemon(cfg)
@@ -785,8 +788,6 @@ def run_shard(cfg: DaemonConfig, shard: int, stop: threading.Event | None = None
     ``config_path`` once its own runs are added (the database exists by then), starts each again when it
     exits, and stops them when it stops. A child K holds its shard's lock and stops when its supervisor
     is gone (the kernel's SIGTERM on Linux; everywhere, its parent is no longer the supervisor)."""
-    if shard and not 0 < shard < cfg.shards:
-        raise DaemonConfigError(f"shard {shard}: the config has shards: {cfg.shards} (0 .. {cfg.shards - 1})")
     children: ShardSupervisor | None = None
     supervisor: int | None = None
     if shard:
