@@ -65,9 +65,12 @@ $(VERL_ASSETS)/.built: $(STAMP) trainer/verl_cpu/assets.py
 run-verl: $(STAMP) $(VERL_ASSETS)/.built
 	$(BIN)/python -m trainer.verl_cpu.demo --assets $(VERL_ASSETS) $(RUN_VERL_ARGS)
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist): a test file goes whole to one worker, the files
+# that start Ray to the same one (tests/conftest.py). TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP) deps
 	$(BIN)/lint-imports
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check trainer watchdog tests bench

@@ -92,3 +92,24 @@ def trainer_env(tiny_sft: TinySFT) -> dict[str, str]:
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
     })
     return env
+
+
+
+#: Test files that start Ray (a head of their own, or verl's local ``ray.init``): under ``pytest -n`` they run
+#: one after another in one worker (two Ray clusters on one machine can find each other's).
+RAY_FILES = ("test_ray_", "test_verl_")
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: none without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """``make test`` runs the suite in 2 workers (``pytest -n 2``): each test file goes whole to one worker
+    (its module fixtures, a Ray head or a verl run, are made once), and the files that start Ray go to the
+    same one, as one unit of work (the largest, so it starts first)."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class RayFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return "ray" if Path(path).name.startswith(RAY_FILES) else path
+
+    return RayFilesTogether(config, log)
