@@ -28,7 +28,7 @@ from typer.testing import CliRunner
 
 from watchdog.cli import app
 from watchdog.control.daemon import DaemonConfig, DaemonConfigError, RunSpec, load_daemon_config
-from watchdog.control.shards import ShardSupervisor, shard_of
+from watchdog.control.shards import SUPERVISOR_ENV, ShardSupervisor, shard_of
 from watchdog.control.store import Store
 from watchdog.protocol import lock as locks
 from watchdog.protocol import rundir
@@ -272,8 +272,16 @@ def test_two_shards_decide_every_run_once_each_run_held_by_the_process_of_its_sh
     second = subprocess.run([sys.executable, "-m", "watchdog", "daemon", "--config", cfg], capture_output=True,
                             text=True, timeout=60)
     assert second.returncode == 2 and f"pid {pids[0]}" in second.stdout + second.stderr, second
+    # A shard 1 started by hand is refused before it takes anything; one started as a supervisor starts it
+    # (its parent named in its environment), by the shard's lock, naming the holder.
+    by_hand = subprocess.run([sys.executable, "-m", "watchdog", "daemon", "--config", cfg, "--shard", "1"],
+                             capture_output=True, text=True, timeout=60)
+    out = " ".join((by_hand.stdout + by_hand.stderr).split())
+    assert by_hand.returncode == 2 and "--shard 1: a sharded daemon's processes 1 .. shards-1 are started by its " \
+        "shard 0" in out and "Traceback" not in out, out
     again = subprocess.run([sys.executable, "-m", "watchdog", "daemon", "--config", cfg, "--shard", "1"],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=60,
+                           env={**os.environ, SUPERVISOR_ENV: str(os.getpid())})
     out = again.stdout + again.stderr
     assert again.returncode == 2 and "shard 1 of the state is held by watchdog daemon shard 1" in out, out
     assert f"pid {pids[1]}" in out, out

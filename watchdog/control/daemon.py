@@ -36,6 +36,7 @@ from watchdog.control.actuator import (
 from watchdog.control.controller import ControllerConfig, EngineRules, RulesEngine, RunController, TickResult
 from watchdog.control.shards import (
     MAX_SHARDS,
+    NotStartedBySupervisor,
     ShardSupervisor,
     die_with_supervisor,
     shard_of,
@@ -791,7 +792,10 @@ def run_shard(cfg: DaemonConfig, shard: int, stop: threading.Event | None = None
     children: ShardSupervisor | None = None
     supervisor: int | None = None
     if shard:
-        supervisor = die_with_supervisor()
+        try:
+            supervisor = die_with_supervisor()
+        except NotStartedBySupervisor as exc:
+            raise DaemonConfigError(f"--shard {shard}: {exc}") from exc
     elif config_path is None:
         raise ValueError("a sharded daemon's supervisor needs its config file's path (the children read it)")
     else:

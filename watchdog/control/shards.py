@@ -199,9 +199,16 @@ def exit_text(code: int) -> str:
 
 def die_with_supervisor() -> int:
     """In a child shard: have Linux send this process SIGTERM when its supervisor dies; returns the
-    supervisor's pid (from :data:`SUPERVISOR_ENV`, else the parent's), for :func:`supervisor_alive`."""
+    supervisor's pid, for :func:`supervisor_alive`. A child is started by its supervisor alone, which says
+    so in :data:`SUPERVISOR_ENV`: a ``--shard K`` started by hand (beside a daemon, or with none) would
+    watch runs its supervisor does not know of, and is refused (:class:`NotStartedBySupervisor`)."""
     raw = os.environ.pop(SUPERVISOR_ENV, "")  # the trainers this child starts have no use for it
-    supervisor = int(raw) if raw.isdigit() else os.getppid()
+    supervisor = os.getppid()
+    if raw != str(supervisor):
+        raise NotStartedBySupervisor(
+            "a sharded daemon's processes 1 .. shards-1 are started by its shard 0 (`watchdog daemon --config`), "
+            "not by hand" + (f" (this one's parent, pid {supervisor}, is not the supervisor it names, pid {raw})"
+                             if raw else ""))
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -211,6 +218,10 @@ def die_with_supervisor() -> int:
             log.warning("cannot ask the kernel for a signal when the supervisor dies (%s): checked every "
                         "half second instead", exc)
     return supervisor
+
+
+class NotStartedBySupervisor(RuntimeError):
+    """``--shard K`` in a process its daemon's supervisor did not start."""
 
 
 def supervisor_alive(supervisor: int) -> bool:
