@@ -94,7 +94,6 @@ def trainer_env(tiny_sft: TinySFT) -> dict[str, str]:
     return env
 
 
-
 #: Test files that start Ray (a head of their own, or verl's local ``ray.init``): under ``pytest -n`` they run
 #: one after another in one worker (two Ray clusters on one machine can find each other's).
 RAY_FILES = ("test_ray_", "test_verl_")
