@@ -144,12 +144,12 @@ class GcInTicks:
                 "ticks_with_a_full_pass": self.ticks_with_full_pass}
 
 
-
 def served_daemon(cfg: DaemonConfig, exclusive: bool = True) -> Watchdog:
     """The daemon as ``watchdog daemon`` builds and ticks it (``serve_forever``: the collector's freeze)."""
     wd = prepare_daemon(cfg, exclusive=exclusive)
     wd.freeze_survivors = True
     return wd
+
 
 def phase_sums(wd: Any) -> dict[str, float]:
     """Seconds the daemon has spent in each tick phase so far, from its own /metrics histogram."""
