@@ -10,6 +10,9 @@ A daemon watching many runs does, every tick and for every run, one ``Window.app
   drift in a tenth of the runs so the KL rules fire), or a pure random walk without it;
 - each repeat is one cycle: append the next step to every run (timed separately), then
   evaluate every run (timed): ``time.perf_counter`` around the loop, median over repeats;
+- runs are screened in chunks of 256 as the daemon's are (``watchdog.core.screen``: the rules surely
+  false at the step, skipped by the engine), and each size of 8 runs or more is timed again without
+  the screen (``--screen-chunk 0`` times that alone), the decisions of both checked equal;
 - windows are built as the daemon builds them (``EngineRules.new_window``): sized from the rules
   (their longest window and the current step) and keeping only the metrics the rules read; after
   the cycles every run's window is measured object by object (``sys.getsizeof`` over everything
@@ -59,8 +62,11 @@ BEFORE = {"window": "101 steps in the bench, 256 in the daemon",
 
 sys.path.insert(0, str(ROOT))
 
+from watchdog.control.controller import SCREEN_MIN_RUNS  # noqa: E402
+from watchdog.control.daemon import DECIDE_CHUNK  # noqa: E402
 from watchdog.core import engine  # noqa: E402
 from watchdog.core.rulefile import RuleSet, load_rules  # noqa: E402
+from watchdog.core.screen import screen_for  # noqa: E402
 from watchdog.core.series import Window, window_steps  # noqa: E402
 from watchdog.sources import ingest  # noqa: E402
 
@@ -126,7 +132,7 @@ def timed(fn: Callable[..., None], *args: Any) -> tuple[float, float]:
 
 
 def bench_size(rules: RuleSet, n_runs: int, repeats: int, base: list[dict[str, float]],
-               profile: bool) -> dict[str, Any]:
+               profile: bool, chunk: int = DECIDE_CHUNK, per_rule: bool = True) -> dict[str, Any]:
     size = window_steps(rules.max_window)
     sources = [RunSource(r, base) for r in range(n_runs)]
     windows = [Window(size, rules.metrics) for _ in range(n_runs)]
@@ -153,11 +159,18 @@ def bench_size(rules: RuleSet, n_runs: int, repeats: int, base: list[dict[str, f
         for w, rec in zip(windows, recs, strict=True):
             w.append_record(rec)
 
+    screen = screen_for(rules) if chunk else None
+
     def evaluate(at: int) -> None:
+        # As the daemon does: the runs of a chunk screened at once, then each run's rules the screen left.
         nonlocal n_decisions
-        for i, w in enumerate(windows):
-            d, states[i] = engine.evaluate(rules, w, states[i], at)
-            n_decisions += len(d)
+        for lo in range(0, n_runs, chunk or n_runs):
+            part = range(lo, min(n_runs, lo + (chunk or n_runs)))
+            skips = (screen([(windows[i], at, states[i].event_seq) for i in part]) if screen is not None
+                     else [None] * len(part))
+            for i, skip in zip(part, skips, strict=True):
+                d, states[i] = engine.evaluate(rules, windows[i], states[i], at, skip)
+                n_decisions += len(d)
 
     for rep in range(repeats):
         step += 1
@@ -195,7 +208,7 @@ def bench_size(rules: RuleSet, n_runs: int, repeats: int, base: list[dict[str, f
         # ru_maxrss is KiB on Linux; sizes run in ascending order, so this is ~this size's peak
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
-    if n_runs == GOAL_RUNS:
+    if n_runs == GOAL_RUNS and per_rule:
         out["per_rule_cpu_us_per_run"] = per_rule_costs(rules, windows, states, step)
     if prof_text:
         out["profile_top"] = prof_text
@@ -244,13 +257,19 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
         f"one core ({doc['pinned']}), Python {doc['python']}, {doc['date']}; "
         f"load average at start {doc['loadavg']}. Command: `{doc['command']}`.",
         "",
+        f"Runs are screened {doc['screen_chunk']} at a time, as the daemon's chunks "
+        "(`watchdog.core.screen`; fewer than 8 are not); \"unscreened\" is the same cycles with every rule's "
+        "closure at every step (the same decisions, checked).",
+        "",
         "| runs per cycle | evaluate, median ms (wall) | min ms | CPU ms (median) | per run µs (wall) "
-        "| append, median ms | cycle ms | window KB per run | peak RSS MiB |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| unscreened: median ms (wall) / CPU ms | append, median ms | cycle ms | window KB per run | peak RSS MiB |",
+        "|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
     ]
     for r in doc["results"]:
+        plain = (f"{r['unscreened_eval_ms_median']} / {r['unscreened_eval_cpu_ms_median']}"
+                 if "unscreened_eval_ms_median" in r else "")
         lines.append(f"| {r['runs']:,} | {r['eval_ms_median']} | {r['eval_ms_min']} | {r['eval_cpu_ms_median']} "
-                     f"| {r['eval_us_per_run']} "
+                     f"| {r['eval_us_per_run']} | {plain} "
                      f"| {r['append_ms_median']} | {r['cycle_ms_median']} | {r['window_kb_per_run']} | {r['peak_rss_mib']} |")
     lines += ["", f"Goal: {GOAL_RUNS:,} runs within {GOAL_MS:g} ms per cycle: **{doc['goal']}**.", "",
               f"Window memory: {doc['memory_goal']}. A window keeps the {doc['metrics_kept']} metrics the "
@@ -274,6 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=0, help="cycles per size (default: by size)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="directory for rules_bench.json/.md")
     ap.add_argument("--profile", action="store_true", help="cProfile the last cycle of each size")
+    ap.add_argument("--screen-chunk", type=int, default=DECIDE_CHUNK,
+                    help=f"runs screened at once (watchdog.core.screen), as the daemon's chunks (default "
+                         f"{DECIDE_CHUNK}); 0: no screen, every rule's closure at every step")
     args = ap.parse_args(argv)
 
     pinned = pin_one_core()
@@ -282,7 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for n in (int(x) for x in args.sizes.split(",")):
         repeats = args.repeats or max(5, min(200, 20_000 // max(n, 1)))
-        r = bench_size(rules, n, repeats, base, args.profile)
+        r = bench_size(rules, n, repeats, base, args.profile, args.screen_chunk)
+        if args.screen_chunk and n >= SCREEN_MIN_RUNS:
+            # The same cycles with every rule's closure at every step: what the screen saves, and a check
+            # that it changes no decision.
+            plain = bench_size(rules, n, repeats, base, False, 0, per_rule=False)
+            if plain["decisions"] != r["decisions"]:
+                raise SystemExit(f"{n} runs: {r['decisions']} decisions screened, {plain['decisions']} not")
+            r["unscreened_eval_ms_median"] = plain["eval_ms_median"]
+            r["unscreened_eval_cpu_ms_median"] = plain["eval_cpu_ms_median"]
         print(f"{n:>6} runs: evaluate median {r['eval_ms_median']:9.3f} ms wall, "
               f"{r['eval_cpu_ms_median']:.3f} ms CPU "
               f"({r['eval_us_per_run']:.1f} µs/run), append {r['append_ms_median']:.3f} ms, "
@@ -312,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg": [round(x, 2) for x in os.getloadavg()],
         "data": str(VERL_LOG) if VERL_LOG.exists() else "random walk",
         "rules": len(rules),
+        "screen_chunk": args.screen_chunk,
         "goal": goal,
         "memory_goal": memory_goal,
         "metrics": sorted(rules.metrics),

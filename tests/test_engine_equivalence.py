@@ -20,7 +20,7 @@ from verl_logs import needs_logs
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _load_bench() -> object:
+def load_bench() -> object:
     spec = importlib.util.spec_from_file_location("engine_equivalence", ROOT / "bench" / "engine_equivalence.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -31,14 +31,14 @@ def _load_bench() -> object:
 
 @needs_logs
 def test_every_decision_state_and_window_read_equals_the_golden_digests_of_main() -> None:
-    eq = _load_bench()
+    eq = load_bench()
     want = json.loads(eq.GOLDEN.read_text())  # type: ignore[attr-defined]
     got = eq.compute()  # type: ignore[attr-defined]
     assert eq.diff(want, got) == []  # type: ignore[attr-defined]
 
 
 def test_the_digest_changes_when_one_decision_field_changes() -> None:
-    eq = _load_bench()
+    eq = load_bench()
     a, b = eq.Digest(), eq.Digest()  # type: ignore[attr-defined]
     a.add([3, [{"rule": "kl_high", "repeat": 1}]])
     b.add([3, [{"rule": "kl_high", "repeat": 2}]])

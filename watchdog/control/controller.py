@@ -15,12 +15,13 @@ actions are then driven from the journal, each phase idempotent.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import re
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -213,8 +214,19 @@ class EngineRules:
     def state_from_json(self, d: dict[str, Any]) -> Any:
         return self._engine.EngineState.from_json(d)
 
-    def evaluate(self, window: Any, state: Any, step: int) -> tuple[list[Any], Any]:
-        return self._engine.evaluate(self.ruleset, window, state, step)
+    def evaluate(self, window: Any, state: Any, step: int,
+                 skip: Sequence[bool | str] | None = None) -> tuple[list[Any], Any]:
+        return self._engine.evaluate(self.ruleset, window, state, step, skip)
+
+    def screen(self, batch: Sequence[tuple[Any, int, Any]]) -> list[list[bool | str] | None]:
+        """Per (window, step, engine state): what is sure of each rule at that step (``watchdog.core.screen``)."""
+        return self._screen([(w, step, state.event_seq) for w, step, state in batch])
+
+    @functools.cached_property
+    def _screen(self) -> Any:
+        from watchdog.core.screen import screen_for
+
+        return screen_for(self.ruleset)
 
     def rule_names(self) -> list[str]:
         """Names of the loaded rules, in file order."""
@@ -340,6 +352,9 @@ class RunController:
         """What this tick's read changed, as it stood before (see :meth:`undo_decide`)."""
         self._read: _Read | None = None
         """This tick's read and evaluation, until :meth:`decide` writes it."""
+        self.skip: Sequence[bool | str] | None = None
+        """For the rules' next step, what a screen found of each rule (:func:`read_and_evaluate_all`, the engine's
+        ``skip``); None: every rule is evaluated."""
         self._failed_ticks = 0
         """Ticks in a row that failed at the same read position (``_failed_at``)."""
         self._failed_at: Mapping[str, Any] | None = None
@@ -479,15 +494,21 @@ class RunController:
         The rules read the run's metrics and events alone, never the store, so what they decide here is
         what they would decide inside the transaction; planning those decisions against the journal
         is :meth:`decide`'s, inside it (RELIABILITY.md: no action on stale data)."""
+        return read_and_evaluate_all([(self, now, result)])[0]
+
+    def reading(self, now: float, result: TickResult) -> Generator[int, None, Exception | None]:
+        """:meth:`read_and_evaluate` in steps: it pauses (yields the step) before the rules run at each new
+        step, the window holding that step as its newest, so a daemon can screen many runs' rules at once
+        (:func:`read_and_evaluate_all`) and set :attr:`skip` for each."""
         self._undo, self._read = None, None
         try:
-            self._read = self._read_ahead(now, result)
+            self._read = yield from self._read_ahead(now, result)
         except Exception as exc:  # put back (or putting it back failed too): this run's tick fails alone
             return exc
         self._undo = self._read.undo
         return None
 
-    def _read_ahead(self, now: float, result: TickResult) -> _Read:
+    def _read_ahead(self, now: float, result: TickResult) -> Generator[int, None, _Read]:
         offsets = self.tailer.offsets
         if not getattr(self.tailer, "offsets_are_snapshots", False):
             offsets = json.loads(json.dumps(offsets))  # a copy that the poll below cannot change
@@ -496,13 +517,11 @@ class RunController:
         try:
             t0 = time.perf_counter()
             records, events = self.tailer.poll()  # files (or a metric source) only
-            t1 = time.perf_counter()
-            self.telemetry.phase_time("read", t1 - t0)
+            self.telemetry.phase_time("read", time.perf_counter() - t0)
             fresh = (bool(records or events or self._held or self._events_since_eval)
                      or self.tailer.offsets != offsets)
             first_step = int(records[0]["step"]) if records and self.run.last_step is None else None
-            decisions = self._evaluate(records, events, now, result) if fresh else []
-            self.telemetry.phase_time("decide", time.perf_counter() - t1)
+            decisions = (yield from self._evaluate(records, events, now, result)) if fresh else []
         except Exception as exc:
             self._restore(undo, result, exc)
             raise
@@ -734,7 +753,10 @@ class RunController:
         self.run.overrides = overrides
 
     def _evaluate(self, records: list[dict[str, Any]], events: list[Event], now: float,
-                  result: TickResult) -> list[Any]:
+                  result: TickResult) -> Generator[int, None, list[Any]]:
+        """The new records into the window and the rules run at each, pausing before each step's rules (see
+        :meth:`reading`). Its own time, not the pauses, is the tick's decide phase."""
+        began = time.perf_counter()
         pending = sorted([*self._held, *events], key=lambda e: int(e["step"]) if isinstance(e.get("step"), int) else -1)
         self._held = []
         decisions: list[Any] = []
@@ -755,6 +777,9 @@ class RunController:
             self.run.last_progress_ts = now
             self.run.last_step = step
             self._events_since_eval = False
+            self.telemetry.phase_time("decide", time.perf_counter() - began)
+            yield step
+            began = time.perf_counter()
             decisions += self._run_engine(step, result)
         alive = self.h.proc is not None and self.h.proc.alive()
         # Read from files, every step is seen (a Prometheus source samples steps: its last step may lag).
@@ -779,6 +804,7 @@ class RunController:
             step = max([self.run.last_step] + [s for s in steps if not files or s <= self.run.last_step + STEP_SLACK])
             self._events_since_eval = False
             decisions += self._run_engine(step, result)
+        self.telemetry.phase_time("decide", time.perf_counter() - began)
         return decisions
 
     def _warn_blind(self) -> None:
@@ -792,8 +818,12 @@ class RunController:
     def _run_engine(self, step: int, result: TickResult) -> list[Any]:
         if not self._blind_warned and len(self.window.steps()) >= BLIND_AFTER_STEPS:
             self._warn_blind()
+        skip, self.skip = self.skip, None
         try:
-            decisions, self.state = self.rules.evaluate(self.window, self.state, step)
+            if skip is not None:
+                decisions, self.state = self.rules.evaluate(self.window, self.state, step, skip)  # type: ignore[call-arg]
+            else:
+                decisions, self.state = self.rules.evaluate(self.window, self.state, step)
         except Exception:  # recorded; the loop goes on with the old state
             log.exception("%s: rules failed at step %d", self.run.run_id, step)
             self.telemetry.error(self.run.run_id, "evaluate")
@@ -1237,6 +1267,47 @@ class RunController:
                     self.store.settle_decision(e.decision_id)
         for e in self.store.open_actions(self.run.run_id):
             self.actuator.drive(self.h, e, time.time())
+
+
+#: Fewer runs than this at a step are not screened: numpy's fixed cost per operation outweighs what it saves.
+SCREEN_MIN_RUNS = 8
+
+
+def read_and_evaluate_all(runs: Sequence[tuple[RunController, float, TickResult]]) -> list[Exception | None]:
+    """:meth:`RunController.read_and_evaluate` of every run, their rules' steps in lockstep: each round, the
+    runs about to evaluate their next new step are screened together (``RulesEngine.screen``, one numpy pass
+    over all of them, when the engine has one) and each evaluates only what its screen left. The same
+    decisions and states as one run after the other (``tests/test_screen.py``), in a fraction of the time
+    at hundreds of runs. Returns each run's error, as :meth:`RunController.read_and_evaluate` does."""
+    out: list[Exception | None] = [None] * len(runs)
+    steps = [ctl.reading(now, result) for ctl, now, result in runs]
+    at: list[int] = [0] * len(runs)
+    going = list(range(len(runs)))
+    while going:
+        paused: dict[int, list[int]] = {}  # by rules engine (a daemon has one)
+        for i in going:
+            try:
+                at[i] = next(steps[i])
+            except StopIteration as done:
+                out[i] = done.value
+            else:
+                paused.setdefault(id(runs[i][0].rules), []).append(i)
+        for members in paused.values():
+            ctls = [runs[i][0] for i in members]
+            screen = getattr(ctls[0].rules, "screen", None)
+            if screen is None or len(ctls) < SCREEN_MIN_RUNS:
+                continue
+            t0 = time.perf_counter()
+            try:
+                skips = screen([(ctl.window, at[i], ctl.state) for ctl, i in zip(ctls, members, strict=True)])
+            except Exception:  # a screen that fails costs its time, never a decision: every rule is evaluated
+                log.exception("the rules' screen failed; these runs' rules are evaluated one by one")
+                skips = [None] * len(ctls)
+            ctls[0].telemetry.phase_time("decide", time.perf_counter() - t0)
+            for ctl, skip in zip(ctls, skips, strict=True):
+                ctl.skip = skip
+        going = [i for members in paused.values() for i in members]
+    return out
 
 
 def log_tail(path: Path, lines: int = 3, max_chars: int = 600) -> str:

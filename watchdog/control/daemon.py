@@ -33,7 +33,14 @@ from watchdog.control.actuator import (
     resolve_webhook_url,
     webhook_target,
 )
-from watchdog.control.controller import ControllerConfig, EngineRules, RulesEngine, RunController, TickResult
+from watchdog.control.controller import (
+    ControllerConfig,
+    EngineRules,
+    RulesEngine,
+    RunController,
+    TickResult,
+    read_and_evaluate_all,
+)
 from watchdog.control.shards import (
     MAX_SHARDS,
     NotStartedBySupervisor,
@@ -566,8 +573,9 @@ class Watchdog:
         what the tick holds to undo that (a run's last record and engine state) at :data:`DECIDE_CHUNK`
         runs, whatever the number of runs, and SQLite's one write lock is held for the writes alone: a
         ``watchdog`` command, or another process on the same state, waits for those, not for the rules."""
-        for run_id, ctl in chunk:
-            failed[run_id] = ctl.read_and_evaluate(now, results[run_id])
+        for (run_id, _), error in zip(chunk, read_and_evaluate_all([(ctl, now, results[r]) for r, ctl in chunk]),
+                                      strict=True):
+            failed[run_id] = error
         read = [(run_id, ctl) for run_id, ctl in chunk if failed[run_id] is None]
         t_commit: float | None = None
         try:

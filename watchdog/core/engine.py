@@ -242,9 +242,15 @@ def _plan(rules: RuleSet | Iterable[Rule]) -> tuple[tuple[str, ...], tuple[tuple
 
 
 def evaluate(
-    rules: RuleSet | Iterable[Rule], window: Window, state: EngineState, step: int
+    rules: RuleSet | Iterable[Rule], window: Window, state: EngineState, step: int,
+    skip: Sequence[bool | str] | None = None,
 ) -> tuple[list[Decision], EngineState]:
-    """Evaluate every enabled rule at ``step``; returns the decisions and the new state."""
+    """Evaluate every enabled rule at ``step``; returns the decisions and the new state.
+
+    ``skip`` (:class:`watchdog.core.screen.Screen`, over many runs at once), per rule: True where its condition
+    is known to be false at this step without raising, the text of the MissingDataError it is known to raise
+    (as ``RuleState.last_error`` records it), or False. A rule at rest is not evaluated where that is known,
+    nor a rule that fails again as it did; a rule pending or firing always is (its clear condition, its ``for``)."""
     clock = _advance(state, step)
     seq = state.event_seq
     decisions: list[Decision] = []
@@ -258,8 +264,10 @@ def evaluate(
         get = old.get
         olds = [get(name, _INITIAL) for name in names]
     changed: dict[str, RuleState] | None = None  # (made when a rule changes: most steps none does)
-    for (name, enabled, fn, rule), rs in zip(plan, olds, strict=True):
+    for (name, enabled, fn, rule), rs, known_false in zip(plan, olds, skip or _NO_SKIP[len(plan)], strict=True):
         if rs is _INITIAL and enabled:  # never fired, healthy: the commonest state, one identity test
+            if known_false is True:
+                continue
             try:
                 cond = fn(window, step, seq)
             except Exception as exc:  # noqa: BLE001 - a broken rule must not stop the others; recorded
@@ -272,8 +280,10 @@ def evaluate(
             continue
         elif rs.status == INACTIVE and rs.since is None:
             # At rest, the common case (most rules of most runs), inlined: _step_rule's first branch.
+            if known_false and known_false is not True and known_false == rs.last_error and rs.health != "ok":
+                continue  # it fails again as it did (_failed would keep it as it is)
             try:
-                cond = fn(window, step, seq)
+                cond = False if known_false is True else fn(window, step, seq)
             except Exception as exc:  # noqa: BLE001 - a broken rule must not stop the others; recorded
                 new = _failed(rule, rs, exc, step)
             else:
@@ -313,6 +323,17 @@ def evaluate(
 
 
 _new_state = object.__new__
+
+
+class _NoSkip(dict):  # type: ignore[type-arg]
+    """``_NO_SKIP[n]``: n times False, made once per pack size."""
+
+    def __missing__(self, n: int) -> tuple[bool, ...]:
+        v = self[n] = (False,) * n
+        return v
+
+
+_NO_SKIP = _NoSkip()
 
 
 def _failed(rule: Rule, rs: RuleState, exc: Exception, step: int) -> RuleState:
