@@ -166,8 +166,8 @@ def bench_size(rules: RuleSet, n_runs: int, repeats: int, base: list[dict[str, f
         nonlocal n_decisions
         for lo in range(0, n_runs, chunk or n_runs):
             part = range(lo, min(n_runs, lo + (chunk or n_runs)))
-            skips = (screen([(windows[i], at, states[i].event_seq) for i in part]) if screen is not None
-                     else [None] * len(part))
+            skips = (screen([(windows[i], at, states[i].event_seq) for i in part])
+                     if screen is not None and len(part) >= SCREEN_MIN_RUNS else [None] * len(part))
             for i, skip in zip(part, skips, strict=True):
                 d, states[i] = engine.evaluate(rules, windows[i], states[i], at, skip)
                 n_decisions += len(d)

@@ -159,7 +159,7 @@ class _Pass:
         for r, (w, at, _) in enumerate(batch):
             rows = w._rows
             k = min(len(rows), span)
-            regular[r] = (k > 0 and at == w.step and not w.nonfinite_steps and rows[-1] - rows[-k] == k - 1)
+            regular[r] = (k > 0 and at == w.step == rows[-1] and not w.nonfinite_steps and at - rows[-k] == k - 1)
         self.regular = regular
         self.at = np.array([float(at) for _, at, _ in batch])
         self.regular_list = regular.tolist()
@@ -252,18 +252,18 @@ class _Pass:
         return _Num(np.full(self.n, v), None, self.regular, self._none())
 
     def num(self, node: ex.Node) -> _Num:
-        key = self.s.keys[id(node)]
-        hit = self.memo.get(key)
-        if hit is None:
-            hit = self.memo[key] = self._num(node)
-        return hit  # type: ignore[no-any-return]
+        return self._once(node, self._num)  # type: ignore[no-any-return]
 
     def cond(self, node: ex.Node) -> _Cond:
+        return self._once(node, self._cond)  # type: ignore[no-any-return]
+
+    def _once(self, node: ex.Node, build: Any) -> Any:
+        """A node's value in this pass, computed once per text (``median(kl, 5, 1)`` in many rules)."""
         key = self.s.keys[id(node)]
         hit = self.memo.get(key)
         if hit is None:
-            hit = self.memo[key] = self._cond(node)
-        return hit  # type: ignore[no-any-return]
+            hit = self.memo[key] = build(node)
+        return hit
 
     def _num(self, node: ex.Node) -> _Num:
         if isinstance(node, ex.Num):
