@@ -1,7 +1,7 @@
 """A picture of the daemon's busy tick, before and after, against issue 22's target.
 
 Reads committed results (bench/results/daemon_scale*.json, daemon_shards*.json): one process and 2 shards on
-one state database at 1,000 runs with 4 new steps a run a tick, main 3fc2ee0's code and this one, measured back
+one state database at 1,000 runs with 4 new steps a run a tick, main f4f0dd3's code (before the columnar screen) and this one, measured back
 to back on one machine; the target's 300 ms p50 and 1 s p99 drawn across.
 
 Usage: ``python bench/plot_daemon_ticks.py [--out bench/results/daemon_ticks.png]``.
@@ -17,9 +17,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 #: (label, result file, kind): the bars, left to right.
 BARS = [
-    ("1 process\nbefore", "daemon_scale_before_i22f.json", "scale"),
+    ("1 process\nbefore", "daemon_scale_before_i22g.json", "scale"),
     ("1 process\nafter", "daemon_scale.json", "scale"),
-    ("2 shards, one state\nbefore", "daemon_shards_before_i22f.json", "shards"),
+    ("2 shards, one state\nbefore", "daemon_shards_before_i22g.json", "shards"),
     ("2 shards, one state\nafter", "daemon_shards.json", "shards"),
 ]
 

@@ -218,7 +218,7 @@ def test_a_screen_that_fails_costs_its_time_never_a_decision(
             (d / "metrics.jsonl").write_text("".join(line + "\n" for line in lines))
         wd.tick(now=1000.0)
         want = []
-        for (d, lines), log in zip(runs, logs, strict=True):
+        for (d, _), log in zip(runs, logs, strict=True):
             recs = ingest.read_records(log)
             want += [(d.name, r.rule, r.step) for r in _replayed(recs)]
         got = [(d["run_id"], d["rule"], d["step"]) for d in wd.store.decisions() if d["kind"] != "resolve"]
