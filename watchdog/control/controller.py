@@ -500,7 +500,7 @@ class RunController:
         """:meth:`read_and_evaluate` in steps: it pauses (yields the step) before the rules run at each new
         step, the window holding that step as its newest, so a daemon can screen many runs' rules at once
         (:func:`read_and_evaluate_all`) and set :attr:`skip` for each."""
-        self._undo, self._read = None, None
+        self._undo, self._read, self.skip = None, None, None
         try:
             self._read = yield from self._read_ahead(now, result)
         except Exception as exc:  # put back (or putting it back failed too): this run's tick fails alone
@@ -522,8 +522,8 @@ class RunController:
                      or self.tailer.offsets != offsets)
             first_step = int(records[0]["step"]) if records and self.run.last_step is None else None
             decisions = (yield from self._evaluate(records, events, now, result)) if fresh else []
-        except Exception as exc:
-            self._restore(undo, result, exc)
+        except BaseException as exc:  # GeneratorExit too: a lockstep abandoned half-way puts this run back
+            self._restore(undo, result, exc if isinstance(exc, Exception) else RuntimeError("tick abandoned"))
             raise
         # Nothing read: the window and positions did not move, and a failure later keeps them as they are
         # (a chunk whose transaction cannot begin does not read 256 runs' history again).
@@ -816,9 +816,9 @@ class RunController:
             log.warning("%s: %s", self.run.run_id, line)
 
     def _run_engine(self, step: int, result: TickResult) -> list[Any]:
+        skip, self.skip = self.skip, None  # for this step only, whatever happens next
         if not self._blind_warned and len(self.window.steps()) >= BLIND_AFTER_STEPS:
             self._warn_blind()
-        skip, self.skip = self.skip, None
         try:
             if skip is not None:
                 decisions, self.state = self.rules.evaluate(self.window, self.state, step, skip)  # type: ignore[call-arg]
@@ -1283,6 +1283,20 @@ def read_and_evaluate_all(runs: Sequence[tuple[RunController, float, TickResult]
     steps = [ctl.reading(now, result) for ctl, now, result in runs]
     at: list[int] = [0] * len(runs)
     going = list(range(len(runs)))
+    try:
+        _lockstep(runs, steps, at, going, out)
+    finally:
+        for i in going:  # only when something escaped the rounds: each run left half-read is put back
+            try:
+                steps[i].close()
+            except Exception:  # (its files unreadable now): its next tick rebuilds from the store
+                log.exception("%s: could not put back a read abandoned half-way", runs[i][0].run.run_id)
+    return out
+
+
+def _lockstep(runs: Sequence[tuple[RunController, float, TickResult]], steps: list[Generator[int, None, Any]],
+              at: list[int], going: list[int], out: list[Exception | None]) -> None:
+    """The rounds of :func:`read_and_evaluate_all`; ``going`` holds the runs not yet done, in place."""
     while going:
         paused: dict[int, list[int]] = {}  # by rules engine (a daemon has one)
         for i in going:
@@ -1300,14 +1314,15 @@ def read_and_evaluate_all(runs: Sequence[tuple[RunController, float, TickResult]
             t0 = time.perf_counter()
             try:
                 skips = screen([(ctl.window, at[i], ctl.state) for ctl, i in zip(ctls, members, strict=True)])
+                if len(skips) != len(ctls):
+                    raise ValueError(f"{len(skips)} answers for {len(ctls)} runs")
             except Exception:  # a screen that fails costs its time, never a decision: every rule is evaluated
                 log.exception("the rules' screen failed; these runs' rules are evaluated one by one")
                 skips = [None] * len(ctls)
             ctls[0].telemetry.phase_time("decide", time.perf_counter() - t0)
             for ctl, skip in zip(ctls, skips, strict=True):
                 ctl.skip = skip
-        going = [i for members in paused.values() for i in members]
-    return out
+        going[:] = [i for members in paused.values() for i in members]
 
 
 def log_tail(path: Path, lines: int = 3, max_chars: int = 600) -> str:

@@ -14,17 +14,19 @@ expression means. So a screened evaluation gives the very decisions and states o
 How it stays sure:
 
 - Only *regular* runs are screened: evaluated at their newest step, steps consecutive over every window the
-  pack reads, no NaN or inf kept (``Window.nonfinite_steps`` empty), every metric read logged at each step of
-  its series (``_Series.steps is None``). Anything else (a gap, a NaN, a rewound window) is left whole to the
+  pack reads, no NaN or inf kept (``Window.nonfinite_steps`` empty). A metric whose series has a gap
+  (``_Series.steps`` set) is unknown for that run; one that ended before the newest step is read as it is. Anything else (a gap, a NaN, a rewound window) is left whole to the
   closures.
 - Each node's value per run is one of: known (within an error bound ``err``), surely raising
   ``MissingDataError`` (``miss``: ``holds`` makes it false, ``default`` its literal), or unknown. Conditions are
   surely true, surely false, ``miss``, or unknown; ``and``/``or`` follow Python's short circuit, so an
   operand after the deciding one can neither decide nor raise.
 - ``count``, ``median``, ``min``, ``max``, comparisons and ``+ - *`` compute the same floats the closures do
-  (the same IEEE operations on the same values; ``median`` sorts stably, as ``sorted`` does). ``avg``, ``std``
+  (the same IEEE operations on the same values), but for the sign of a zero, which no comparison, sum or
+  product a condition sees tells apart (a division by zero is left to the closures). ``avg``, ``std``
   and ``slope`` sum in another order than ``math.fsum``: their values carry a bound on that difference, and a
-  comparison within the bound is unknown. Division by zero, and a function the screen does not model
+  comparison within the bound is unknown, as are sums large enough that ``math.fsum`` would overflow.
+  Division by zero, and a function the screen does not model
   (``delta``, ``zscore``, ``count_over`` ...), are unknown.
 """
 
@@ -44,6 +46,10 @@ from watchdog.core.series import Window
 _U = 2.3e-16
 """A little more than twice the unit roundoff of a float64 (2**-53): the error bounds' unit."""
 _TINY = 1e-300
+_HUGE = 1e300
+"""Sums of magnitudes below this cannot overflow ``math.fsum`` (which raises OverflowError where numpy gives inf)."""
+_EXACT_STEPS = 2**50
+"""The closures' slope uses exact centred steps below this (``expr._EXACT``); a run past it is not screened."""
 _SPARSE = 16
 """An ``and``/``or`` chain stops when fewer than one run in this many is still undecided by its operands so far."""
 
@@ -118,7 +124,7 @@ class Screen:
         if isinstance(node, ex.Metric):
             self.width[node.name] = max(self.width.get(node.name, 1), 1)
         elif isinstance(node, ex.Call):
-            if node.func in _WINDOWED and len(node.args) >= 2:
+            if node.func in _WINDOWED:
                 name = node.args[0].name  # type: ignore[union-attr]
                 n = int(node.args[1].value)  # type: ignore[union-attr]
                 lag = int(node.args[2].value) if len(node.args) > 2 else 0  # type: ignore[union-attr]
@@ -159,7 +165,8 @@ class _Pass:
         for r, (w, at, _) in enumerate(batch):
             rows = w._rows
             k = min(len(rows), span)
-            regular[r] = (k > 0 and at == w.step == rows[-1] and not w.nonfinite_steps and at - rows[-k] == k - 1)
+            regular[r] = (k > 0 and at == w.step == rows[-1] and not w.nonfinite_steps and at - rows[-k] == k - 1
+                          and -_EXACT_STEPS < at - span < at < _EXACT_STEPS)
         self.regular = regular
         self.at = np.array([float(at) for _, at, _ in batch])
         self.regular_list = regular.tolist()
@@ -314,8 +321,8 @@ class _Pass:
         f = node.func
         args = node.args
         if f in _WINDOWED:
-            if f == "slope" or len(args) < 2:
-                return self.slope(node) if f == "slope" else self.unknown_num()
+            if f == "slope":
+                return self.slope(node)
             name = args[0].name  # type: ignore[union-attr]
             n = int(args[1].value)  # type: ignore[union-attr]
             lag = int(args[2].value) if len(args) > 2 else 0  # type: ignore[union-attr]
@@ -385,13 +392,15 @@ class _Pass:
         mean = x.sum(axis=1) / c
         if f == "avg":
             err = _U * ((c + 1) * mag / c + 2 * np.abs(mean)) + _TINY
-            return _Num(mean, err, have, miss, why)
+            # math.fsum raises OverflowError past the largest float; below 1e300 in all it cannot.
+            return _Num(mean, err, have & (mag < _HUGE), miss, why)
         # std, the population's: two passes in both (the closure's with math.fsum).
         big = np.max(np.abs(x), axis=1)
         var = np.where(present, (block - mean[:, None]) ** 2, 0.0).sum(axis=1) / c
         val = np.sqrt(var)
         err = np.sqrt(4e-15 * (c + 10) * (big + np.abs(mean)) ** 2) + _U * val + _TINY
-        return _Num(val, err, have, miss, why)
+        # (v - m) ** 2 raises OverflowError past 1.3e154: values below 1e150 keep every square and sum finite.
+        return _Num(val, err, have & (big < 1e150) & (mag < _HUGE), miss, why)
 
     def slope(self, node: ex.Call) -> _Num:
         name = node.args[0].name  # type: ignore[union-attr]
@@ -413,8 +422,10 @@ class _Pass:
         my = ys0.sum(axis=1) / n
         val = (dx * (ys0 - my[:, None])).sum(axis=1) / sxx
         big = np.max(np.abs(ys0), axis=1)
-        err = 2 * _U * (n + 4) * float(np.abs(dx).sum()) * (big + np.abs(my)) / sxx + _TINY
-        return _Num(val, err, full, miss, why)
+        spread = float(np.abs(dx).sum())
+        err = 2 * _U * (n + 4) * spread * (big + np.abs(my)) / sxx + _TINY
+        # The closure's math.fsum over the values and over dx * (y - mean) stays finite below 1e300.
+        return _Num(val, err, full & (big * max(n, spread) < _HUGE / 2), miss, why)
 
     def running(self, f: str, name: str) -> _Num:
         # At the newest step, Window.best is the series' running top and lowest its running lowest (both
