@@ -340,7 +340,10 @@ def test_watchdog_rolls_a_trl_run_back_after_a_nan_and_never_resumes_the_abandon
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     history = _history(tmp_path)
     fired = [h for h in history if h["kind"] != "resolve"]
-    assert [(h["rule"], h["status"]) for h in fired] == [("nan_or_inf", "applied")]
+    assert [(h["rule"], h["status"]) for h in fired if h["rule"] == "nan_or_inf"] == [("nan_or_inf", "applied")]
+    # The tiny model's KL can pass the seed's 0.1 before the NaN (kl_high: kl_coef x1.2, live, no restart);
+    # no other rule rolls back or restarts (one restart below: the NaN's).
+    assert {h["rule"] for h in fired} <= {"nan_or_inf", "kl_high", "kl_above_target"}, fired
     run_dir = tmp_path / "run"
     starts = _events(run_dir, "started")
     assert len(starts) == 2
