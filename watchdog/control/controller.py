@@ -15,7 +15,6 @@ actions are then driven from the journal, each phase idempotent.
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import logging
 import re
@@ -219,14 +218,11 @@ class EngineRules:
         return self._engine.evaluate(self.ruleset, window, state, step, skip)
 
     def screen(self, batch: Sequence[tuple[Any, int, Any]]) -> list[list[bool | str] | None]:
-        """Per (window, step, engine state): what is sure of each rule at that step (``watchdog.core.screen``)."""
-        return self._screen([(w, step, state.event_seq) for w, step, state in batch])
-
-    @functools.cached_property
-    def _screen(self) -> Any:
+        """Per (window, step, engine state): what is sure of each rule at that step (``watchdog.core.screen``,
+        imported when first screened: numpy stays out of a command's start-up)."""
         from watchdog.core.screen import screen_for
 
-        return screen_for(self.ruleset)
+        return screen_for(self.ruleset)([(w, step, state.event_seq) for w, step, state in batch])
 
     def rule_names(self) -> list[str]:
         """Names of the loaded rules, in file order."""
@@ -1281,48 +1277,50 @@ def read_and_evaluate_all(runs: Sequence[tuple[RunController, float, TickResult]
     at hundreds of runs. Returns each run's error, as :meth:`RunController.read_and_evaluate` does."""
     out: list[Exception | None] = [None] * len(runs)
     steps = [ctl.reading(now, result) for ctl, now, result in runs]
-    at: list[int] = [0] * len(runs)
     going = list(range(len(runs)))
     try:
-        _lockstep(runs, steps, at, going, out)
-    finally:
-        for i in going:  # only when something escaped the rounds: each run left half-read is put back
+        while going:
+            going = _round(runs, steps, going, out)
+    except BaseException:
+        for (ctl, _, _), gen in zip(runs, steps, strict=True):  # each run left half-read is put back
             try:
-                steps[i].close()
+                gen.close()  # (nothing for a run already done)
             except Exception:  # (its files unreadable now): its next tick rebuilds from the store
-                log.exception("%s: could not put back a read abandoned half-way", runs[i][0].run.run_id)
+                log.exception("%s: could not put back a read abandoned half-way", ctl.run.run_id)
+        raise
     return out
 
 
-def _lockstep(runs: Sequence[tuple[RunController, float, TickResult]], steps: list[Generator[int, None, Any]],
-              at: list[int], going: list[int], out: list[Exception | None]) -> None:
-    """The rounds of :func:`read_and_evaluate_all`; ``going`` holds the runs not yet done, in place."""
-    while going:
-        paused: dict[int, list[int]] = {}  # by rules engine (a daemon has one)
-        for i in going:
-            try:
-                at[i] = next(steps[i])
-            except StopIteration as done:
-                out[i] = done.value
-            else:
-                paused.setdefault(id(runs[i][0].rules), []).append(i)
-        for members in paused.values():
-            ctls = [runs[i][0] for i in members]
-            screen = getattr(ctls[0].rules, "screen", None)
-            if screen is None or len(ctls) < SCREEN_MIN_RUNS:
-                continue
-            t0 = time.perf_counter()
-            try:
-                skips = screen([(ctl.window, at[i], ctl.state) for ctl, i in zip(ctls, members, strict=True)])
-                if len(skips) != len(ctls):
-                    raise ValueError(f"{len(skips)} answers for {len(ctls)} runs")
-            except Exception:  # a screen that fails costs its time, never a decision: every rule is evaluated
-                log.exception("the rules' screen failed; these runs' rules are evaluated one by one")
-                skips = [None] * len(ctls)
-            ctls[0].telemetry.phase_time("decide", time.perf_counter() - t0)
-            for ctl, skip in zip(ctls, skips, strict=True):
-                ctl.skip = skip
-        going[:] = [i for members in paused.values() for i in members]
+def _round(runs: Sequence[tuple[RunController, float, TickResult]], steps: list[Generator[int, None, Any]],
+           going: list[int], out: list[Exception | None]) -> list[int]:
+    """One round of :func:`read_and_evaluate_all`: the runs of ``going`` on to their next step, screened
+    together; returns those not done."""
+    paused: dict[int, list[int]] = {}  # by rules engine (a daemon has one)
+    at: dict[int, int] = {}  # the step each paused run is about to evaluate
+    for i in going:
+        try:
+            at[i] = next(steps[i])
+        except StopIteration as done:
+            out[i] = done.value
+        else:
+            paused.setdefault(id(runs[i][0].rules), []).append(i)
+    for members in paused.values():
+        ctls = [runs[i][0] for i in members]
+        screen = getattr(ctls[0].rules, "screen", None)
+        if screen is None or len(ctls) < SCREEN_MIN_RUNS:
+            continue
+        t0 = time.perf_counter()
+        try:
+            skips = screen([(ctl.window, at[i], ctl.state) for ctl, i in zip(ctls, members, strict=True)])
+            if len(skips) != len(ctls):
+                raise ValueError(f"{len(skips)} answers for {len(ctls)} runs")
+        except Exception:  # a screen that fails costs its time, never a decision: every rule is evaluated
+            log.exception("the rules' screen failed; these runs' rules are evaluated one by one")
+            skips = [None] * len(ctls)
+        ctls[0].telemetry.phase_time("decide", time.perf_counter() - t0)
+        for ctl, skip in zip(ctls, skips, strict=True):
+            ctl.skip = skip
+    return [i for members in paused.values() for i in members]
 
 
 def log_tail(path: Path, lines: int = 3, max_chars: int = 600) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import repeat
 from typing import Any
 
 from watchdog.core.actions import Action, NotifyAction
@@ -264,9 +265,9 @@ def evaluate(
         get = old.get
         olds = [get(name, _INITIAL) for name in names]
     changed: dict[str, RuleState] | None = None  # (made when a rule changes: most steps none does)
-    for (name, enabled, fn, rule), rs, known_false in zip(plan, olds, skip or _NO_SKIP[len(plan)], strict=True):
+    for (name, enabled, fn, rule), rs, verdict in zip(plan, olds, skip or repeat(False, len(plan)), strict=True):
         if rs is _INITIAL and enabled:  # never fired, healthy: the commonest state, one identity test
-            if known_false is True:
+            if verdict is True:
                 continue
             try:
                 cond = fn(window, step, seq)
@@ -280,10 +281,10 @@ def evaluate(
             continue
         elif rs.status == INACTIVE and rs.since is None:
             # At rest, the common case (most rules of most runs), inlined: _step_rule's first branch.
-            if known_false and known_false is not True and known_false == rs.last_error and rs.health != "ok":
+            if verdict and verdict is not True and verdict == rs.last_error and rs.health != "ok":
                 continue  # it fails again as it did (_failed would keep it as it is)
             try:
-                cond = False if known_false is True else fn(window, step, seq)
+                cond = False if verdict is True else fn(window, step, seq)
             except Exception as exc:  # noqa: BLE001 - a broken rule must not stop the others; recorded
                 new = _failed(rule, rs, exc, step)
             else:
@@ -323,17 +324,6 @@ def evaluate(
 
 
 _new_state = object.__new__
-
-
-class _NoSkip(dict):  # type: ignore[type-arg]
-    """``_NO_SKIP[n]``: n times False, made once per pack size."""
-
-    def __missing__(self, n: int) -> tuple[bool, ...]:
-        v = self[n] = (False,) * n
-        return v
-
-
-_NO_SKIP = _NoSkip()
 
 
 def _failed(rule: Rule, rs: RuleState, exc: Exception, step: int) -> RuleState:
