@@ -49,8 +49,8 @@ class _CountingDb:
         return getattr(self._db, name)
 
 
-def _daemon(tmp_path: Path, runs: list[Path]) -> Any:
-    (tmp_path / "rules.yaml").write_text(NAN_RULE)
+def _daemon(tmp_path: Path, runs: list[Path], rules: str = NAN_RULE) -> Any:
+    (tmp_path / "rules.yaml").write_text(rules)
     cfg = tmp_path / "daemon.yaml"
     cfg.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"), "rules": [str(tmp_path / "rules.yaml")],
                                    "runs": [str(d) for d in runs]}))
@@ -134,6 +134,44 @@ def test_a_tick_whose_commit_fails_keeps_nothing_for_any_run_and_the_next_decide
         assert by_run == {c.run.run_id: [2] for c in wd.controllers.values()}  # each NaN once, not twice
         again = Store(tmp_path / "state", busy_timeout_s=1.0)  # what a restarted daemon would find
         assert sorted(d["run_id"] for d in again.decisions()) == sorted(by_run)
+    finally:
+        wd.close()
+
+
+def test_a_tick_whose_commit_fails_leaves_each_run_as_its_store_says_and_says_a_pause_once_it_holds(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # The failed tick paused the run for its NaN and adopted a control version a human wrote. Neither was
+    # committed, so neither may stay in memory: a pause kept there was never said once it held (the
+    # console's "paused for a human" came only with the commit that failed), and the run's desired
+    # overrides were not the store's.
+    pause = NAN_RULE.replace("actions: [notify]", "actions: [{pause: {reason: a NaN}}]")
+    runs = _runs(tmp_path, 1)
+    wd = _daemon(tmp_path, runs, pause)
+    try:
+        ctl = wd.controllers["run0"]
+        _append(runs[0], 1, 0.01)
+        wd.tick()
+        rundir.append_event(runs[0], "checkpoint", 1, path=str(runs[0] / "global_step_1"))
+        wd.tick()  # an event alone: the step evaluated last is still step 1 (it was written back as None)
+        assert wd.store.get_run("run0").last_evaluated_step == ctl.run.last_evaluated_step == 1
+        _append(runs[0], 2, math.nan)
+        rundir.append_event(runs[0], "applied", 2, version=7, commands=[],
+                            applied={"algorithm.kl_ctrl.kl_coef": 0.5})  # written by hand, not by the watchdog
+        db = wd.store._db = _CountingDb(wd.store._db)
+        db.fail = 1
+        wd.tick()
+        stored = wd.store.get_run("run0")
+        assert stored is not None and stored.phase != "paused" and stored.overrides == {}
+        for name in ("phase", "overrides", "startup_s", "last_step", "last_evaluated_step", "control_version"):
+            assert getattr(ctl.run, name) == getattr(stored, name), name
+        assert ctl._control_errors == {} and ctl._paused_since is None
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            wd.tick()
+        assert wd.store.get_run("run0").phase == "paused"
+        assert wd.store.get_run("run0").overrides == {"algorithm.kl_ctrl.kl_coef": 0.5}
+        assert "paused for a human" in caplog.text
+        assert "it changed algorithm.kl_ctrl.kl_coef" in caplog.text  # said with what it changed, not "no override"
     finally:
         wd.close()
 

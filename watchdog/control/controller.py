@@ -156,8 +156,12 @@ def _finite(v: Any) -> bool:
 
 #: What a tick changes besides the engine state and read positions, put back when it fails.
 _TICK_FIELDS = ("_rewind_pending", "_rewind_to", "_step_times", "_last_checkpoint", "_saw_finished", "_saw_oom",
-                "_events_since_eval", "_launch_seen", "_started_ts", "latest", "_held")
-_TICK_RUN_FIELDS = ("last_step", "last_progress_ts", "last_evaluated_step")
+                "_events_since_eval", "_launch_seen", "_started_ts", "latest", "_held", "_last_tuning_clock",
+                "_paused_since", "_control_errors")
+"""What a tick's read and decide change of the controller, put back when its commit fails (``_blind_warned``
+is not: its warning was said, and is not said twice)."""
+_TICK_RUN_FIELDS = ("last_step", "last_progress_ts", "last_evaluated_step", "phase", "overrides", "startup_s")
+"""What they change of the run's record (the rest changes only in :meth:`RunController.act`, after the commit)."""
 
 
 def _copy(value: Any) -> Any:
@@ -165,7 +169,7 @@ def _copy(value: Any) -> Any:
     t = type(value)
     if t is list or t is dict or t is set:
         return value.copy()
-    return value if value is None or t is bool or t is int or t is float else copy.copy(value)
+    return value if value is None or t is bool or t is int or t is float or isinstance(value, str) else copy.copy(value)
 
 
 def span_start(fire_step: int, for_steps: int, margin: int) -> int:
@@ -509,7 +513,7 @@ class RunController:
         if not getattr(self.tailer, "offsets_are_snapshots", False):
             offsets = json.loads(json.dumps(offsets))  # a copy that the poll below cannot change
         undo = _Undo(offsets, self.state, {name: _copy(getattr(self, name)) for name in _TICK_FIELDS},
-                     {name: getattr(self.run, name) for name in _TICK_RUN_FIELDS})
+                     {name: _copy(getattr(self.run, name)) for name in _TICK_RUN_FIELDS})
         try:
             t0 = time.perf_counter()
             records, events = self.tailer.poll()  # files (or a metric source) only
@@ -683,9 +687,10 @@ class RunController:
                          self.run.run_id, kind, e.get("step"))
                 continue
             if kind == "error" and e.get("source") == "control" and isinstance(e.get("version"), int):
-                said = self._control_errors.setdefault(int(e["version"]), [])
+                said = self._control_errors.get(int(e["version"]), [])
                 if str(e.get("message", "")) not in said:  # a tick read again after a failure sees it twice
-                    said.append(str(e.get("message", "")))
+                    # (a new list: the copy a failed tick puts back shares the old one)
+                    self._control_errors[int(e["version"])] = [*said, str(e.get("message", ""))]
             elif kind == "applied":
                 ids = [c if isinstance(c, str) else c.get("id", "") for c in e.get("commands", [])]
                 version = int(e.get("version", 0))
@@ -906,9 +911,10 @@ class RunController:
                 f'{{"version": {STATE_VERSION}, "engine": {self.state.to_json_text(rundir.dumps)}, '
                 f'"tailer": {rundir.dumps(self.tailer.offsets)}, "controller": {rundir.dumps(controller)}}}'))
             self._saved_state = controller
+            if result.new_steps:
+                self.run.last_evaluated_step = result.new_steps[-1]
             self.store.update_run(self.run.run_id, last_step=self.run.last_step,
-                                  last_evaluated_step=result.new_steps[-1] if result.new_steps else
-                                  self.run.last_evaluated_step,
+                                  last_evaluated_step=self.run.last_evaluated_step,
                                   last_progress_ts=self.run.last_progress_ts)
 
     @staticmethod
