@@ -14,9 +14,9 @@ actions are then driven from the journal, each phase idempotent.
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
+import operator
 import re
 import statistics
 import time
@@ -160,16 +160,13 @@ _TICK_FIELDS = ("_rewind_pending", "_rewind_to", "_step_times", "_last_checkpoin
                 "_paused_since", "_control_errors")
 """What a tick's read and decide change of the controller, put back when its commit fails (``_blind_warned``
 is not: its warning was said, and is not said twice)."""
+_TICK_CHANGED_IN_PLACE = ("latest", "_control_errors")
+"""Those of them a tick changes in place, copied for the undo; the others it replaces, never changes."""
 _TICK_RUN_FIELDS = ("last_step", "last_progress_ts", "last_evaluated_step", "phase", "overrides", "startup_s")
-"""What they change of the run's record (the rest changes only in :meth:`RunController.act`, after the commit)."""
-
-
-def _copy(value: Any) -> Any:
-    """A copy a tick's changes cannot reach (``copy.copy``, the plain containers without its dispatch)."""
-    t = type(value)
-    if t is list or t is dict or t is set:
-        return value.copy()
-    return value if value is None or t is bool or t is int or t is float or isinstance(value, str) else copy.copy(value)
+"""What they change of the run's record, each replaced, never changed in place (the rest changes only in
+:meth:`RunController.act`, after the commit)."""
+_tick_fields = operator.attrgetter(*_TICK_FIELDS)
+_tick_run_fields = operator.attrgetter(*_TICK_RUN_FIELDS)
 
 
 def span_start(fire_step: int, for_steps: int, margin: int) -> int:
@@ -512,8 +509,10 @@ class RunController:
         offsets = self.tailer.offsets
         if not getattr(self.tailer, "offsets_are_snapshots", False):
             offsets = json.loads(json.dumps(offsets))  # a copy that the poll below cannot change
-        undo = _Undo(offsets, self.state, {name: _copy(getattr(self, name)) for name in _TICK_FIELDS},
-                     {name: _copy(getattr(self.run, name)) for name in _TICK_RUN_FIELDS})
+        fields = dict(zip(_TICK_FIELDS, _tick_fields(self), strict=True))
+        for name in _TICK_CHANGED_IN_PLACE:
+            fields[name] = fields[name].copy()
+        undo = _Undo(offsets, self.state, fields, dict(zip(_TICK_RUN_FIELDS, _tick_run_fields(self.run), strict=True)))
         try:
             t0 = time.perf_counter()
             records, events = self.tailer.poll()  # files (or a metric source) only
