@@ -154,12 +154,11 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and catalog.is_finite(float(v))
 
 
-#: What a tick changes besides the engine state and read positions, put back when it fails.
 _TICK_FIELDS = ("_rewind_pending", "_rewind_to", "_step_times", "_last_checkpoint", "_saw_finished", "_saw_oom",
                 "_events_since_eval", "_launch_seen", "_started_ts", "latest", "_held", "_last_tuning_clock",
                 "_paused_since", "_control_errors")
-"""What a tick's read and decide change of the controller, put back when its commit fails (``_blind_warned``
-is not: its warning was said, and is not said twice)."""
+"""What a tick's read and decide change of the controller besides the engine state and read positions, put
+back when the tick fails (``_blind_warned`` is not: its warning was said, and is not said twice)."""
 _TICK_CHANGED_IN_PLACE = ("latest", "_control_errors")
 """Those of them a tick changes in place, copied for the undo; the others it replaces, never changes."""
 _TICK_RUN_FIELDS = ("last_step", "last_progress_ts", "last_evaluated_step", "phase", "overrides", "startup_s")
