@@ -157,6 +157,7 @@ def test_a_tick_whose_commit_fails_leaves_each_run_as_its_store_says_and_says_a_
         _append(runs[0], 2, math.nan)
         rundir.append_event(runs[0], "applied", 2, version=7, commands=[],
                             applied={"algorithm.kl_ctrl.kl_coef": 0.5})  # written by hand, not by the watchdog
+        rundir.append_event(runs[0], "error", 2, source="control", version=8, message="refused: lr < 0")
         db = wd.store._db = _CountingDb(wd.store._db)
         db.fail = 1
         wd.tick()
@@ -172,6 +173,7 @@ def test_a_tick_whose_commit_fails_leaves_each_run_as_its_store_says_and_says_a_
         assert wd.store.get_run("run0").overrides == {"algorithm.kl_ctrl.kl_coef": 0.5}
         assert "paused for a human" in caplog.text
         assert "it changed algorithm.kl_ctrl.kl_coef" in caplog.text  # said with what it changed, not "no override"
+        assert ctl._control_errors == {8: ["refused: lr < 0"]}  # the trainer's refusal, once
     finally:
         wd.close()
 
