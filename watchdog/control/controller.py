@@ -685,10 +685,11 @@ class RunController:
                          self.run.run_id, kind, e.get("step"))
                 continue
             if kind == "error" and e.get("source") == "control" and isinstance(e.get("version"), int):
-                said = self._control_errors.get(int(e["version"]), [])
-                if str(e.get("message", "")) not in said:  # a tick read again after a failure sees it twice
+                version, message = int(e["version"]), str(e.get("message", ""))
+                said = self._control_errors.get(version, [])
+                if message not in said:  # a tick read again after a failure sees it twice
                     # (a new list: the copy a failed tick puts back shares the old one)
-                    self._control_errors[int(e["version"])] = [*said, str(e.get("message", ""))]
+                    self._control_errors[version] = [*said, message]
             elif kind == "applied":
                 ids = [c if isinstance(c, str) else c.get("id", "") for c in e.get("commands", [])]
                 version = int(e.get("version", 0))
