@@ -173,6 +173,31 @@ def test_open_actions_sees_its_own_new_entries_and_an_entry_a_rollback_reopened(
     assert [e.id for e in store.open_actions("r")] == [second]
 
 
+def test_nested_units_undo_only_their_own_writes_one_after_another_at_each_depth(tmp_path):
+    """A daemon's tick: a unit a run inside the chunk's transaction, units inside those, all of one savepoint
+    name in SQLite; a unit undone leaves its siblings' and its parent's writes, however many came before it."""
+    store = Store(tmp_path)
+    for name in "abcde":
+        store.upsert_run(RunRecord(name, f"/{name}"))
+    with store.transaction():
+        with store.savepoint():
+            store.update_run("a", last_step=1)
+            with store.savepoint():
+                store.update_run("b", last_step=1)
+            with pytest.raises(RuntimeError):
+                with store.savepoint():
+                    store.update_run("c", last_step=1)
+                    raise RuntimeError("an inner unit fails")
+            store.update_run("d", last_step=1)
+        with pytest.raises(RuntimeError):
+            with store.savepoint():
+                store.update_run("e", last_step=1)
+                with store.savepoint():
+                    store.update_run("a", last_step=2)
+                raise RuntimeError("a run's unit fails after its inner one was kept")
+    assert {n: store.get_run(n).last_step for n in "abcde"} == {"a": 1, "b": 1, "c": None, "d": 1, "e": None}
+
+
 def test_after_commit_hooks_run_once_the_outer_transaction_commits_and_never_for_an_undone_unit(tmp_path):
     store = Store(tmp_path)
     said: list[str] = []

@@ -232,12 +232,11 @@ class _Transaction:
 class _Savepoint:
     """:meth:`Store.savepoint`'s context (a class, as :class:`_Transaction`: a daemon's tick enters one a run)."""
 
-    __slots__ = ("store", "tx", "name", "hooks")
+    __slots__ = ("store", "tx", "hooks")
 
     def __init__(self, store: Store) -> None:
         self.store = store
         self.tx: _Transaction | None = None
-        self.name = ""
         self.hooks = 0
 
     def __enter__(self) -> sqlite3.Connection:
@@ -252,9 +251,9 @@ class _Savepoint:
                 # SQLite ended the enclosing transaction itself (a full disk, an I/O error): what the units
                 # before this one wrote is gone, so nothing more is written in it; the caller's commit fails.
                 raise StoreError(f"{st.path}: the transaction was rolled back by SQLite; nothing of it is kept")
-            st._savepoints += 1
-            self.name = f"sp{st._savepoints}"
-            st._db.execute(f"SAVEPOINT {self.name}")
+            # One name for every unit: they nest, and SQLite's RELEASE and ROLLBACK TO take the newest of a
+            # name. The same text each time stays compiled in sqlite3's statement cache (a name a unit: 5 us more).
+            st._db.execute("SAVEPOINT unit")
             st._depth += 1
             self.hooks = len(st._after_commit)
         except BaseException:
@@ -270,14 +269,14 @@ class _Savepoint:
         try:
             st._depth -= 1
             if kind is None:
-                st._db.execute(f"RELEASE {self.name}")
+                st._db.execute("RELEASE unit")
                 return
             st._no_open.clear()
             del st._after_commit[self.hooks:]  # what the undone unit wanted done after the commit
             if st._db.in_transaction:
                 try:
-                    st._db.execute(f"ROLLBACK TO {self.name}")
-                    st._db.execute(f"RELEASE {self.name}")
+                    st._db.execute("ROLLBACK TO unit")
+                    st._db.execute("RELEASE unit")
                 except sqlite3.Error:
                     pass  # the whole transaction is gone; the next unit and the commit say so
         finally:
@@ -441,7 +440,6 @@ class Store:
         """What the connection's units of work keep (both ways of opening a store)."""
         self._lock = threading.RLock()
         self._depth = 0
-        self._savepoints = 0
         self._no_open: set[str] = set()
         """Runs known to have no open journal entry (:meth:`open_actions` answers them without a query) as of
         :attr:`_no_open_version`; forgotten on any journal write that could open one and on any rollback."""
