@@ -125,6 +125,10 @@ class VerlRun:
     def metrics(self) -> list[dict[str, Any]]:
         return rundir.read_jsonl(self.run_dir / rundir.METRICS).records
 
+    def last_step(self) -> int:
+        """The newest step of the run's timeline (0: none)."""
+        return max((r["step"] for r in self.metrics()), default=0)
+
     def events(self) -> list[dict[str, Any]]:
         return rundir.iter_events(self.run_dir)
 
@@ -228,7 +232,7 @@ def _guard(name: str, fn: Callable[[VerlRun], Row], run: VerlRun) -> Row:
 
 def check_finished(run: VerlRun) -> Row:
     kinds = [e["kind"] for e in run.events()]
-    last = max((r["step"] for r in run.metrics()), default=0)
+    last = run.last_step()
     ok = run.exit_code == 0 and kinds[-1:] == ["finished"] and last == 12 and "phase finished" in run.output
     return Row("the supervised verl run ends on its own, every step trained", ok,
                f"exit {run.exit_code}, last event {kinds[-1:]}, last step {last}",
@@ -336,7 +340,7 @@ def check_oom(run: VerlRun) -> Row:
     micro = {a: [str(x) for x in launches[a - 1]["command"] if str(x).startswith(MICRO)] for a in later}
     trained = {a: [r["step"] for r in run.attempt_records(a)] for a in later}
     restart = next((e for e in run.restarts() if MICRO in e.payload.get("set", {})), None)
-    last = max((r["step"] for r in run.metrics()), default=0)
+    last = run.last_step()
     ok = (oom["memory"] == "cuda" and oom["site"] == "actor_update" and oom.get("micro_batch_size") == 2
           and len(ooms) == 1 and bool(later) and all(f"{MICRO}=1" in micro[a] for a in later)
           and bool(trained[later[0]]) and last == 12)
@@ -702,7 +706,7 @@ def ray_job_checks(run: VerlRun) -> list[Row]:
     extra = json.loads((run.run_dir.parent / "ray.json").read_text())
     jobs = extra["jobs"]
     micro = [next((x.split("=", 1)[1] for x in j["entrypoint"].split() if x.startswith(MICRO + "=")), None) for j in jobs]
-    last = max((r["step"] for r in run.metrics()), default=0)
+    last = run.last_step()
     oom = next((e for e in run.events() if e["kind"] == "oom"), None)
     ok = (len(jobs) == 2 and micro == ["2", "1"] and jobs[-1]["status"] == "SUCCEEDED" and run.exit_code == 0
           and last == RAY_STEPS)
@@ -844,7 +848,7 @@ def async_save_checks(run: VerlRun) -> list[Row]:
     rerun = [e for e in run.events() if e["kind"] == "started" and rollback is not None
              and e.get("resumed_from") == rollback.result.get("resume_step")]
     rerun_steps = [r["step"] for r in run.attempt_records(rerun[0]["attempt"])] if rerun else []
-    last = max((r["step"] for r in run.metrics()), default=0)
+    last = run.last_step()
     # The marker here, if any, is the watchdog's (reset to the resume step when the stopped attempt's later
     # saves were set aside), never verl's: verl's own writes under async save leave none.
     ok = (run.exit_code == 0 and bool(counted) and rollback is not None and rollback.result.get("resume_step") == 2
