@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import math
+import os
 import sqlite3
+import threading
 
 import pytest
 
-from watchdog.control.store import SCHEMA_VERSION, RunRecord, Store, StoreError
+from watchdog.control.store import SCHEMA_VERSION, WRITER_GATE, RunRecord, Store, StoreError
 
 
 def test_store_uses_wal_and_records_its_schema_version(tmp_path):
@@ -216,3 +219,74 @@ def test_after_commit_hooks_run_once_the_outer_transaction_commits_and_never_for
                 raise RuntimeError("one run's read failed")
         assert said == ["outside"]  # nothing before the commit
     assert said == ["outside", "kept run"]
+
+
+def _gate_is_free(store: Store) -> bool:
+    """Whether another writer could take the store's writer gate now (a descriptor of its own, as a process)."""
+    fd = os.open(store._gate.path, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)  # (drops the flock if it was taken)
+    return True
+
+
+def test_a_writer_holds_the_gate_for_its_whole_transaction_and_the_next_writer_goes_once_it_commits(tmp_path):
+    a, b = Store(tmp_path), Store(tmp_path)
+    assert a._gate.path == tmp_path / f"watchdog.db{WRITER_GATE}"
+    b_wrote = threading.Event()
+
+    def b_writes() -> None:
+        with b.transaction():
+            b.upsert_run(RunRecord("b", "/b"))
+        b_wrote.set()
+
+    with a.transaction():
+        a.upsert_run(RunRecord("a", "/a"))
+        assert not _gate_is_free(a)
+        with a.savepoint():  # nested units keep the one gate
+            a.update_run("a", control_version=1)
+        assert not _gate_is_free(a)
+        waiting = threading.Thread(target=b_writes)
+        waiting.start()
+        assert not b_wrote.is_set()  # (it cannot have written: a holds SQLite's lock as well as the gate)
+    assert b_wrote.wait(10)
+    waiting.join()
+    assert _gate_is_free(a)
+    assert {r.run_id for r in a.list_runs()} == {"a", "b"}
+
+
+def test_the_gate_is_let_go_when_a_transaction_fails_or_cannot_begin(tmp_path):
+    store = Store(tmp_path)
+    with pytest.raises(RuntimeError), store.transaction():
+        raise RuntimeError("undone")
+    assert _gate_is_free(store)
+    other = sqlite3.connect(store.path, isolation_level=None)
+    other.execute("BEGIN IMMEDIATE")  # a writer without the gate (an older watchdog) holds SQLite's lock
+    store._db.execute("PRAGMA busy_timeout=0")
+    with pytest.raises(StoreError, match="locked"), store.transaction():
+        pass
+    assert _gate_is_free(store)
+    other.execute("ROLLBACK")
+    with store.transaction():
+        store.upsert_run(RunRecord("r", "/r"))
+
+
+def test_a_writer_waits_on_the_gate_no_longer_than_the_busy_timeout_and_says_so(tmp_path):
+    held = Store(tmp_path)
+    short = Store(tmp_path, busy_timeout_s=0.05)
+    with held.transaction(), pytest.raises(StoreError, match=r"watchdog\.db: another watchdog process kept writing "
+                                                              r"for more than 0\.05 s"):
+        with short.transaction():
+            pass
+    with short.transaction():  # the gate free again: it writes
+        short.upsert_run(RunRecord("r", "/r"))
+
+
+def test_a_read_only_store_takes_no_gate_and_creates_no_file(tmp_path):
+    Store(tmp_path).close()
+    (tmp_path / f"watchdog.db{WRITER_GATE}").unlink()
+    Store(tmp_path, read_only=True).list_runs()
+    assert not (tmp_path / f"watchdog.db{WRITER_GATE}").exists()

@@ -23,9 +23,11 @@ and the CLI thread may share a :class:`Store`.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -84,6 +86,12 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     4: ("CREATE UNIQUE INDEX IF NOT EXISTS runs_dir ON runs (run_dir)",),
 }
 DB_NAME = "watchdog.db"
+WRITER_GATE = "-writer"
+"""The suffix of the file next to the database that writers of this code take a ``flock`` on around each
+write transaction (:class:`_WriterGate`)."""
+GATE_POLL_S = (0.0002, 0.002)
+"""A writer waiting on the gate tries again after the first, doubling up to the second: a wait ends within
+2 ms of the other writer's commit (SQLite's own busy handler sleeps 1, 2, 5, 10, 15, 20, 25 ... ms)."""
 
 class Phase(Word):
     """Where a run is, as the store knows it."""
@@ -177,6 +185,60 @@ CREATE TABLE IF NOT EXISTS bad_spans (
 
 
 
+class _WriterGate:
+    """Who writes next among this watchdog's processes on one state (a sharded daemon's shards, a command).
+
+    SQLite lets one connection write at a time; one that finds the lock taken sleeps in its busy handler 1,
+    2, 5, 10, 15, 20, 25 ms ... between tries, so a shard waiting on another shard's 20 ms commit wakes at 33
+    ms, and two shards' ticks lost tens of milliseconds a tick that way (bench/results/daemon_shards.md).
+    Writers of this code take this ``flock`` first and poll it every :data:`GATE_POLL_S`, so they take
+    turns within 2 ms of each other; SQLite's lock stays what decides (a writer without the gate, an older
+    version, waits in the busy handler as before). Bounded by the store's busy timeout, as SQLite is."""
+
+    __slots__ = ("fd", "path", "timeout_s")
+
+    def __init__(self, db: Path, timeout_s: float, writes: bool) -> None:
+        self.path = db.with_name(db.name + WRITER_GATE)
+        self.timeout_s = timeout_s
+        self.fd: int | None = None
+        if writes:
+            try:
+                self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError as exc:  # (a state directory others own): SQLite's busy handler alone, as before
+                log.debug("%s: no writer gate (%s); SQLite's lock alone orders the writers", self.path, exc)
+
+    def acquire(self) -> None:
+        fd = self.fd
+        if fd is None:
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        deadline = time.monotonic() + self.timeout_s
+        delay, most = GATE_POLL_S
+        while True:
+            time.sleep(delay)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise StoreError(f"{self.path.with_name(self.path.name[:-len(WRITER_GATE)])}: another "
+                                     f"watchdog process kept writing for more than {self.timeout_s:g} s") from None
+                delay = min(2 * delay, most)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 class _Transaction:
     """:meth:`Store.transaction`'s context: a class, not a generator, since a daemon's tick enters thousands."""
 
@@ -192,10 +254,14 @@ class _Transaction:
         try:
             self.outer = st._depth == 0
             if self.outer:
+                st._gate.acquire()
                 try:
                     st._db.execute("BEGIN IMMEDIATE")
-                except sqlite3.OperationalError as exc:
-                    raise StoreError(_db_error(st.path, exc, st.busy_timeout_s)) from exc
+                except BaseException as exc:
+                    st._gate.release()
+                    if isinstance(exc, sqlite3.OperationalError):
+                        raise StoreError(_db_error(st.path, exc, st.busy_timeout_s)) from exc
+                    raise
             st._depth += 1
         except BaseException:
             st._lock.release()
@@ -224,6 +290,7 @@ class _Transaction:
         finally:
             if self.outer:
                 st._no_open_synced = False  # (the write lock is let go: others may commit from now on)
+                st._gate.release()
             st._lock.release()
         for hook in hooks:  # (outside the lock: a Grafana annotation is an HTTP request)
             st._run_hook(hook)
@@ -412,7 +479,7 @@ class Store:
             raise StoreError(f"{path.parent}: cannot create the state directory ({exc.strerror or exc})") from exc
         self.path = path
         self.busy_timeout_s = busy_timeout_s
-        self._init_unit_state()
+        self._init_unit_state(writes=True)
         try:
             # isolation_level=None: we issue BEGIN/COMMIT ourselves so a decision, the engine
             # state and the journal intents land in one transaction.
@@ -434,10 +501,12 @@ class Store:
                 elif int(row["value"]) != SCHEMA_VERSION:
                     self._migrate(path, int(row["value"]))
         except sqlite3.DatabaseError as exc:
+            self._gate.close()
             raise StoreError(_db_error(path, exc, busy_timeout_s)) from exc
 
-    def _init_unit_state(self) -> None:
+    def _init_unit_state(self, writes: bool) -> None:
         """What the connection's units of work keep (both ways of opening a store)."""
+        self._gate = _WriterGate(self.path, self.busy_timeout_s, writes)
         self._lock = threading.RLock()
         self._depth = 0
         self._no_open: set[str] = set()
@@ -455,7 +524,7 @@ class Store:
         that is not this watchdog's state at this schema version."""
         self.path = path
         self.busy_timeout_s = busy_timeout_s
-        self._init_unit_state()
+        self._init_unit_state(writes=False)
         if path.stat().st_size == 0:
             # What a watchdog killed while creating its state leaves: no state yet (and none is written here).
             raise NoState(f"{path}: an empty file, no watchdog state in it yet (nothing was written to it)", path)
@@ -501,6 +570,7 @@ class Store:
         """Close the connection."""
         with self._lock:
             self._db.close()
+            self._gate.close()
 
     def transaction(self) -> _Transaction:
         """One atomic unit; nests (inner blocks join the outer transaction)."""
