@@ -279,7 +279,9 @@ class _Undo(NamedTuple):
 class _Read:
     """What :meth:`RunController.read_and_evaluate` found, for :meth:`RunController.decide` to write."""
 
-    records: list[dict[str, Any]]
+    steps: list[int]
+    """The steps of the records read (not the records: their values are in the window now, and a daemon holds
+    a group's reads until their chunk is written)."""
     events: list[Event]
     decisions: list[Any]
     fresh: bool
@@ -518,14 +520,15 @@ class RunController:
             self.telemetry.phase_time("read", time.perf_counter() - t0)
             fresh = (bool(records or events or self._held or self._events_since_eval)
                      or self.tailer.offsets != offsets)
-            first_step = int(records[0]["step"]) if records and self.run.last_step is None else None
+            steps = [int(r["step"]) for r in records]
+            first_step = steps[0] if steps and self.run.last_step is None else None
             decisions = (yield from self._evaluate(records, events, now, result)) if fresh else []
         except BaseException as exc:  # GeneratorExit too: a lockstep abandoned half-way puts this run back
             self._restore(undo, result, exc if isinstance(exc, Exception) else RuntimeError("tick abandoned"))
             raise
         # Nothing read: the window and positions did not move, and a failure later keeps them as they are
         # (a chunk whose transaction cannot begin does not read 256 runs' history again).
-        return _Read(records, events, decisions, fresh, first_step, undo if fresh else undo._replace(rebuild=False))
+        return _Read(steps, events, decisions, fresh, first_step, undo if fresh else undo._replace(rebuild=False))
 
     def decide(self, now: float, result: TickResult) -> Exception | None:
         """Plan and write what :meth:`read_and_evaluate` found, with the read positions (a savepoint in the
@@ -566,7 +569,7 @@ class RunController:
                 self.telemetry.phase_time("decide", t1 - t0)
                 # Nothing read, nothing decided, the engine not run, the positions where they were: the
                 # stored state is still this one (an idle run costs a stat per file, no write).
-                changed = (bool(read.records or read.events or read.decisions) or self.state is not state
+                changed = (bool(read.steps or read.events or read.decisions) or self.state is not state
                            or self.tailer.offsets != offsets)
                 self._commit(read.decisions, result, changed)
                 self.telemetry.phase_time("commit", time.perf_counter() - t1)
@@ -578,13 +581,13 @@ class RunController:
     def _after_events(self, read: _Read, now: float) -> None:
         """What the read's steps mean once its events are handled (the rules ran before them, in memory;
         events change the run's record and journal, never what the rules see)."""
-        if not read.records:
+        if not read.steps:
             return
         if read.first_step is not None:
             # The first step this watchdog sees of the run: the steps before it were never judged,
             # and their checkpoints are not known-good (a run may be broken before it is watched).
             self.store.mark_unwatched(self.run.run_id, read.first_step)
-        if self._rewind_to is not None and min(int(r["step"]) for r in read.records) <= self._rewind_to + 1:
+        if self._rewind_to is not None and min(read.steps) <= self._rewind_to + 1:
             # A step of the new timeline: metrics from there on are after the rollback.
             self._rewind_pending, self._rewind_to = False, None
         if self._started_ts is not None and self._started_ts >= (self.run.launched_ts or 0):
@@ -755,23 +758,30 @@ class RunController:
     def _evaluate(self, records: list[dict[str, Any]], events: list[Event], now: float,
                   result: TickResult) -> Generator[int, None, list[Any]]:
         """The new records into the window and the rules run at each, pausing before each step's rules (see
-        :meth:`reading`). Its own time, not the pauses, is the tick's decide phase."""
+        :meth:`reading`). Its own time, not the pauses, is the tick's decide phase.
+
+        It empties ``records``: each line is mapped onto the values the rules read before the first pause, and
+        its record (a hundred keys of verl's) let go, so a lockstep over a thousand runs holds their values
+        only, not every line they read."""
         began = time.perf_counter()
         pending = sorted([*self._held, *events], key=lambda e: int(e["step"]) if isinstance(e.get("step"), int) else -1)
         self._held = []
         decisions: list[Any] = []
+        rows = []
         for rec in records:
-            step = int(rec["step"])
+            data = rec.get("data", {})
+            if not isinstance(data, Mapping):
+                data = {}
+            # Mapped once, for the window (what the rules read) and for ``latest`` (what a set starts from).
+            rows.append((int(rec["step"]), catalog.to_short(data, self.window.sources), data.get("perf/time_per_step")))
+        records.clear()
+        for step, short, t in rows:
             while pending and isinstance(pending[0].get("step"), int) and pending[0]["step"] <= step:
                 self.window.add_event(pending.pop(0))
             while pending and not isinstance(pending[0].get("step"), int):
                 self.window.add_event(pending.pop(0))
-            data = rec.get("data", {})
-            # Mapped once, for the window (what the rules read) and for ``latest`` (what a set starts from).
-            short = catalog.to_short(data if isinstance(data, Mapping) else {}, self.window.sources)
             self.window.append(step, short)
             self.latest.update(short)
-            t = data.get("perf/time_per_step")
             if _finite(t):
                 self._step_times = (self._step_times + [float(t)])[-50:]
             self.run.last_progress_ts = now

@@ -70,6 +70,18 @@ def state_dir_default() -> str:
 #: instead of one per run; what a failed commit makes the tick undo in memory is bounded by it).
 DECIDE_CHUNK = 256
 
+#: Runs read and screened together (their rules' steps in lockstep, one screen pass a step over all of them),
+#: then written :data:`DECIDE_CHUNK` at a time. A screen pass costs per node as well as per run: over 1,024
+#: runs a step it took 30-45 ms where four passes of 256 took 46-50 ms (bench/bench_rules.py --screen-chunk).
+#: What a tick holds read but not yet written is bounded by it.
+READ_GROUP = 4 * DECIDE_CHUNK
+
+
+#: Allocations between two passes of the cyclic garbage collector over the youngest objects, in a daemon
+#: (CPython's default: 700). At 1,000 runs and four steps a run a tick, 10,000 took the middle generation's
+#: passes from 75 to none in 15 ticks and the collector's time inside a tick from about 20 to 14 ms
+#: (bench/results/daemon_scale.md).
+GC_YOUNG_EVERY = 10_000
 
 #: How often a daemon's cyclic garbage collector makes a full pass over what earlier ticks left alive
 #: (seconds), after a tick's work (:meth:`Watchdog._freeze_survivors`).
@@ -514,11 +526,13 @@ class Watchdog:
         The oldest generation's passes are the daemon's alone from then on (its threshold out of reach):
         CPython triggers one when the objects promoted since the last reach a quarter of those it kept, and
         after a freeze that count is small, so a tick that makes many long-lived objects (10,000 runs'
-        windows filling) ran several inside it, each over everything that tick had made so far. The young
-        generations' passes go on as CPython's policy has them."""
+        windows filling) ran several inside it, each over everything that tick had made so far. The youngest
+        generation's pass comes every :data:`GC_YOUNG_EVERY` allocations: a tick makes hundreds of thousands
+        of objects that their last reference frees (a metrics line's dict), and at CPython's 700 the survivors
+        of one pass were scanned again in seventy passes of the middle generation a tick."""
         if not self._froze:
             self._gc_threshold = gc.get_threshold()
-            gc.set_threshold(self._gc_threshold[0], self._gc_threshold[1], 2**31 - 1)
+            gc.set_threshold(max(self._gc_threshold[0], GC_YOUNG_EVERY), self._gc_threshold[1], 2**31 - 1)
         if time.monotonic() - self._full_gc_at >= FULL_GC_EVERY_S:
             gc.unfreeze()
             self._full_gc_at = time.monotonic()
@@ -546,8 +560,8 @@ class Watchdog:
                 all_done = False
         deciding = [(r, ctl) for r, ctl in runs if r in results and not results[r].done and failed[r] is None]
         decided: set[str] = set()
-        for i in range(0, len(deciding), DECIDE_CHUNK):
-            self._decide_chunk(now, deciding[i:i + DECIDE_CHUNK], results, failed, decided)
+        for i in range(0, len(deciding), READ_GROUP):
+            self._decide_group(now, deciding[i:i + READ_GROUP], results, failed, decided)
         if any(results[r].decisions for r in decided):
             self.actuator.crash_hook("decided")
         for run_id, ctl in runs:
@@ -566,16 +580,32 @@ class Watchdog:
                     log.warning("%s: ticks work again", run_id)
         return all_done
 
-    def _decide_chunk(self, now: float, chunk: list[tuple[str, RunController]], results: dict[str, TickResult],
+    def _decide_group(self, now: float, group: list[tuple[str, RunController]], results: dict[str, TickResult],
                       failed: dict[str, Exception | None], decided: set[str]) -> None:
-        """Some runs' reads and rules (in memory, no lock held), then their writes in one transaction (a
-        savepoint each); when its commit fails, every one of them is put back as it was. Chunks bound
-        what the tick holds to undo that (a run's last record and engine state) at :data:`DECIDE_CHUNK`
-        runs, whatever the number of runs, and SQLite's one write lock is held for the writes alone: a
-        ``watchdog`` command, or another process on the same state, waits for those, not for the rules."""
-        for (run_id, _), error in zip(chunk, read_and_evaluate_all([(ctl, now, results[r]) for r, ctl in chunk]),
+        """Some runs' reads and rules (in memory, no lock held; :data:`READ_GROUP` at most), then their writes
+        :data:`DECIDE_CHUNK` at a time. Should anything escape before a run's chunk is written (an interrupt),
+        that run is put back to before its read, as a failed commit puts its chunk back."""
+        for (run_id, _), error in zip(group, read_and_evaluate_all([(ctl, now, results[r]) for r, ctl in group]),
                                       strict=True):
             failed[run_id] = error
+        chunks = [group[i:i + DECIDE_CHUNK] for i in range(0, len(group), DECIDE_CHUNK)]
+        for k, chunk in enumerate(chunks):
+            try:
+                self._decide_chunk(now, chunk, results, failed, decided)
+            except BaseException as exc:  # (an interrupt: _decide_chunk put its own chunk back)
+                abandoned = RuntimeError(f"tick abandoned ({type(exc).__name__})")
+                for run_id, ctl in (run for later in chunks[k + 1:] for run in later):
+                    if failed[run_id] is None:
+                        ctl.undo_decide(results[run_id], abandoned)
+                raise
+
+    def _decide_chunk(self, now: float, chunk: list[tuple[str, RunController]], results: dict[str, TickResult],
+                      failed: dict[str, Exception | None], decided: set[str]) -> None:
+        """Some runs' writes, read already, in one transaction (a savepoint each); when its commit fails, every
+        one of them is put back as it was. Chunks bound what the tick holds to undo that (a run's last record
+        and engine state) at :data:`DECIDE_CHUNK` runs, whatever the number of runs, and SQLite's one write lock
+        is held for the writes alone: a ``watchdog`` command, or another process on the same state, waits for
+        those, not for the rules."""
         read = [(run_id, ctl) for run_id, ctl in chunk if failed[run_id] is None]
         t_commit: float | None = None
         try:
@@ -587,15 +617,18 @@ class Watchdog:
                     if failed[run_id] is None:
                         decided.add(run_id)
                 t_commit = time.perf_counter()
-        except Exception as exc:  # the commit (locked past the timeout, a full disk): nothing of it kept
+        except BaseException as exc:  # the commit (locked too long, a full disk, an interrupt): none of it kept
+            why = exc if isinstance(exc, Exception) else RuntimeError(f"tick abandoned ({type(exc).__name__})")
             for run_id, ctl in read:
                 if failed[run_id] is None:  # read (and perhaps written): back to before the read
                     decided.discard(run_id)
-                    failed[run_id] = exc
+                    failed[run_id] = why
                     try:
-                        ctl.undo_decide(results[run_id], exc)
+                        ctl.undo_decide(results[run_id], why)
                     except Exception as undo_exc:  # (its files unreadable now): its tick fails, the others go on
                         failed[run_id] = undo_exc
+            if why is not exc:
+                raise
         else:
             for _, ctl in read:
                 ctl.committed()
