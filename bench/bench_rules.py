@@ -10,7 +10,7 @@ A daemon watching many runs does, every tick and for every run, one ``Window.app
   drift in a tenth of the runs so the KL rules fire), or a pure random walk without it;
 - each repeat is one cycle: append the next step to every run (timed separately), then
   evaluate every run (timed): ``time.perf_counter`` around the loop, median over repeats;
-- runs are screened in chunks of 256 as the daemon's are (``watchdog.core.screen``: the rules surely
+- runs are screened 1,024 at a time as the daemon's are (``READ_GROUP``) (``watchdog.core.screen``: the rules surely
   false at the step, skipped by the engine), and each size of 8 runs or more is timed again without
   the screen (``--screen-chunk 0`` times that alone), the decisions of both checked equal;
 - windows are built as the daemon builds them (``EngineRules.new_window``): sized from the rules
@@ -63,7 +63,7 @@ BEFORE = {"window": "101 steps in the bench, 256 in the daemon",
 sys.path.insert(0, str(ROOT))
 
 from watchdog.control.controller import SCREEN_MIN_RUNS  # noqa: E402
-from watchdog.control.daemon import DECIDE_CHUNK  # noqa: E402
+from watchdog.control.daemon import READ_GROUP  # noqa: E402
 from watchdog.core import engine  # noqa: E402
 from watchdog.core.rulefile import RuleSet, load_rules  # noqa: E402
 from watchdog.core.screen import screen_for  # noqa: E402
@@ -132,7 +132,7 @@ def timed(fn: Callable[..., None], *args: Any) -> tuple[float, float]:
 
 
 def bench_size(rules: RuleSet, n_runs: int, repeats: int, base: list[dict[str, float]],
-               profile: bool, chunk: int = DECIDE_CHUNK, per_rule: bool = True) -> dict[str, Any]:
+               profile: bool, chunk: int = READ_GROUP, per_rule: bool = True) -> dict[str, Any]:
     size = window_steps(rules.max_window)
     sources = [RunSource(r, base) for r in range(n_runs)]
     windows = [Window(size, rules.metrics) for _ in range(n_runs)]
@@ -162,7 +162,7 @@ def bench_size(rules: RuleSet, n_runs: int, repeats: int, base: list[dict[str, f
     screen = screen_for(rules) if chunk else None
 
     def evaluate(at: int) -> None:
-        # As the daemon does: the runs of a chunk screened at once, then each run's rules the screen left.
+        # As the daemon does: the runs of a read group screened at once, then each run's rules the screen left.
         nonlocal n_decisions
         for lo in range(0, n_runs, chunk or n_runs):
             part = range(lo, min(n_runs, lo + (chunk or n_runs)))
@@ -257,7 +257,7 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
         f"one core ({doc['pinned']}), Python {doc['python']}, {doc['date']}; "
         f"load average at start {doc['loadavg']}. Command: `{doc['command']}`.",
         "",
-        f"Runs are screened {doc['screen_chunk']} at a time, as the daemon's chunks "
+        f"Runs are screened {doc['screen_chunk']} at a time, as the daemon's read groups "
         "(`watchdog.core.screen`; fewer than 8 are not); \"unscreened\" is the same cycles with every rule's "
         "closure at every step (the same decisions, checked).",
         "",
@@ -293,9 +293,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=0, help="cycles per size (default: by size)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="directory for rules_bench.json/.md")
     ap.add_argument("--profile", action="store_true", help="cProfile the last cycle of each size")
-    ap.add_argument("--screen-chunk", type=int, default=DECIDE_CHUNK,
-                    help=f"runs screened at once (watchdog.core.screen), as the daemon's chunks (default "
-                         f"{DECIDE_CHUNK}); 0: no screen, every rule's closure at every step")
+    ap.add_argument("--screen-chunk", type=int, default=READ_GROUP,
+                    help=f"runs screened at once (watchdog.core.screen), as the daemon's read groups (default "
+                         f"{READ_GROUP}); 0: no screen, every rule's closure at every step")
     args = ap.parse_args(argv)
 
     pinned = pin_one_core()
