@@ -436,37 +436,3 @@ class _Refusing(_CountingDb):
             raise sqlite3.OperationalError("database is locked")
         return self._db.execute(sql, *args)
 
-
-def test_an_interrupt_while_writing_a_group_of_runs_puts_back_every_run_read_and_not_yet_committed(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Seven runs read together (READ_GROUP), written two at a time: an interrupt at the second chunk's
-    # commit (fault injection) leaves the first chunk committed, and puts back the second chunk (its
-    # transaction rolled back) and the chunks after it (read, never written). The next tick reads their lines
-    # again and decides on each once; a run put back wrongly decides twice, or never.
-    monkeypatch.setattr(daemon, "DECIDE_CHUNK", 2)
-    monkeypatch.setattr(daemon, "READ_GROUP", 8)
-    runs = _runs(tmp_path, 7)
-    wd = _daemon(tmp_path, runs)
-    try:
-        db = wd.store._db = _CountingDb(wd.store._db)
-        for d in runs:
-            _append(d, 1, math.nan)
-        real = db.execute
-
-        def execute(sql: str, *args: Any) -> Any:
-            if sql.strip().upper() == "COMMIT" and db.commits == 1:
-                db._db.execute("ROLLBACK")
-                db.commits += 1
-                raise KeyboardInterrupt
-            return real(sql, *args)
-
-        db.execute = execute  # type: ignore[method-assign]
-        with pytest.raises(KeyboardInterrupt):
-            wd.tick()
-        assert sorted(d["run_id"] for d in wd.store.decisions()) == ["run0", "run1"]
-        assert [wd.controllers[f"run{i}"].run.last_step for i in range(7)] == [1, 1] + [None] * 5
-        db.execute = real  # type: ignore[method-assign]
-        wd.tick()
-        assert sorted(d["run_id"] for d in wd.store.decisions()) == [f"run{i}" for i in range(7)]
-    finally:
-        wd.close()

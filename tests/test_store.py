@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import gc
 import math
 import os
 import sqlite3
@@ -10,6 +11,7 @@ import threading
 
 import pytest
 
+from watchdog.control import store as store_module
 from watchdog.control.store import SCHEMA_VERSION, WRITER_GATE, RunRecord, Store, StoreError
 
 
@@ -233,29 +235,46 @@ def _gate_is_free(store: Store) -> bool:
     return True
 
 
-def test_a_writer_holds_the_gate_for_its_whole_transaction_and_the_next_writer_goes_once_it_commits(tmp_path):
-    a, b = Store(tmp_path), Store(tmp_path)
+def test_a_writer_holds_the_gate_for_its_whole_transaction(tmp_path):
+    a = Store(tmp_path)
     assert a._gate.path == tmp_path / f"watchdog.db{WRITER_GATE}"
-    b_wrote = threading.Event()
-
-    def b_writes() -> None:
-        with b.transaction():
-            b.upsert_run(RunRecord("b", "/b"))
-        b_wrote.set()
-
     with a.transaction():
         a.upsert_run(RunRecord("a", "/a"))
         assert not _gate_is_free(a)
         with a.savepoint():  # nested units keep the one gate
             a.update_run("a", control_version=1)
         assert not _gate_is_free(a)
-        waiting = threading.Thread(target=b_writes)
-        waiting.start()
-        assert not b_wrote.is_set()  # (it cannot have written: a holds SQLite's lock as well as the gate)
-    assert b_wrote.wait(10)
-    waiting.join()
     assert _gate_is_free(a)
-    assert {r.run_id for r in a.list_runs()} == {"a", "b"}
+
+
+def test_a_writer_waits_on_the_gate_while_another_process_holds_it_and_writes_once_it_is_let_go(
+        tmp_path, monkeypatch):
+    # The other writer holds the gate alone (SQLite's lock free): b must wait on the gate, polling it.
+    b = Store(tmp_path)
+    other = os.open(b._gate.path, os.O_RDWR)
+    fcntl.flock(other, fcntl.LOCK_EX)
+    polling, wrote = threading.Event(), threading.Event()
+    sleep = store_module.time.sleep
+
+    def polled(seconds: float) -> None:
+        polling.set()
+        sleep(seconds)
+
+    monkeypatch.setattr(store_module.time, "sleep", polled)
+
+    def b_writes() -> None:
+        with b.transaction():
+            b.upsert_run(RunRecord("b", "/b"))
+        wrote.set()
+
+    waiting = threading.Thread(target=b_writes)
+    waiting.start()
+    assert polling.wait(10)  # b found the gate held and polls it ...
+    assert not wrote.is_set() and Store(tmp_path, read_only=True).get_run("b") is None  # ... and has not written
+    os.close(other)  # the other writer lets go
+    assert wrote.wait(10)
+    waiting.join()
+    assert b.get_run("b") is not None
 
 
 def test_the_gate_is_let_go_when_a_transaction_fails_or_cannot_begin(tmp_path):
@@ -290,3 +309,29 @@ def test_a_read_only_store_takes_no_gate_and_creates_no_file(tmp_path):
     (tmp_path / f"watchdog.db{WRITER_GATE}").unlink()
     Store(tmp_path, read_only=True).list_runs()
     assert not (tmp_path / f"watchdog.db{WRITER_GATE}").exists()
+
+
+def test_a_gate_that_cannot_be_locked_is_left_out_and_the_writes_go_on(tmp_path, monkeypatch, caplog):
+    store = Store(tmp_path)
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(37, "No locks available")  # (ENOLCK: an NFS mount without lockd)
+
+    monkeypatch.setattr(store_module.fcntl, "flock", no_locks)
+    with store.transaction():
+        store.upsert_run(RunRecord("r", "/r"))
+    with store.transaction():
+        store.update_run("r", control_version=2)
+    assert store.require_run("r").control_version == 2
+    said = [r.getMessage() for r in caplog.records if "no writer gate" in r.getMessage()]
+    assert len(said) == 1 and "No locks available" in said[0]
+
+
+def test_a_store_nobody_closes_lets_its_gate_go_when_collected(tmp_path):
+    store = Store(tmp_path)
+    fd = store._gate.fd
+    assert fd is not None and os.fstat(fd)
+    del store
+    gc.collect()
+    with pytest.raises(OSError):
+        os.fstat(fd)

@@ -486,7 +486,7 @@ class RunController:
 
     def read_and_evaluate(self, now: float, result: TickResult) -> Exception | None:
         """Read what is new and run the rules over it, in memory only: nothing is written, so no lock is
-        held (a daemon reads and evaluates a chunk of runs before it opens the chunk's transaction).
+        held (a daemon reads and evaluates a group of runs before it opens their chunks' transactions).
         Returns the error if it failed, in which case the run is back where the last commit left it.
 
         The rules read the run's metrics and events alone, never the store, so what they decide here is
@@ -520,9 +520,13 @@ class RunController:
             self.telemetry.phase_time("read", time.perf_counter() - t0)
             fresh = (bool(records or events or self._held or self._events_since_eval)
                      or self.tailer.offsets != offsets)
-            steps = [int(r["step"]) for r in records]
+            t0 = time.perf_counter()
+            rows = self._values(records)
+            del records  # (each line's record let go before the lockstep's first pause: see _values)
+            self.telemetry.phase_time("decide", time.perf_counter() - t0)
+            steps = [step for step, _, _, _ in rows]
             first_step = steps[0] if steps and self.run.last_step is None else None
-            decisions = (yield from self._evaluate(records, events, now, result)) if fresh else []
+            decisions = (yield from self._evaluate(rows, events, now, result)) if fresh else []
         except BaseException as exc:  # GeneratorExit too: a lockstep abandoned half-way puts this run back
             self._restore(undo, result, exc if isinstance(exc, Exception) else RuntimeError("tick abandoned"))
             raise
@@ -755,31 +759,35 @@ class RunController:
             self.store.update_run(self.run.run_id, overrides=overrides)
         self.run.overrides = overrides
 
-    def _evaluate(self, records: list[dict[str, Any]], events: list[Event], now: float,
-                  result: TickResult) -> Generator[int, None, list[Any]]:
-        """The new records into the window and the rules run at each, pausing before each step's rules (see
-        :meth:`reading`). Its own time, not the pauses, is the tick's decide phase.
-
-        It empties ``records``: each line is mapped onto the values the rules read before the first pause, and
-        its record (a hundred keys of verl's) let go, so a lockstep over a thousand runs holds their values
-        only, not every line they read."""
-        began = time.perf_counter()
-        pending = sorted([*self._held, *events], key=lambda e: int(e["step"]) if isinstance(e.get("step"), int) else -1)
-        self._held = []
-        decisions: list[Any] = []
+    @staticmethod
+    def _values(records: list[dict[str, Any]]) -> list[tuple[int, dict[str, float], dict[str, str], Any]]:
+        """Each record read as (step, the values the rules read under their short names, the verl key each came
+        from, ``perf/time_per_step``): mapped before the rules run, so that a lockstep over a thousand runs holds
+        these, not every line's hundred keys of verl's until its step comes."""
         rows = []
         for rec in records:
             data = rec.get("data", {})
             if not isinstance(data, Mapping):
                 data = {}
+            sources: dict[str, str] = {}
             # Mapped once, for the window (what the rules read) and for ``latest`` (what a set starts from).
-            rows.append((int(rec["step"]), catalog.to_short(data, self.window.sources), data.get("perf/time_per_step")))
-        records.clear()
-        for step, short, t in rows:
+            rows.append((int(rec["step"]), catalog.to_short(data, sources), sources, data.get("perf/time_per_step")))
+        return rows
+
+    def _evaluate(self, rows: list[tuple[int, dict[str, float], dict[str, str], Any]], events: list[Event],
+                  now: float, result: TickResult) -> Generator[int, None, list[Any]]:
+        """The new steps (:meth:`_values`) into the window and the rules run at each, pausing before each step's
+        rules (see :meth:`reading`). Its own time, not the pauses, is the tick's decide phase."""
+        began = time.perf_counter()
+        pending = sorted([*self._held, *events], key=lambda e: int(e["step"]) if isinstance(e.get("step"), int) else -1)
+        self._held = []
+        decisions: list[Any] = []
+        for step, short, sources, t in rows:
             while pending and isinstance(pending[0].get("step"), int) and pending[0]["step"] <= step:
                 self.window.add_event(pending.pop(0))
             while pending and not isinstance(pending[0].get("step"), int):
                 self.window.add_event(pending.pop(0))
+            self.window.sources.update(sources)  # (as of this step: a decision names the key its value came from)
             self.window.append(step, short)
             self.latest.update(short)
             if _finite(t):

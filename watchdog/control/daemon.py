@@ -583,29 +583,21 @@ class Watchdog:
     def _decide_group(self, now: float, group: list[tuple[str, RunController]], results: dict[str, TickResult],
                       failed: dict[str, Exception | None], decided: set[str]) -> None:
         """Some runs' reads and rules (in memory, no lock held; :data:`READ_GROUP` at most), then their writes
-        :data:`DECIDE_CHUNK` at a time. Should anything escape before a run's chunk is written (an interrupt),
-        that run is put back to before its read, as a failed commit puts its chunk back."""
+        :data:`DECIDE_CHUNK` at a time. (An interrupt ends the daemon: the store keeps the chunks committed
+        before it, and the daemon started again reads the others' lines again.)"""
         for (run_id, _), error in zip(group, read_and_evaluate_all([(ctl, now, results[r]) for r, ctl in group]),
                                       strict=True):
             failed[run_id] = error
-        chunks = [group[i:i + DECIDE_CHUNK] for i in range(0, len(group), DECIDE_CHUNK)]
-        for k, chunk in enumerate(chunks):
-            try:
-                self._decide_chunk(now, chunk, results, failed, decided)
-            except BaseException as exc:  # (an interrupt: _decide_chunk put its own chunk back)
-                abandoned = RuntimeError(f"tick abandoned ({type(exc).__name__})")
-                for run_id, ctl in (run for later in chunks[k + 1:] for run in later):
-                    if failed[run_id] is None:
-                        ctl.undo_decide(results[run_id], abandoned)
-                raise
+        for i in range(0, len(group), DECIDE_CHUNK):
+            self._decide_chunk(now, group[i:i + DECIDE_CHUNK], results, failed, decided)
 
     def _decide_chunk(self, now: float, chunk: list[tuple[str, RunController]], results: dict[str, TickResult],
                       failed: dict[str, Exception | None], decided: set[str]) -> None:
         """Some runs' writes, read already, in one transaction (a savepoint each); when its commit fails, every
-        one of them is put back as it was. Chunks bound what the tick holds to undo that (a run's last record
-        and engine state) at :data:`DECIDE_CHUNK` runs, whatever the number of runs, and SQLite's one write lock
-        is held for the writes alone: a ``watchdog`` command, or another process on the same state, waits for
-        those, not for the rules."""
+        one of them is put back as it was. Chunks bound what a failed commit undoes (and reads again) at
+        :data:`DECIDE_CHUNK` runs, whatever the number of runs, and SQLite's one write lock is held for the
+        writes alone: a ``watchdog`` command, or another process on the same state, waits for those, not
+        for the rules."""
         read = [(run_id, ctl) for run_id, ctl in chunk if failed[run_id] is None]
         t_commit: float | None = None
         try:
@@ -617,18 +609,15 @@ class Watchdog:
                     if failed[run_id] is None:
                         decided.add(run_id)
                 t_commit = time.perf_counter()
-        except BaseException as exc:  # the commit (locked too long, a full disk, an interrupt): none of it kept
-            why = exc if isinstance(exc, Exception) else RuntimeError(f"tick abandoned ({type(exc).__name__})")
+        except Exception as exc:  # the commit (locked past the timeout, a full disk): nothing of it kept
             for run_id, ctl in read:
                 if failed[run_id] is None:  # read (and perhaps written): back to before the read
                     decided.discard(run_id)
-                    failed[run_id] = why
+                    failed[run_id] = exc
                     try:
-                        ctl.undo_decide(results[run_id], why)
+                        ctl.undo_decide(results[run_id], exc)
                     except Exception as undo_exc:  # (its files unreadable now): its tick fails, the others go on
                         failed[run_id] = undo_exc
-            if why is not exc:
-                raise
         else:
             for _, ctl in read:
                 ctl.committed()

@@ -31,6 +31,7 @@ import os
 import sqlite3
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,52 +192,68 @@ class _WriterGate:
     SQLite lets one connection write at a time; one that finds the lock taken sleeps in its busy handler 1,
     2, 5, 10, 15, 20, 25 ms ... between tries, so a shard waiting on another shard's 20 ms commit wakes at 33
     ms, and two shards' ticks lost tens of milliseconds a tick that way (bench/results/daemon_shards.md).
-    Writers of this code take this ``flock`` first and poll it every :data:`GATE_POLL_S`, so they take
-    turns within 2 ms of each other; SQLite's lock stays what decides (a writer without the gate, an older
-    version, waits in the busy handler as before). Bounded by the store's busy timeout, as SQLite is."""
+    Writers of this code take this ``flock`` first and poll it every :data:`GATE_POLL_S`, so a waiting writer
+    tries again within 2 ms of the other's commit (polled, not queued: a writer that commits and begins again
+    at once may keep it); SQLite's lock stays what decides (a writer without the gate, an older version, waits
+    in the busy handler as before). The wait for the gate is bounded by the store's busy timeout, and so is
+    the wait for SQLite's lock after it. A gate that cannot be opened or locked (a state directory others
+    own, a file system without ``flock``) is said once and left out: SQLite alone orders the writers."""
 
-    __slots__ = ("fd", "path", "timeout_s")
+    __slots__ = ("fd", "path", "timeout_s", "_closer", "__weakref__")
 
     def __init__(self, db: Path, timeout_s: float, writes: bool) -> None:
         self.path = db.with_name(db.name + WRITER_GATE)
         self.timeout_s = timeout_s
         self.fd: int | None = None
+        self._closer: Callable[[], Any] | None = None
         if writes:
             try:
                 self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            except OSError as exc:  # (a state directory others own): SQLite's busy handler alone, as before
-                log.debug("%s: no writer gate (%s); SQLite's lock alone orders the writers", self.path, exc)
+            except OSError as exc:
+                self._give_up(exc)
+            else:
+                # (A store nobody closes, a CLI command's, closes its gate when it is collected, as sqlite3 does.)
+                self._closer = weakref.finalize(self, os.close, self.fd)
+
+    def _give_up(self, exc: OSError) -> None:
+        log.warning("%s: no writer gate (%s); SQLite's lock alone orders the writers", self.path, exc)
+        self.close()
 
     def acquire(self) -> None:
         fd = self.fd
         if fd is None:
             return
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return
-        except BlockingIOError:
-            pass
-        deadline = time.monotonic() + self.timeout_s
+        deadline: float | None = None
         delay, most = GATE_POLL_S
         while True:
-            time.sleep(delay)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 return
             except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    raise StoreError(f"{self.path.with_name(self.path.name[:-len(WRITER_GATE)])}: another "
-                                     f"watchdog process kept writing for more than {self.timeout_s:g} s") from None
-                delay = min(2 * delay, most)
+                pass
+            except OSError as exc:
+                self._give_up(exc)
+                return
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + self.timeout_s
+            elif now >= deadline:
+                raise StoreError(f"{self.path.with_name(self.path.name[:-len(WRITER_GATE)])}: another watchdog "
+                                 f"process kept writing for more than {self.timeout_s:g} s")
+            time.sleep(delay)
+            delay = min(2 * delay, most)
 
     def release(self) -> None:
         if self.fd is not None:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_UN)
+            except OSError as exc:  # (it cannot be held any more once closed)
+                self._give_up(exc)
 
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self.fd = None
+        if self._closer is not None:
+            self._closer()
 
 
 class _Transaction:
