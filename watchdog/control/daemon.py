@@ -71,16 +71,17 @@ def state_dir_default() -> str:
 DECIDE_CHUNK = 256
 
 #: Runs read and screened together (their rules' steps in lockstep, one screen pass a step over all of them),
-#: then written :data:`DECIDE_CHUNK` at a time. A screen pass costs per node as well as per run: over 1,024
-#: runs a step it took 30-45 ms where four passes of 256 took 46-50 ms (bench/bench_rules.py --screen-chunk).
-#: What a tick holds read but not yet written is bounded by it.
+#: then written :data:`DECIDE_CHUNK` at a time. A screen pass costs per node as well as per run: the rules of
+#: 1,000 runs took 34.3 ms a step screened 1,024 at a time against 40.4 ms 256 at a time, 10,000 runs 341
+#: against 476 ms (bench/results/rules_bench.md, ``--screen-chunk 256``). What a tick holds read but not yet
+#: written is bounded by it.
 READ_GROUP = 4 * DECIDE_CHUNK
 
 
 #: Allocations between two passes of the cyclic garbage collector over the youngest objects, in a daemon
 #: (CPython's default: 700). At 1,000 runs and four steps a run a tick, 10,000 took the middle generation's
-#: passes from 75 to none in 15 ticks and the collector's time inside a tick from about 20 to 14 ms
-#: (bench/results/daemon_scale.md).
+#: passes from about 70 to none in 15 ticks and the collector's time inside a tick from 17-20 ms to 14-17 ms
+#: (bench/results/daemon_scale.md, issue 22's seventh pass).
 GC_YOUNG_EVERY = 10_000
 
 #: How often a daemon's cyclic garbage collector makes a full pass over what earlier ticks left alive
