@@ -91,8 +91,9 @@ WRITER_GATE = "-writer"
 """The suffix of the file next to the database that writers of this code take a ``flock`` on around each
 write transaction (:class:`_WriterGate`)."""
 GATE_POLL_S = (0.0002, 0.002)
-"""A writer waiting on the gate tries again after the first, doubling up to the second: a wait ends within
+"""A writer waiting on the gate tries again after the first, doubling up to the second: it tries again within
 2 ms of the other writer's commit (SQLite's own busy handler sleeps 1, 2, 5, 10, 15, 20, 25 ... ms)."""
+
 
 class Phase(Word):
     """Where a run is, as the store knows it."""
@@ -199,9 +200,10 @@ class _WriterGate:
     the wait for SQLite's lock after it. A gate that cannot be opened or locked (a state directory others
     own, a file system without ``flock``) is said once and left out: SQLite alone orders the writers."""
 
-    __slots__ = ("fd", "path", "timeout_s", "_closer", "__weakref__")
+    __slots__ = ("db", "fd", "path", "timeout_s", "_closer", "__weakref__")
 
     def __init__(self, db: Path, timeout_s: float, writes: bool) -> None:
+        self.db = db
         self.path = db.with_name(db.name + WRITER_GATE)
         self.timeout_s = timeout_s
         self.fd: int | None = None
@@ -238,8 +240,8 @@ class _WriterGate:
             if deadline is None:
                 deadline = now + self.timeout_s
             elif now >= deadline:
-                raise StoreError(f"{self.path.with_name(self.path.name[:-len(WRITER_GATE)])}: another watchdog "
-                                 f"process kept writing for more than {self.timeout_s:g} s")
+                raise StoreError(f"{self.db}: another watchdog process kept writing for more than "
+                                 f"{self.timeout_s:g} s")
             time.sleep(delay)
             delay = min(2 * delay, most)
 
