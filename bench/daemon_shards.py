@@ -1,17 +1,21 @@
-"""What sharding a daemon's runs over processes would give: the same load as daemon_scale.py, ticked by N.
+"""What sharding a daemon's runs over processes gives: the same load as daemon_scale.py, ticked by N.
 
 A measurement for a design question (issue 22: "how far it scales and what bounds it"), the question
 behind the daemon's ``shards: N``. N worker processes each build the daemon over the share of the run
 directories the product's partition gives them (``DaemonConfig.for_shard``, as ``watchdog daemon`` with
 ``shards: N`` does; ``prepare_daemon`` not exclusive, all on one state database by default, or one each
 with ``--state-per-shard``) and tick on the parent's word (not on their own schedulers, so that a tick is
-timed from one word to the last answer); the parent plays the
-trainers between ticks (daemon_scale.py's simulated trainers, the same lines and control.json replies) and
-times a tick from its word to the last shard's answer. So the figure is what a tick over all the runs
-takes when the shards run side by side on the machine's cores, SQLite's one writer at a time included.
+timed from its word to its answer); the parent plays the trainers once an interval (daemon_scale.py's
+simulated trainers, the same lines and control.json replies).
 
-Usage: ``python bench/daemon_shards.py [--runs 1000] [--hours 0.25] [--shards 2] [--state-per-shard]
-[--out DIR]``. Writes DIR/daemon_shards.json and .md (default bench/results).
+The shards tick in turns by default, as the daemon's do (``shards.tick_phase``: shard K at K/N of each
+interval): shard 0's word, its answer, then shard 1's, and so on; a run's tick is its shard's, and the
+figures are over every shard's ticks. ``--together`` words every shard at once instead, as if their turns
+were the same instant, and times a tick from the word to the last answer: the shards side by side on the
+machine's cores, SQLite's one writer at a time included.
+
+Usage: ``python bench/daemon_shards.py [--runs 1000] [--hours 0.25] [--shards 2] [--together]
+[--state-per-shard] [--out DIR]``. Writes DIR/daemon_shards.json and .md (default bench/results).
 """
 
 from __future__ import annotations
@@ -77,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--shards", type=int, default=2)
     ap.add_argument("--state-per-shard", action="store_true", help="a state database each (no shared writer)")
+    ap.add_argument("--together", action="store_true",
+                    help="every shard's tick at the same instant, not in the daemon's turns")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
@@ -114,11 +120,18 @@ def main(argv: list[str] | None = None) -> int:
             owed -= k
             for t in trainers:
                 t.advance(k, now)
-            a = time.perf_counter()
-            for c in conns:
-                c.send(now)
-            answers = [answer(c) for c in conns]
-            ticks.append(time.perf_counter() - a)
+            if args.together:
+                a = time.perf_counter()
+                for c in conns:
+                    c.send(now)
+                answers = [answer(c) for c in conns]
+                ticks.append(time.perf_counter() - a)
+            else:  # each in its turn (the interval's share between turns is not slept: nothing else runs)
+                answers = []
+                for k, c in enumerate(conns):
+                    c.send(now + k * args.tick_s / args.shards)
+                    answers.append(answer(c))
+                ticks.extend(w for w, _ in answers)
             shard_wall.append([w for w, _ in answers])
             shard_cpu.append([cpu for _, cpu in answers])
         for c in conns:
@@ -139,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "cpus": os.cpu_count(),
         "loadavg": [round(x, 2) for x in os.getloadavg()],
         "runs": args.runs, "shards": args.shards, "shared_state": not args.state_per_shard,
+        "ticks_in_turns": not args.together,
         "ticks": n_ticks, "steps_per_run": trainers[0].step,
         "tick_ms_p50": round(statistics.median(ticks) * 1e3, 1),
         "tick_ms_p99": round(pct(ticks, 0.99) * 1e3, 1),
@@ -154,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
         "# The daemon's runs sharded over processes\n\n"
         f"{doc['runs']:,} runs over {doc['shards']} processes "
         f"({'one shared state database' if doc['shared_state'] else 'a state database each'}), "
-        f"{doc['ticks']} ticks, {doc['cpus']} cores, load average {doc['loadavg']}, {doc['date']}. "
-        f"Command: `{doc['command']}`.\n\n"
+        f"{doc['ticks']} ticks, "
+        + ("each shard in its turn of the interval, as the daemon's (a tick: one shard's, over its runs)"
+           if doc["ticks_in_turns"] else "every shard's at the same instant (a tick: from the word to the last answer)")
+        + f", {doc['cpus']} cores, load average {doc['loadavg']}, {doc['date']}. Command: `{doc['command']}`.\n\n"
         "| tick p50 ms | tick p99 ms | each shard's tick p50 ms | CPU of all shards a tick, p50 ms | decisions "
         "| peak RSS MiB a shard |\n|---:|---:|---|---:|---:|---|\n"
         f"| {doc['tick_ms_p50']} | {doc['tick_ms_p99']} | {' / '.join(map(str, doc['shard_wall_ms_p50']))} "

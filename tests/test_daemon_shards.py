@@ -27,8 +27,8 @@ from test_reliability_v2 import _alive, _wait
 from typer.testing import CliRunner
 
 from watchdog.cli import app
-from watchdog.control.daemon import DaemonConfig, DaemonConfigError, RunSpec, load_daemon_config
-from watchdog.control.shards import SUPERVISOR_ENV, ShardSupervisor, shard_of
+from watchdog.control.daemon import DaemonConfig, DaemonConfigError, RunSpec, load_daemon_config, tick_trigger
+from watchdog.control.shards import SUPERVISOR_ENV, ShardSupervisor, shard_of, tick_phase
 from watchdog.control.store import Store
 from watchdog.protocol import lock as locks
 from watchdog.protocol import rundir
@@ -289,7 +289,30 @@ def test_two_shards_decide_every_run_once_each_run_held_by_the_process_of_its_sh
     said = sharded.output()
     ports = {line.rsplit(":", 1)[1] for line in said.splitlines() if "/metrics on http://127.0.0.1:" in line}
     assert "shard 0 (pid" in said and "shard 1 (pid" in said and len(ports) == 2, said
+    # Each took its turn of the 0.2 s interval: shard 0 at its start, shard 1 half-way.
+    assert "ticks 0 s into each 0.2 s" in said and "ticks 0.1 s into each 0.2 s" in said, said
     assert _decisions(tmp_path) == {r: [2] for r in RUNS}
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 8])
+def test_each_shard_ticks_at_its_own_turn_of_the_interval_whenever_it_was_started(shards: int) -> None:
+    from datetime import datetime, timezone
+
+    tick_s = 60.0
+    phases = [tick_phase(k, shards, tick_s) for k in range(shards)]
+    assert phases == [pytest.approx(k * tick_s / shards) for k in range(shards)]  # evenly spread, shard 0 at 0
+    for k, phase in enumerate(phases):
+        # A shard started (or started again) at any moment ticks at the same instants: its turn, every tick_s.
+        for started in (1_700_000_000.0, 1_700_000_017.3, 1_700_000_059.99, 1_700_003_600.0 + k):
+            trigger = tick_trigger(tick_s, phase, now=started)
+            at = datetime.fromtimestamp(started, timezone.utc)
+            fires = [trigger.get_next_fire_time(None, at)]
+            while len(fires) < 3:
+                fires.append(trigger.get_next_fire_time(fires[-1], fires[-1]))
+            times = [f.timestamp() for f in fires]
+            assert started <= times[0] < started + tick_s, (k, started, times)
+            turns = [(t - phase) / tick_s for t in times]  # whole intervals since the epoch, one apart
+            assert turns == [pytest.approx(round(turns[0]) + i, abs=1e-6) for i in range(3)], (k, started, times)
 
 
 @pytest.mark.slow

@@ -48,6 +48,7 @@ from watchdog.control.shards import (
     die_with_supervisor,
     shard_of,
     supervisor_alive,
+    tick_phase,
 )
 from watchdog.control.store import Phase, RunRecord, Store, StoreError
 from watchdog.core.planner import ON_ESCALATE
@@ -667,8 +668,11 @@ class Watchdog:
             self._froze = False
 
     def serve_forever(self, tick_s: float, until_done: bool = True, stop: threading.Event | None = None,
-                      beside: Callable[[], bool] | None = None, on_stop: Callable[[], None] | None = None) -> None:
-        """Run ticks on an APScheduler 3.x BackgroundScheduler until done (or ``stop`` is set).
+                      beside: Callable[[], bool] | None = None, on_stop: Callable[[], None] | None = None,
+                      phase_s: float | None = None) -> None:
+        """Run ticks on an APScheduler 3.x BackgroundScheduler until done (or ``stop`` is set): one at once,
+        then every ``tick_s`` from it, or, given ``phase_s`` (a sharded daemon's turn, :func:`tick_trigger`),
+        at ``phase_s`` past each multiple of ``tick_s``.
 
         A sharded daemon's hooks (``until_done=False`` only): ``beside`` is called in this thread every half
         second while the ticks run (the supervisor's look at its children, a child's look at its supervisor;
@@ -678,8 +682,14 @@ class Watchdog:
 
         self.freeze_survivors |= not until_done
         sched = BackgroundScheduler(daemon=True)
-        sched.add_job(self.tick, "interval", seconds=tick_s, max_instances=1, coalesce=True,
-                      misfire_grace_time=max(1, int(tick_s * 5)), next_run_time=_now_dt())
+        grace = max(1, int(tick_s * 5))
+        if phase_s is None:
+            sched.add_job(self.tick, "interval", seconds=tick_s, max_instances=1, coalesce=True,
+                          misfire_grace_time=grace, next_run_time=_now_dt())
+        else:  # a tick now, then the ticks of its turn (a first tick the next one finds running is skipped)
+            sched.add_job(self.tick, "date", run_date=_now_dt(), misfire_grace_time=grace)
+            sched.add_job(self.tick, tick_trigger(tick_s, phase_s), max_instances=1, coalesce=True,
+                          misfire_grace_time=grace)
         sched.start()
         stop = stop or threading.Event()
         try:
@@ -698,6 +708,20 @@ def _now_dt() -> Any:
     from datetime import datetime
 
     return datetime.now()
+
+
+def tick_trigger(tick_s: float, phase_s: float, now: float | None = None) -> Any:
+    """APScheduler's interval trigger for ticks at ``phase_s`` past each multiple of ``tick_s`` since the epoch:
+    the same instants in every process on hosts whose clocks agree, whenever each was started (``now``: the
+    wall clock, by default)."""
+    from datetime import datetime, timezone
+
+    from apscheduler.triggers.interval import IntervalTrigger
+
+    now = time.time() if now is None else now
+    anchor = math.floor(now / tick_s) * tick_s + phase_s
+    return IntervalTrigger(seconds=tick_s, start_date=datetime.fromtimestamp(anchor, timezone.utc),
+                           timezone=timezone.utc)
 
 
 def build_watchdog(
@@ -843,8 +867,9 @@ def run_shard(cfg: DaemonConfig, shard: int, stop: threading.Event | None = None
         wd.close()
         raise DaemonConfigError("no runs to watch: list run directories under 'runs:'")
     port = wd.telemetry.port if wd.telemetry is not None else 0
-    say(f"shard {shard} (pid {os.getpid()}): {len(mine.runs)} of {len(cfg.runs)} run(s)"
-        + (f", /metrics on http://{cfg.metrics_addr}:{port}/metrics" if port else ""))
+    phase = tick_phase(shard, cfg.shards, cfg.tick_s)
+    say(f"shard {shard} (pid {os.getpid()}): {len(mine.runs)} of {len(cfg.runs)} run(s), ticks {phase:g} s into "
+        f"each {cfg.tick_s:g} s" + (f", /metrics on http://{cfg.metrics_addr}:{port}/metrics" if port else ""))
     beside: Callable[[], bool]
     if supervisor is not None:
         def beside() -> bool:
@@ -858,7 +883,7 @@ def run_shard(cfg: DaemonConfig, shard: int, stop: threading.Event | None = None
         if children is not None:
             children.start()
         wd.serve_forever(cfg.tick_s, until_done=False, stop=stop, beside=beside,
-                         on_stop=children.terminate if children is not None else None)
+                         on_stop=children.terminate if children is not None else None, phase_s=phase)
     except KeyboardInterrupt:  # a second Ctrl-C while the last tick finished: the children go at once
         if children is not None:
             children.stop(grace_s=0.0)

@@ -53,6 +53,15 @@ def shard_of(run_id: str, shards: int) -> int:
     return zlib.crc32(run_id.encode("utf-8")) % shards
 
 
+def tick_phase(shard: int, shards: int, tick_s: float) -> float:
+    """Seconds past each multiple of ``tick_s`` (since the epoch) at which shard ``shard`` of ``shards`` ticks:
+    ``shard``/``shards`` of the interval. The shards take turns, as Prometheus spreads its targets' scrapes
+    over the interval, instead of all writing to the one state database at the same instant: a tick shorter
+    than its share of the interval waits for no other shard's writes (``bench/results/daemon_shards.md``).
+    Worked out from the wall clock alone, so a child started again keeps its turn."""
+    return tick_s * shard / shards
+
+
 @dataclass
 class _Child:
     """One child shard as the supervisor knows it."""
