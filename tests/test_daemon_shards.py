@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +28,14 @@ from test_reliability_v2 import _alive, _wait
 from typer.testing import CliRunner
 
 from watchdog.cli import app
-from watchdog.control.daemon import DaemonConfig, DaemonConfigError, RunSpec, load_daemon_config, tick_trigger
+from watchdog.control.daemon import (
+    DaemonConfig,
+    DaemonConfigError,
+    RunSpec,
+    Watchdog,
+    load_daemon_config,
+    tick_trigger,
+)
 from watchdog.control.shards import SUPERVISOR_ENV, ShardSupervisor, shard_of, tick_phase
 from watchdog.control.store import Store
 from watchdog.protocol import lock as locks
@@ -294,25 +302,62 @@ def test_two_shards_decide_every_run_once_each_run_held_by_the_process_of_its_sh
     assert _decisions(tmp_path) == {r: [2] for r in RUNS}
 
 
+@pytest.mark.parametrize("tick_s", [60.0, 7.5, 0.2])
 @pytest.mark.parametrize("shards", [1, 2, 3, 8])
-def test_each_shard_ticks_at_its_own_turn_of_the_interval_whenever_it_was_started(shards: int) -> None:
+def test_each_shard_ticks_at_its_own_turn_of_the_interval_whenever_it_was_started(shards: int, tick_s: float) -> None:
     from datetime import datetime, timezone
 
-    tick_s = 60.0
     phases = [tick_phase(k, shards, tick_s) for k in range(shards)]
     assert phases == [pytest.approx(k * tick_s / shards) for k in range(shards)]  # evenly spread, shard 0 at 0
     for k, phase in enumerate(phases):
         # A shard started (or started again) at any moment ticks at the same instants: its turn, every tick_s.
-        for started in (1_700_000_000.0, 1_700_000_017.3, 1_700_000_059.99, 1_700_003_600.0 + k):
+        for started in (1_700_000_000.0, 1_700_000_000.0 + 0.29 * tick_s, 1_700_000_000.0 + 0.9999 * tick_s,
+                        1_700_003_600.0 + k * 0.37 * tick_s):
             trigger = tick_trigger(tick_s, phase, now=started)
             at = datetime.fromtimestamp(started, timezone.utc)
             fires = [trigger.get_next_fire_time(None, at)]
             while len(fires) < 3:
                 fires.append(trigger.get_next_fire_time(fires[-1], fires[-1]))
             times = [f.timestamp() for f in fires]
-            assert started <= times[0] < started + tick_s, (k, started, times)
-            turns = [(t - phase) / tick_s for t in times]  # whole intervals since the epoch, one apart
-            assert turns == [pytest.approx(round(turns[0]) + i, abs=1e-6) for i in range(3)], (k, started, times)
+            assert started - 1e-5 <= times[0] < started + tick_s, (k, started, times)
+            first = round((times[0] - phase) / tick_s)  # whole intervals since the epoch, one apart
+            assert times == [pytest.approx(phase + (first + i) * tick_s, abs=1e-5) for i in range(3)], (k, started)
+
+
+def test_a_shard_ticks_once_at_start_then_at_its_turns() -> None:
+    """``serve_forever`` with a turn, over a stand-in for the Watchdog that records when it is ticked: the turn is
+    put half an interval from the start, where ticks counted from the start would be as far from it as can be."""
+    tick_s = 1.0
+    phase = (time.time() + tick_s / 2) % tick_s
+    ticks: list[float] = []
+    enough = threading.Event()
+
+    class Ticked:
+        freeze_survivors = False
+        done = threading.Event()
+
+        def tick(self, now: float | None = None) -> bool:
+            ticks.append(time.time())
+            if len(ticks) >= 4:
+                enough.set()
+            return False
+
+    stop = threading.Event()
+    start = time.time()
+    serving = threading.Thread(target=Watchdog.serve_forever, args=(Ticked(), tick_s),
+                               kwargs={"until_done": False, "stop": stop, "phase_s": phase}, daemon=True)
+    serving.start()
+    try:
+        assert enough.wait(30), ticks
+    finally:
+        stop.set()
+        serving.join(30)
+
+    def off_turn(t: float) -> float:
+        return abs((t - phase + tick_s / 2) % tick_s - tick_s / 2)
+
+    assert ticks[0] - start < tick_s / 4 and off_turn(ticks[0]) > tick_s / 4, (start, phase, ticks)  # at start
+    assert sorted(off_turn(t) for t in ticks[1:])[1] < tick_s / 4, (start, phase, ticks)  # then at its turns
 
 
 @pytest.mark.slow

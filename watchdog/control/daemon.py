@@ -496,7 +496,7 @@ class Watchdog:
     def tick(self, now: float | None = None) -> bool:
         """One pass over every run; True when all are done. Errors in one run never stop the others."""
         if not self._lock.acquire(blocking=False):
-            return False  # a tick is still running (max_instances=1 makes this rare)
+            return False  # a tick is still running (a sharded daemon's tick at start meeting the first of its turn)
         try:
             now = time.time() if now is None else now
             t0 = time.perf_counter()
@@ -686,8 +686,8 @@ class Watchdog:
         if phase_s is None:
             sched.add_job(self.tick, "interval", seconds=tick_s, max_instances=1, coalesce=True,
                           misfire_grace_time=grace, next_run_time=_now_dt())
-        else:  # a tick now, then the ticks of its turn (a first tick the next one finds running is skipped)
-            sched.add_job(self.tick, "date", run_date=_now_dt(), misfire_grace_time=grace)
+        else:  # a tick now, then the ticks of its turn (one that finds the first still running is skipped)
+            sched.add_job(self.tick, "date", misfire_grace_time=grace)  # (no run date: now, in the scheduler's zone)
             sched.add_job(self.tick, tick_trigger(tick_s, phase_s), max_instances=1, coalesce=True,
                           misfire_grace_time=grace)
         sched.start()
@@ -719,9 +719,11 @@ def tick_trigger(tick_s: float, phase_s: float, now: float | None = None) -> Any
     from apscheduler.triggers.interval import IntervalTrigger
 
     now = time.time() if now is None else now
+    # Anchored at the multiple of tick_s just before now, not at the epoch: APScheduler counts whole intervals
+    # from its start date in microseconds, and a tick_s of no whole number of them (1/3 s) would drift by the
+    # rounding times the billions of intervals since 1970.
     anchor = math.floor(now / tick_s) * tick_s + phase_s
-    return IntervalTrigger(seconds=tick_s, start_date=datetime.fromtimestamp(anchor, timezone.utc),
-                           timezone=timezone.utc)
+    return IntervalTrigger(seconds=tick_s, start_date=datetime.fromtimestamp(anchor, timezone.utc))
 
 
 def build_watchdog(
