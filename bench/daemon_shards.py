@@ -4,15 +4,16 @@ A measurement for a design question (issue 22: "how far it scales and what bound
 behind the daemon's ``shards: N``. N worker processes each build the daemon over the share of the run
 directories the product's partition gives them (``DaemonConfig.for_shard``, as ``watchdog daemon`` with
 ``shards: N`` does; ``prepare_daemon`` not exclusive, all on one state database by default, or one each
-with ``--state-per-shard``) and tick on the parent's word (not on their own schedulers, so that a tick is
-timed from its word to its answer); the parent plays the trainers once an interval (daemon_scale.py's
-simulated trainers, the same lines and control.json replies).
+with ``--state-per-shard``) and tick on the parent's word (not on their own schedulers); the parent plays the
+trainers once an interval (daemon_scale.py's simulated trainers, the same lines and control.json replies).
 
-The shards tick in turns by default, as the daemon's do (``shards.tick_phase``: shard K at K/N of each
-interval): shard 0's word, its answer, then shard 1's, and so on; a run's tick is its shard's, and the
-figures are over every shard's ticks. ``--together`` words every shard at once instead, as if their turns
-were the same instant, and times a tick from the word to the last answer: the shards side by side on the
-machine's cores, SQLite's one writer at a time included.
+A run is judged by its shard's tick, so "a tick" here is one shard's tick over its runs, timed by the shard
+around ``Watchdog.tick`` (as daemon_scale.py times one process's), and the percentiles are over every
+shard's ticks, whichever way they are worded. By default the shards tick in turns, as the daemon's do
+(``shards.tick_phase``: shard K at K/N of each interval): shard 0's word, its answer, then shard 1's, and so
+on. ``--together`` words every shard at once instead, as if their turns were the same instant: the shards
+side by side on the machine's cores, SQLite's one writer at a time included; it also reports the time from
+the word to the last answer (every run of the interval judged).
 
 Usage: ``python bench/daemon_shards.py [--runs 1000] [--hours 0.25] [--shards 2] [--together]
 [--state-per-shard] [--out DIR]``. Writes DIR/daemon_shards.json and .md (default bench/results).
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         n_ticks = int(round(args.hours * 3600 / args.tick_s))
         per_tick = args.tick_s / args.step_s
         owed, now = 0.0, 1_700_000_000.0
-        ticks: list[float] = []
+        all_done: list[float] = []  # --together: from the word to the last answer
         shard_wall: list[list[float]] = []
         shard_cpu: list[list[float]] = []
         for _ in range(n_ticks):
@@ -125,13 +126,12 @@ def main(argv: list[str] | None = None) -> int:
                 for c in conns:
                     c.send(now)
                 answers = [answer(c) for c in conns]
-                ticks.append(time.perf_counter() - a)
+                all_done.append(time.perf_counter() - a)
             else:  # each in its turn (the interval's share between turns is not slept: nothing else runs)
                 answers = []
-                for k, c in enumerate(conns):
-                    c.send(now + k * args.tick_s / args.shards)
+                for i, c in enumerate(conns):
+                    c.send(now + i * args.tick_s / args.shards)
                     answers.append(answer(c))
-                ticks.extend(w for w, _ in answers)
             shard_wall.append([w for w, _ in answers])
             shard_cpu.append([cpu for _, cpu in answers])
         for c in conns:
@@ -145,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                 p.kill()
         shutil.rmtree(tmp, ignore_errors=True)
     cpu_sum = [sum(x) for x in shard_cpu]
+    ticks = [w for each in shard_wall for w in each]
     doc: dict[str, Any] = {
         "benchmark": "the daemon's runs sharded over processes (shard_of's partition, ticked on the parent's word)",
         "command": " ".join(["python bench/daemon_shards.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -158,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         "tick_ms_p99": round(pct(ticks, 0.99) * 1e3, 1),
         "shard_wall_ms_p50": [round(statistics.median([w[i] for w in shard_wall]) * 1e3, 1)
                               for i in range(args.shards)],
+        "all_shards_done_ms_p50_p99": ([round(statistics.median(all_done) * 1e3, 1), round(pct(all_done, 0.99) * 1e3, 1)]
+                                       if all_done else None),
         "cpu_ms_all_shards_p50": round(statistics.median(cpu_sum) * 1e3, 1),
         "decisions": sum(d for d, _ in ends),
         "peak_rss_mib_per_shard": [round(peak, 1) for _, peak in ends],
@@ -169,9 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{doc['runs']:,} runs over {doc['shards']} processes "
         f"({'one shared state database' if doc['shared_state'] else 'a state database each'}), "
         f"{doc['ticks']} ticks, "
-        + ("each shard in its turn of the interval, as the daemon's (a tick: one shard's, over its runs)"
-           if doc["ticks_in_turns"] else "every shard's at the same instant (a tick: from the word to the last answer)")
-        + f", {doc['cpus']} cores, load average {doc['loadavg']}, {doc['date']}. Command: `{doc['command']}`.\n\n"
+        + ("each shard in its turn of the interval, as the daemon's" if doc["ticks_in_turns"] else
+           "every shard's at the same instant (`--together`; every shard done, from the word to the last answer: "
+           f"p50 {doc['all_shards_done_ms_p50_p99'][0]} ms, p99 {doc['all_shards_done_ms_p50_p99'][1]} ms)")
+        + f", {doc['cpus']} cores, load average {doc['loadavg']}, {doc['date']}. Command: `{doc['command']}`. "
+        "A tick: one shard's over its runs (what a run waits for), its percentiles over every shard's ticks.\n\n"
         "| tick p50 ms | tick p99 ms | each shard's tick p50 ms | CPU of all shards a tick, p50 ms | decisions "
         "| peak RSS MiB a shard |\n|---:|---:|---|---:|---:|---|\n"
         f"| {doc['tick_ms_p50']} | {doc['tick_ms_p99']} | {' / '.join(map(str, doc['shard_wall_ms_p50']))} "
