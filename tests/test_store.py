@@ -296,8 +296,8 @@ def test_the_gate_is_let_go_when_a_transaction_fails_or_cannot_begin(tmp_path):
 def test_a_writer_waits_on_the_gate_no_longer_than_the_busy_timeout_and_says_so(tmp_path):
     held = Store(tmp_path)
     short = Store(tmp_path, busy_timeout_s=0.05)
-    with held.transaction(), pytest.raises(StoreError, match=r"watchdog\.db: another watchdog process kept writing "
-                                                              r"for more than 0\.05 s"):
+    with held.transaction(), pytest.raises(StoreError, match=r"watchdog\.db: locked by another process for more than "
+                                                              r"0\.05 s \(its writer gate watchdog\.db-writer held\)"):
         with short.transaction():
             pass
     with short.transaction():  # the gate free again: it writes

@@ -240,8 +240,7 @@ class _WriterGate:
             if deadline is None:
                 deadline = now + self.timeout_s
             elif now >= deadline:
-                raise StoreError(f"{self.db}: another watchdog process kept writing for more than "
-                                 f"{self.timeout_s:g} s")
+                raise StoreError(_locked_error(self.db, self.timeout_s, f"its writer gate {self.path.name} held"))
             time.sleep(delay)
             delay = min(2 * delay, most)
 
@@ -381,11 +380,16 @@ class NoState(StoreError):
         self.path = path
 
 
+def _locked_error(path: Path, busy_timeout_s: float, why: str) -> str:
+    """The database stayed locked past the busy timeout (SQLite's lock, or the writer gate before it)."""
+    return (f"{path}: locked by another process for more than {busy_timeout_s:g} s ({why}); "
+            "is a watchdog daemon or run writing to it? It is tried again, nothing is lost")
+
+
 def _db_error(path: Path, exc: sqlite3.DatabaseError, busy_timeout_s: float) -> str:
     text = str(exc)
     if "locked" in text or "busy" in text:
-        return (f"{path}: locked by another process for more than {busy_timeout_s:g} s ({text}); "
-                "is a watchdog daemon or run writing to it? It is tried again, nothing is lost")
+        return _locked_error(path, busy_timeout_s, text)
     if "not a database" in text or "malformed" in text or "corrupt" in text:
         return (f"{path}: not a usable watchdog state database ({text}); move it aside to start afresh "
                 "(the runs' own directories keep their metrics, events and checkpoints)")
