@@ -10,7 +10,7 @@ A daemon watching many runs does, every tick and for every run, one ``Window.app
   drift in a tenth of the runs so the KL rules fire), or a pure random walk without it;
 - each repeat is one cycle: append the next step to every run (timed separately), then
   evaluate every run (timed): ``time.perf_counter`` around the loop, median over repeats;
-- runs are screened 1,024 at a time as the daemon's are (``READ_GROUP``) (``watchdog.core.screen``: the rules surely
+- runs are screened 1,024 at a time as the daemon's are (``READ_GROUP``; ``watchdog.core.screen``: the rules surely
   false at the step, skipped by the engine), and each size of 8 runs or more is timed again without
   the screen (``--screen-chunk 0`` times that alone), the decisions of both checked equal;
 - windows are built as the daemon builds them (``EngineRules.new_window``): sized from the rules

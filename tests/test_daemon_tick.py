@@ -435,4 +435,3 @@ class _Refusing(_CountingDb):
         if sql.strip().upper().startswith("BEGIN"):
             raise sqlite3.OperationalError("database is locked")
         return self._db.execute(sql, *args)
-
