@@ -439,7 +439,7 @@ def test_the_token_comes_from_the_named_file_else_from_where_ray_looks_in_rays_o
     with caplog.at_level(logging.WARNING):
         find_token(None, {"RAY_AUTH_TOKEN_PATH": str(by_path)})
     assert caplog.text == ""
-    for bad, why in ((tmp_path / "missing", "No such file"), (tmp_path, "Is a directory")):
+    for bad, why in ((tmp_path / "missing", "No such file"), (tmp_path, "a directory, not a regular file")):
         with pytest.raises(RayAuthError, match=f"Ray token file {bad}: cannot be used .*{why}"):
             find_token(bad, env)
     (tmp_path / "empty").write_text("\n")

@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from watchdog.backends.local import BackendUnavailable, SupervisorError
-from watchdog.protocol import rundir
+from watchdog.protocol import inputs, rundir
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ def _read_token_file(path: Path) -> str:
     A file other users can read is said (once a read, without the token): Ray's own
     ``ray.init()`` writes ``~/.ray/auth_token`` with the default umask, often 0644."""
     path = path.expanduser()
-    text = path.read_text(encoding="utf-8", errors="strict").strip()
+    text = inputs.read_text(path).strip()
     if not text:
         raise ValueError("empty")
     if any(c.isspace() for c in text):

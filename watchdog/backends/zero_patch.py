@@ -59,7 +59,7 @@ from watchdog.backends.verl_lr_patch import (
     wanted_changes,
 )
 from watchdog.core.planner import run_has_critic
-from watchdog.protocol import catalog, hydra, rundir, runinfo
+from watchdog.protocol import catalog, hydra, inputs, rundir, runinfo
 from watchdog.protocol import checkpoint as ckpt
 from watchdog.protocol.catalog import RESUME_MODE_KEY, RESUME_PATH_KEY
 from watchdog.protocol.runinfo import MODE_VERL, RunInfo
@@ -227,7 +227,7 @@ class GlueState:
     @classmethod
     def load(cls, path: Path) -> GlueState:
         try:
-            doc = json.loads(path.read_text())
+            doc = json.loads(inputs.read_text(path))
         except FileNotFoundError:
             return cls()
         except (OSError, ValueError) as exc:

@@ -19,12 +19,13 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from watchdog.core.rulefile import RULES_ENV, default_rules_paths
 from watchdog.core.vocabulary import DecisionKind
 from watchdog.protocol import catalog, hydra, rundir
 from watchdog.protocol.events import Event
-from watchdog.protocol.runinfo import RunInfo
+from watchdog.protocol.runinfo import RunInfo, RunInfoError
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,8 @@ commands = typer.Typer()
 def _console(stderr: bool = False) -> Console:
     # Not a terminal (pipes, CliRunner): a wide fixed width so tables are not cut to 80 columns.
     width = None if sys.stdout.isatty() else max(shutil.get_terminal_size((160, 40)).columns, 160)
-    return Console(stderr=stderr, width=width, soft_wrap=False)
+    # No markup: rule descriptions, metric names and log names are printed as they are ("[/x]" too).
+    return Console(stderr=stderr, width=width, soft_wrap=False, markup=False)
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -234,28 +236,28 @@ def rules_explain(
         hint = f" (did you mean {', '.join(near)}?)" if near else f" (known: {', '.join(sorted(by_name))})"
         _fail(f"no rule named {name!r}{hint}")
     con = _console()
-    con.print(f"[bold]{rule.name}[/bold]  severity={getattr(rule, 'severity', '')}"
-              f"  enabled={getattr(rule, 'enabled', True)}", highlight=False)
+    con.print(Text.assemble((rule.name, "bold"), f"  severity={getattr(rule, 'severity', '')}"
+                            f"  enabled={getattr(rule, 'enabled', True)}"), highlight=False)
     desc = str(getattr(rule, "description", "") or "").strip()
     if desc:
         con.print(desc, highlight=False)
-    con.print(f"when:  {_expr_text(rule, 'expr')}", highlight=False, markup=False)
+    con.print(f"when:  {_expr_text(rule, 'expr')}", highlight=False)
     for attr, label in (("clear", "clear: "), ("for_", "for:   "), ("keep_firing_for", "keep firing for: "),
                         ("cooldown", "cooldown: "), ("budget", "budget: ")):
         v = getattr(rule, attr, None)
         if v in (None, "", 0):
             continue
         text = _expr_text(rule, attr) if attr == "clear" else _budget_text(v) if attr == "budget" else f"{v} steps"
-        con.print(f"{label}{text}", highlight=False, markup=False)
+        con.print(f"{label}{text}", highlight=False)
     if getattr(rule, "repeat", False):
         con.print("repeat: yes (fires again every cooldown while the condition holds)", highlight=False)
     if getattr(rule, "divergence", False):
         con.print("divergence: yes (checkpoints taken while it fires are not known-good)", highlight=False)
     if getattr(rule, "source", ""):
-        con.print(f"defined at {rule.source}", highlight=False, markup=False)
+        con.print(f"defined at {rule.source}", highlight=False)
     con.print("actions:", highlight=False)
     for a in getattr(rule, "actions", ()):
-        con.print(f"  - {_describe_action(a)}", highlight=False, markup=False)
+        con.print(f"  - {_describe_action(a)}", highlight=False)
     metrics = _metrics_read(rule)
     if metrics:
         t = Table(title="metrics read")
@@ -391,14 +393,20 @@ def replay_cmd(
     ruleset = _load(rules)
     config: dict[str, Any] = {}
     events: list[Event] = list(res.events)  # e.g. an OOM traceback in a console log
-    if source.is_dir():
-        config = replay.flatten_config(RunInfo.read(source).config)
-        events = ingest.read_events(source)
+    try:
+        if source.is_dir():
+            config = replay.flatten_config(RunInfo.read(source).config)
+            events = ingest.read_events(source)
+        if events_file is not None:
+            if not events_file.is_file():
+                _fail(f"{events_file}: no such file")
+            chunk = rundir.read_jsonl(events_file)
+            events = rundir.events_of(chunk)
+    except RunInfoError as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"{exc.filename or source}: cannot be read ({exc.strerror or exc})")
     if events_file is not None:
-        if not events_file.is_file():
-            _fail(f"{events_file}: no such file")
-        chunk = rundir.read_jsonl(events_file)
-        events = rundir.events_of(chunk)
         for e in chunk.errors:
             typer.echo(f"warning: skipped {e}", err=True)
     config.update(_parse_sets(sets or []))
@@ -517,7 +525,8 @@ def eval_table(result: Any) -> Table:
     for s in result.scores:
         ff = f"{s.first_false.kind} {s.first_false.rule}@{s.first_false.step}" if s.first_false else "-"
         det = f"{s.detected.kind} {s.detected.rule}@{s.detected.step} ({s.delay:+d})" if s.detected else "-"
-        res = "[dim]fragment[/]" if s.label.verdict == "fragment" else ("[green]PASS[/]" if s.passed else "[red]FAIL[/]")
+        res = (Text("fragment", "dim") if s.label.verdict == "fragment"
+               else Text("PASS", "green") if s.passed else Text("FAIL", "red"))
         zp, pr = s.zero_patch, s.priced
         t.add_row(s.label.file.stem, s.label.verdict, res, ff, det, f"{s.rollbacks}/{s.pauses}/{s.alerts}",
                   f"{s.sets_per_100:.1f}",

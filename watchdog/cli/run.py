@@ -16,8 +16,8 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from watchdog.backends.local import SupervisorError
 from watchdog.control.controller import DONE_PHASES, RULE_CONFIG
@@ -39,7 +39,9 @@ from watchdog.sources.prometheus import PROMETHEUS_URL_ENV, source_config
 run_app = typer.Typer(help="Supervise and remediate training runs.", no_args_is_help=True)
 log = logging.getLogger(__name__)
 # Wide enough for the history table when output goes to a file or a CI log.
-console = Console(width=None if sys.stdout.isatty() else 150)
+# No console markup: what is printed carries run ids, paths and messages from files, and a "[/x]" in one
+# must print as it is, not fail (styles are given as ``style=``, emphasis as rich Text).
+console = Console(width=None if sys.stdout.isatty() else 150, markup=False)
 
 StateDir = Annotated[str, typer.Option("--state-dir", help="Watchdog state directory (SQLite); "
                                        "default $WATCHDOG_STATE_DIR or ./.watchdog.")]
@@ -51,7 +53,7 @@ def _store(state_dir: str | None, read_only: bool = True) -> Store:
     try:
         return Store(state_dir or state_dir_default(), create=False, busy_timeout_s=5.0, read_only=read_only)
     except StoreError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc
 
 
@@ -92,7 +94,7 @@ def _check_ray(address: str, token_file: Path | None) -> None:
     try:
         version = check_job_server(address, token_file)
     except SupervisorError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc
     log.info("Ray job server at %s (Ray %s)", address, version)
 
@@ -103,7 +105,7 @@ def _checked_overrides(items: list[str], option: str) -> list[str]:
         try:
             hydra.parse(item)
         except hydra.OverrideError as exc:
-            console.print(f"[red]{option}: {exc}[/red]")
+            console.print(f"{option}: {exc}", style="red")
             raise typer.Exit(2) from exc
     return list(items)
 
@@ -116,7 +118,7 @@ def _check_mode(mode: str, cmd: list[str]) -> None:
     try:
         resolved = verl_mode.resolve_mode(mode, cmd)
     except verl_mode.VerlModeError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc
     if resolved == verl_mode.MODE_VERL:
         console.print("zero-patch mode: verl changes nothing live; every change is a restart with resume")
@@ -209,17 +211,17 @@ def run_cmd(
     # by a shell, which starts it with SIGINT ignored (a supervisor's `kill -INT` must still work).
     stop = _stop_on_signals()
     if not (math.isfinite(tick) and tick > 0):
-        console.print(f"[red]--tick must be a positive number of seconds, got {tick!r}[/red]")
+        console.print(f"--tick must be a positive number of seconds, got {tick!r}", style="red")
         raise typer.Exit(2)
     if ray_address:
         _check_ray(ray_address, ray_token_file)
     elif ray_token_file is not None:
-        console.print("[red]--ray-token-file is for a Ray cluster: give --ray-address too[/red]")
+        console.print("--ray-token-file is for a Ray cluster: give --ray-address too", style="red")
         raise typer.Exit(2)
     try:
         src = source_config(source, prometheus_url, file_sd_dir)
     except ValueError as exc:
-        console.print(f"[red]--source: {exc}[/red]")
+        console.print(f"--source: {exc}", style="red")
         raise typer.Exit(2) from exc
     rd = Path(run_dir or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     _check_run_dir_name(rd, bool(command))
@@ -229,7 +231,7 @@ def run_cmd(
         probe.write_bytes(b"")  # the trainer and the watchdog both write here
         probe.unlink()
     except OSError as exc:
-        console.print(f"[red]--run-dir {rd}: cannot be written ({exc.strerror or exc})[/red]")
+        console.print(f"--run-dir {rd}: cannot be written ({exc.strerror or exc})", style="red")
         raise typer.Exit(2) from exc
     if command:
         cmd = list(command)
@@ -253,7 +255,7 @@ def run_cmd(
             exclusive=True,
         )
     except (ValueError, StoreError, locks.LockHeld) as exc:  # a bad setting (--on-escalate maybe), a state dir
-        console.print(f"[red]{exc}[/red]")                   # that is a file, one another watchdog holds
+        console.print(f"{exc}", style="red")                   # that is a file, one another watchdog holds
         raise typer.Exit(2) from exc
     try:
         # Shared with the daemon: the run dir is taken, then set up for its mode, then registered.
@@ -261,9 +263,9 @@ def run_cmd(
                          mode=mode, run_metrics_port=run_metrics_port)
     except (OSError, ValueError) as exc:  # the run dir another watchdog or a live trainer holds; a bad run.json
         wd.close()
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc
-    console.print(f"watchdog: run [bold]{ctl.run.run_id}[/bold] in {rd} (state {wd.store.path})")
+    console.print(Text.assemble("watchdog: run ", (ctl.run.run_id, "bold"), f" in {rd} (state {wd.store.path})"))
     try:
         wd.serve_forever(tick, until_done=True, stop=stop.event)
     except KeyboardInterrupt:  # a second signal while the scheduler was finishing its tick
@@ -275,17 +277,17 @@ def run_cmd(
     run = wd.store.require_run(ctl.run.run_id)
     decisions = wd.store.decisions(run.run_id)
     _print_history(decisions, title=f"What the watchdog did in run {run.run_id}")
-    console.print(f"phase [bold]{run.phase}[/bold], last step {run.last_step}, restarts {run.restarts}, "
-                  f"OOM retries {run.oom_retries}, control version {run.control_version}")
+    console.print(Text.assemble("phase ", (str(run.phase), "bold"), f", last step {run.last_step}, restarts "
+                                f"{run.restarts}, OOM retries {run.oom_retries}, control version {run.control_version}"))
     verdict = next((j.result.get("outcome", "") for j in reversed(wd.store.journal(run.run_id))
                     if j.kind == JournalKind.STOP and j.status == ActionStatus.DONE), "")
     if verdict:
-        console.print(f"[red]verdict: {verdict}[/red]")
+        console.print(f"verdict: {verdict}", style="red")
     # The newest give-up, when it was a refused configuration (not one of an earlier attempt in this run dir).
     given_up = next((d for d in reversed(decisions) if d["kind"] == "escalate"), None)
     refused = given_up if given_up and given_up["rule"] == RULE_CONFIG and run.phase == Phase.FAILED else None
     if refused is not None:  # the cause, where the user looks (it is also in trainer.log and `history`)
-        console.print(f"[red]{escape(refused['message'])}[/red]")
+        console.print(f"{refused['message']}", style="red")
     if report:
         try:
             from watchdog.observe.report import restart_spans, write_report
@@ -294,7 +296,7 @@ def run_cmd(
                 path = write_report(rd, decisions, rd / f"report{suffix}", restart_spans(decisions))
             console.print(f"report: {rd / 'report.html'} and {path}")
         except Exception as exc:  # a failed report must not hide the run's outcome
-            console.print(f"[yellow]report not written: {exc}[/yellow]")
+            console.print(f"report not written: {exc}", style="yellow")
     console.print(f"history: watchdog history {run.run_id} --json")
     # 2: the trainer refused its configuration (bad input, as a bad option would be); 1: the run failed.
     raise typer.Exit(0 if run.phase == Phase.FINISHED else 2 if refused is not None else 1)
@@ -338,8 +340,8 @@ def _check_run_dir_name(rd: Path, own_command: bool) -> None:
     try:
         hydra.parse(f"trainer.run_dir={rd}")
     except hydra.OverrideError as exc:
-        console.print(f"[red]--run-dir {rd}: not a path the trainer can be given as trainer.run_dir ({exc}); "
-                      "use ASCII letters, digits and - _ . / in it[/red]")
+        console.print(f"--run-dir {rd}: not a path the trainer can be given as trainer.run_dir ({exc}); "
+                      "use ASCII letters, digits and - _ . / in it", style="red")
         raise typer.Exit(2) from exc
 
 
@@ -384,7 +386,7 @@ def daemon_cmd(
     try:
         cfg = load_daemon_config(config)
     except DaemonConfigError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc
     if shard is None:
         console.print(f"watchdog daemon: {len(cfg.runs)} run(s), tick {cfg.tick_s}s, state {cfg.state_dir}"
@@ -392,11 +394,11 @@ def daemon_cmd(
     stop = _stop_on_signals()
     try:
         wd = run_daemon(cfg, stop=stop.event, config_path=config, shard=shard,
-                        say=functools.partial(console.print, markup=False, highlight=False))
+                        say=functools.partial(console.print, highlight=False))
     except KeyboardInterrupt:
         raise typer.Exit(0) from None
     except (DaemonConfigError, StoreError, locks.LockHeld) as exc:  # e.g. a Grafana token file that cannot be
-        console.print(f"[red]{config}: {exc}[/red]")                # read, a state another watchdog holds
+        console.print(f"{config}: {exc}", style="red")                # read, a state another watchdog holds
         raise typer.Exit(2) from exc
     # A daemon that stops leaves its trainers running for the next daemon to adopt (a deploy, a reboot
     # of the watchdog's host): said here, and `watchdog status` says it of each run until then.
@@ -418,16 +420,16 @@ def status_cmd(
     try:
         store = Store(state_dir or state_dir_default(), create=False, busy_timeout_s=5.0, read_only=True)
     except NoState as exc:  # exit 2 as `history` does: a state directory that is not there is bad input
-        console.print(f"[red]no runs in {exc.path}: no watchdog state there{_empty_note(exc.path)} "
-                      "(give --state-dir or set $WATCHDOG_STATE_DIR to look elsewhere)[/red]")
+        console.print(f"no runs in {exc.path}: no watchdog state there{_empty_note(exc.path)} "
+                      "(give --state-dir or set $WATCHDOG_STATE_DIR to look elsewhere)", style="red")
         raise typer.Exit(2) from exc
     except StoreError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc
     try:
         runs = [store.require_run(run)] if run else store.list_runs()
     except StoreError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc
     rows = []
     for r in runs:
@@ -456,7 +458,7 @@ def status_cmd(
     console.print(t)
     for row in rows:
         if str(row["supervised"]).startswith("UNSUPERVISED"):
-            console.print(f"[red]{row['run']}: {row['supervised']}[/red]")
+            console.print(f"{row['run']}: {row['supervised']}", style="red")
 
 
 def supervision(run_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -525,7 +527,7 @@ def history_cmd(
     """Every remediation with its step, rule, inputs and outcome."""
     store = _store(state_dir)
     if run and store.get_run(run) is None:
-        console.print(f"[red]{store.path}: no run {run!r}[/red]")
+        console.print(f"{store.path}: no run {run!r}", style="red")
         raise typer.Exit(2)
     decisions = [d for d in store.decisions(run) if all_decisions or shown_in_history(d)]
     if as_json:
@@ -541,16 +543,16 @@ def resume_cmd(run: Annotated[str, typer.Argument(help="Run id.")], state_dir: S
     try:
         r = store.require_run(run)
     except StoreError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc
     if r.phase in DONE_PHASES:  # nothing watches it any more: a queued resume would never be sent
-        console.print(f"[red]run {run} has {r.phase}: there is nothing to resume (start it again with "
-                      f"`watchdog run --run-dir {r.run_dir}`)[/red]")
+        console.print(f"run {run} has {r.phase}: there is nothing to resume (start it again with "
+                      f"`watchdog run --run-dir {r.run_dir}`)", style="red")
         raise typer.Exit(2)
     try:
         aid = store.add_action(run, "resume", {"rule": "human:resume", "requested_phase": r.phase})
     except StoreError as exc:  # locked past the timeout by a writer: said, nothing queued
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc
     console.print(f"resume of {run} queued (journal {aid}); the watchdog applies it at its next tick")
 
@@ -570,9 +572,9 @@ def report_cmd(
         decisions = store.decisions(run)
         path = write_report(r.run_dir, decisions, out, restart_spans(decisions))
     except (StoreError, ReportError) as exc:  # no such run, nothing to plot, not .png/.html: bad input
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc
     except OSError as exc:  # --out in a directory that cannot be created or written
-        console.print(f"[red]--out {out}: cannot be written ({exc.strerror or exc})[/red]")
+        console.print(f"--out {out}: cannot be written ({exc.strerror or exc})", style="red")
         raise typer.Exit(2) from exc
     console.print(f"report written: {path}")

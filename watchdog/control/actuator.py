@@ -42,7 +42,7 @@ from watchdog.backends.local import Backend, BackendUnavailable, LocalBackend, T
 from watchdog.control.store import UNWATCHED, ActionRecord, BadSpan, Phase, RunRecord, Store
 from watchdog.core.planner import clip_bound_sets, config_value, snap_sets
 from watchdog.core.vocabulary import ActionStatus, JournalKind
-from watchdog.protocol import hydra
+from watchdog.protocol import hydra, inputs
 from watchdog.protocol.catalog import (
     CLIP_HIGH_KEY,
     CLIP_LOW_KEY,
@@ -144,7 +144,7 @@ def resolve_webhook_url(url_file: str | Path | None = None, configured: str | No
     path = url_file or (None if configured else os.environ.get(WEBHOOK_URL_FILE_ENV))
     if path:
         try:
-            lines = Path(path).read_text(encoding="utf-8").splitlines()
+            lines = inputs.read_text(path).splitlines()
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"webhook URL file {path}: cannot be read ({exc})") from exc
         url = next((ln.strip() for ln in lines if ln.strip()), "")
@@ -170,7 +170,7 @@ def webhook_target(url: str) -> tuple[str, dict[str, str]]:
     parts = urllib.parse.urlsplit(url.strip())
     if parts.scheme.lower() not in ("http", "https"):
         scheme = parts.scheme or "none"
-        raise ValueError(f"scheme {scheme!r:.20} is not supported: a webhook URL is http:// or https://")
+        raise ValueError(f"scheme {inputs.short_repr(scheme, 20)} is not supported: a webhook URL is http:// or https://")
     try:
         host, port = parts.hostname, parts.port  # port: a ValueError when it is not a number in range
     except ValueError as exc:

@@ -12,6 +12,7 @@ import gc
 import logging
 import math
 import os
+import re
 import threading
 import time
 import types
@@ -54,12 +55,16 @@ from watchdog.control.store import Phase, RunRecord, Store, StoreError
 from watchdog.core.planner import ON_ESCALATE
 from watchdog.core.rulefile import default_rules_paths
 from watchdog.observe.telemetry import WatchdogMetrics
+from watchdog.protocol import inputs
 from watchdog.protocol import lock as locks
 from watchdog.sources.prometheus import SOURCES, SourceConfig, make_source, source_config
 
 log = logging.getLogger(__name__)
 
 DEFAULT_STATE_DIR = ".watchdog"
+
+#: The largest daemon config read (a config of a thousand runs is about 100 KB; past this it is not one).
+CONFIG_MAX_BYTES = 16 * 2**20
 
 
 def state_dir_default() -> str:
@@ -88,6 +93,15 @@ GC_YOUNG_EVERY = 10_000
 #: How often a daemon's cyclic garbage collector makes a full pass over what earlier ticks left alive
 #: (seconds), after a tick's work (:meth:`Watchdog._freeze_survivors`).
 FULL_GC_EVERY_S = 3600.0
+
+
+def real_path(path: Path | str) -> Path:
+    """``path`` with its symlinks resolved; where they cannot be (a symlink loop), made absolute as it is, so
+    that the directory is refused for what it is when it is used, said with the run, not here."""
+    try:
+        return Path(path).resolve()
+    except (OSError, RuntimeError):  # (Python 3.11's resolve raises RuntimeError on a loop)
+        return Path(os.path.abspath(path))
 
 
 class DaemonConfigError(ValueError):
@@ -128,7 +142,7 @@ class RunSpec:
     def shard_key(self) -> str:
         """What this run's shard is decided on: the id the daemon gives it, ``id`` else the directory's name
         (as :meth:`Watchdog.add_run` names a new run). Two runs whose ids could collide land in one process."""
-        return self.id if self.id is not None else Path(self.run_dir).resolve().name
+        return self.id if self.id is not None else real_path(self.run_dir).name
 
 
 @dataclass
@@ -204,7 +218,7 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
     """Parse the daemon YAML (safe_load); unknown keys are errors naming the file and key."""
     path = Path(path)
     try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        doc = yaml.safe_load(inputs.read_text(path, CONFIG_MAX_BYTES)) or {}
     except OSError as exc:
         raise DaemonConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     except UnicodeDecodeError as exc:
@@ -219,7 +233,7 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
     _check_fields(path, "", doc, DaemonConfig)
     raw_runs = doc.get("runs", []) or []
     if not isinstance(raw_runs, list):
-        raise DaemonConfigError(f"{path}: runs must be a list of run directories, got {raw_runs!r:.60}")
+        raise DaemonConfigError(f"{path}: runs must be a list of run directories, got {inputs.short_repr(raw_runs, 60)}")
     runs = []
     for i, r in enumerate(raw_runs):
         if isinstance(r, str):
@@ -285,7 +299,11 @@ def _check_fields(path: Path, prefix: str, doc: Any, cls: type) -> None:
             continue  # checked run by run
         what = _type_error(value, hints[key])
         if what:
-            raise DaemonConfigError(f"{path}: {prefix}{key} must be {what}, got {value!r:.80}")
+            raise DaemonConfigError(f"{path}: {prefix}{key} must be {what}, got {inputs.short_repr(value, 80)}")
+
+
+_YAML11_TEXT_NUMBER = re.compile(r"[-+]?[0-9]+[eE][-+]?[0-9]+")
+"""A number PyYAML's YAML 1.1 resolver reads as a string (no point before the exponent: ``1e-3``)."""
 
 
 def _type_error(value: Any, hint: Any) -> str | None:
@@ -310,6 +328,8 @@ def _type_error(value: Any, hint: Any) -> str | None:
         return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
     if hint is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not ok and isinstance(value, str) and _YAML11_TEXT_NUMBER.fullmatch(value.strip()):
+            return f"a finite number (YAML 1.1 reads {value.strip()} as text: write it with a point, as 1.0e-3)"
         return None if ok else "a finite number"
     if hint is str:
         return None if isinstance(value, str) else "a string"
@@ -380,7 +400,7 @@ class Watchdog:
         on the same directory: the user asks for a new attempt); the daemon passes False, so
         restarting the daemon does not relaunch the runs of its config that already ended.
         ``on_escalate``: this run's escalation policy (default: the controller config's)."""
-        run_dir = Path(run_dir).resolve()
+        run_dir = real_path(run_dir)
         # A run is its directory: the record of this very directory, whatever its name; a new
         # directory whose name another one has gets its own id (never the other's record).
         existing = self.store.run_for_dir(run_dir)
@@ -444,6 +464,8 @@ class Watchdog:
         a run that would get a second trainer: one is alive there (it holds the trainer lock) that is not
         the one this state knows (adopted instead by :func:`prepare_daemon`, which passes through)."""
         try:
+            if not launches and not os.path.lexists(run_dir):  # a trainer yet to start, or a path mistyped: said
+                log.warning("%s: no such directory: made it, and watching it for a trainer to write there", run_dir)
             run_dir.mkdir(parents=True, exist_ok=True)
             held = locks.HolderLock(run_dir / locks.RUN_LOCK, "the run").acquire()
         except locks.LockHeld:
@@ -761,7 +783,11 @@ def build_watchdog(
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise DaemonConfigError(f"metrics port {metrics_port}: cannot serve /metrics on "
                                     f"{metrics_addr}:{metrics_port} ({reason})") from exc
-        log.info("watchdog /metrics on http://%s:%d/metrics", metrics_addr, port)
+        if metrics_addr in ("127.0.0.1", "::1", "localhost"):
+            log.info("watchdog /metrics on http://%s:%d/metrics", metrics_addr, port)
+        else:  # asked for, and said: the runs' names and phases are then readable from other hosts
+            log.warning("watchdog /metrics on http://%s:%d/metrics: reachable from other hosts (metrics_addr; "
+                        "127.0.0.1 keeps it on this one)", metrics_addr, port)
     return Watchdog(
         store, rules, LocalBackend(), notifier, controller_config, actuator_config, telemetry, crash_hook,
         annotator=_annotator(grafana_url), exclusive=exclusive, state_lock=state_lock,
@@ -921,7 +947,7 @@ def prepare_daemon(cfg: DaemonConfig, exclusive: bool = True, shard: int | None 
         try:
             add()
         except Exception as exc:  # one bad run never blinds the daemon to the others
-            wd.mark_unwatched(str(Path(spec.run_dir).resolve()), exc, retry=add)
+            wd.mark_unwatched(str(real_path(spec.run_dir)), exc, retry=add)
     return wd
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from watchdog.protocol import catalog
+from watchdog.protocol.inputs import short_repr
 
 
 @dataclass(frozen=True)
@@ -117,25 +118,43 @@ SET_OPS = ("scale", "add", "to")
 _UNIT_SUFFIXES = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "cliprange_value", "gamma", "lam",
                   "gpu_memory_utilization")
 
+#: The largest learning rate set: an Adam step moves each weight by about lr, and a pretrained model's weights
+#: are a few hundredths; at 1 every step replaces them, which no fine-tuning remedy means.
+MAX_LR = 1.0
+#: The largest KL coefficient set: at 100, a KL of 0.01 nats costs a whole reward of 1, so the policy can no
+#: longer move for any reward; past it a coefficient is a typo or a runaway, not a remedy.
+MAX_KL_COEF = 100.0
+#: The largest entropy coefficient set: at 1 the entropy bonus weighs as much as the policy loss itself.
+MAX_ENTROPY_COEF = 1.0
+#: The largest whole number set (batch sizes, token budgets, epochs): what a signed 32-bit count holds;
+#: no batch, budget or epoch count is near it.
+MAX_COUNT = 2**31 - 1
+_CEILINGS = {"lr": MAX_LR, "kl_coef": MAX_KL_COEF, "kl_loss_coef": MAX_KL_COEF, "entropy_coeff": MAX_ENTROPY_COEF}
+
 
 def value_problem(key: str, value: Any) -> str | None:
     """Why ``value`` cannot be ``key``'s value (None when it can): every value a rule, the controller or
-    a trainer sets is finite, whole for whole-number keys, at least 1 for batch sizes and epochs,
-    positive for learning rates, in (0, 1] for clip ranges and fractions, and never negative."""
+    a trainer sets is finite, whole for whole-number keys, from 1 to :data:`MAX_COUNT` for batch sizes and
+    epochs, in (0, :data:`MAX_LR`] for learning rates, in (0, 1] for clip ranges and fractions, never negative,
+    and at most :data:`MAX_KL_COEF` for KL coefficients and :data:`MAX_ENTROPY_COEF` for the entropy's."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"{key} must be a number, got {value!r:.40}"
+        return f"{key} must be a number, got {short_repr(value, 40)}"
     if not math.isfinite(value):
         return f"{key} must be a finite number, got {value!r}"
     t = TUNABLE_KEYS.get(key)
     if t is not None and t.integer:
-        if float(value) != int(value) or value < 1:
-            return f"{key} must be a whole number >= 1, got {value!r}"
+        if float(value) != int(value) or not 1 <= value <= MAX_COUNT:
+            return f"{key} must be a whole number from 1 to {MAX_COUNT:,}, got {value!r}"
         return None
-    if key.rsplit(".", 1)[-1] in _UNIT_SUFFIXES:
+    leaf = key.rsplit(".", 1)[-1]
+    if leaf in _UNIT_SUFFIXES:
         return None if 0 < value <= 1 else f"{key} must be in (0, 1], got {value!r}"
-    if key.endswith(".lr"):
-        return None if value > 0 else f"{key} must be > 0, got {value!r}"
-    return None if value >= 0 else f"{key} must be >= 0, got {value!r}"
+    if leaf == "lr":
+        return None if 0 < value <= MAX_LR else f"{key} must be in (0, {MAX_LR:g}], got {value!r}"
+    if value < 0:
+        return f"{key} must be >= 0, got {value!r}"
+    ceiling = _CEILINGS.get(leaf)
+    return None if ceiling is None or value <= ceiling else f"{key} must be at most {ceiling:g}, got {value!r}"
 
 
 @dataclass(frozen=True)
@@ -173,7 +192,12 @@ class SetAction:
 
     def factor(self, repeat: int = 1) -> float:
         """The scale of the ``repeat``-th fire (1-based): ``value``, or ``value ** repeat`` when growing."""
-        return self.value ** max(1, repeat) if self.grow else self.value
+        if not self.grow:
+            return self.value
+        try:
+            return math.pow(self.value, max(1, repeat))
+        except OverflowError:  # (x10 compounded over hundreds of fires): infinite, which no value may be
+            return math.inf
 
     def apply(self, current: float, repeat: int = 1) -> float:
         """The new value from the current one (clamped; whole numbers for integer keys)."""

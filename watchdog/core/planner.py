@@ -143,6 +143,7 @@ def snap_micro_batch(value: int, mini_batch: int | None) -> int:
     value = max(1, int(value))
     if not mini_batch or mini_batch < 1:
         return value
+    value = min(value, mini_batch)  # (nothing above the mini batch divides it: a huge value is not counted down)
     while value > 1 and mini_batch % value:
         value -= 1
     return value

@@ -57,11 +57,12 @@ import yaml
 
 from watchdog.core import actions as act
 from watchdog.core.expr import BOOL, NUM, Compiled, ExprError, compile_expr
+from watchdog.protocol import inputs
 
 RULES_VERSION = 1
 SEVERITIES = ("info", "warning", "critical")
 _NAME = re.compile(r"^[a-z][a-z0-9_]*$")
-_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+_FLOAT = re.compile(r"^[-+]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?$")
 
 
 INSTALLED_RULES = "share/ppo-watchdog/rules"
@@ -264,6 +265,31 @@ class RuleSet:
 
 _CONSTRUCTOR = yaml.constructor.SafeConstructor()
 
+#: The most alias references (``*name``) a rule or test file may make. An alias shares a node, and each use
+#: is read again: 3,000 uses of a 1 MB description are 3 GB to read (a "billion laughs"). Anchors for a
+#: shared action list are a dozen uses, not a hundred.
+MAX_ALIASES = 100
+#: The largest rule, test or labels file read (the default pack is about 50 KB).
+MAX_FILE_BYTES = 4 * 2**20
+#: C0 and C1 control characters other than tab and newline: in a name, description or message they would
+#: drive the terminal that prints it (clear it, recolour it, rewrite a line).
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing more than :data:`MAX_ALIASES` alias references."""
+
+    _aliases = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:  # type: ignore[override]
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise yaml.composer.ComposerError(
+                    None, None, f"more than {MAX_ALIASES} aliases (*name): not a rule file (a YAML alias bomb?)",
+                    self.peek_event().start_mark)
+        return super().compose_node(parent, index)  # type: ignore[no-any-return]
+
 
 class YamlReader:
     """Reads a composed YAML node tree and collects errors with positions instead of raising."""
@@ -279,7 +305,7 @@ class YamlReader:
     def compose(self, text: str) -> yaml.Node | None:
         """Compose YAML text to nodes; a syntax error is recorded and None returned."""
         try:
-            return yaml.compose(text, Loader=yaml.SafeLoader)
+            return yaml.compose(text, Loader=_Loader)
         except yaml.MarkedYAMLError as exc:
             mark = exc.problem_mark or exc.context_mark
             line, col = (mark.line + 1, mark.column + 1) if mark else (1, 1)
@@ -324,14 +350,18 @@ class YamlReader:
             return node
         try:
             return _CONSTRUCTOR.construct_object(node)
-        except yaml.YAMLError as exc:
-            self.error(node, f"bad scalar: {exc}")
+        except (yaml.YAMLError, ValueError, OverflowError, TypeError) as exc:  # (!!int abc, !!float x, a bad date)
+            self.error(node, f"bad scalar {inputs.short_repr(node.value, 40)}: {exc}")
             return None
 
     def string(self, node: yaml.Node, where: str, allow_empty: bool = False) -> str | None:
         v = self.scalar(node)
         if not isinstance(v, str) or (not allow_empty and not v.strip()):
             self.error(node, f"{where} must be a {'non-empty ' if not allow_empty else ''}string, got {_show(v)}")
+            return None
+        if (bad := _CONTROL.search(v)) is not None:
+            self.error(node, f"{where} holds a control character (U+{ord(bad.group()):04X}): only tab and newline are "
+                             "allowed")
             return None
         return v
 
@@ -353,7 +383,7 @@ class YamlReader:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             self.error(node, f"{where} must be a number, got {_show(v)}")
             return None
-        if not math.isfinite(v):
+        if isinstance(v, int) and abs(v) > 1e300 or not math.isfinite(v):  # (an int past 1e308 is no float)
             self.error(node, f"{where} must be a finite number, got {_show(v)}")
             return None
         return float(v)
@@ -383,7 +413,7 @@ def _kind(node: yaml.Node) -> str:
 def _show(v: Any) -> str:
     if isinstance(v, yaml.Node):
         return _kind(v)
-    return repr(v)
+    return inputs.short_repr(v)
 
 
 # -- rules ----------------------------------------------------------------------------
@@ -588,6 +618,9 @@ def _calibration(r: YamlReader, node: yaml.Node, where: str, params: dict[str, f
         margin = None
     lo = r.number(m["min"][1], f"{where}.min") if "min" in m else None
     hi = r.number(m["max"][1], f"{where}.max") if "max" in m else None
+    if lo is not None and hi is not None and lo > hi:
+        r.error(m["min"][1], f"{where}: min {lo:g} is above max {hi:g}")
+        return None
     if stat is None or margin is None or ("min" in m and lo is None) or ("max" in m and hi is None) \
             or ("when" in m and when is None):
         return None
@@ -689,7 +722,7 @@ def _compose_pack(r: YamlReader, text: str) -> dict[str, tuple[yaml.Node, yaml.N
         return None
     if "version" in m:
         v = r.scalar(m["version"][1])
-        if v != RULES_VERSION:
+        if type(v) is not int or v != RULES_VERSION:  # (not true, nor 1.0: both equal 1 in Python)
             r.error(m["version"][1], f"unsupported version {_show(v)} (this watchdog reads version {RULES_VERSION})")
     if "rules" not in m and "params" not in m:
         r.error(root, "rule file: missing required key 'rules' (an overlay pack has 'params' instead)")
@@ -720,6 +753,7 @@ class _ParamTable:
         self.decl: dict[str, tuple[YamlReader, yaml.Node, dict[str, Any], str]] = {}
         self.values: dict[str, float] = {}
         self.overridden: dict[str, str] = {}
+        self.overlay_nodes: dict[str, tuple[YamlReader, yaml.Node]] = {}
 
     def add(self, r: YamlReader, m: dict[str, tuple[yaml.Node, yaml.Node]]) -> None:
         if "params" not in m:
@@ -739,12 +773,22 @@ class _ParamTable:
             else:
                 self.values[name] = value
                 self.overridden[name] = at
+                self.overlay_nodes[name] = (r, knode)
 
     def build(self) -> tuple[Param, ...]:
         out = []
         for name, (r, _knode, decl, at) in self.decl.items():
             cal = decl.get("calibrate")
             calibration = _calibration(r, cal, f"params.{name}.calibrate", self.values) if cal is not None else None
+            if calibration is not None and name in self.overlay_nodes:
+                # The pack's floor and ceiling are principles (KL at least doubles): an overlay moves a value
+                # within them, as a calibration does, and never past them (kl_jump 0 rolls back every step).
+                v, lo, hi = self.values[name], calibration.min, calibration.max
+                if (lo is not None and v < lo) or (hi is not None and v > hi):
+                    where, knode = self.overlay_nodes[name]
+                    where.error(knode, f"params.{name}: {v:g} is outside what its pack allows "
+                                       f"({'-inf' if lo is None else f'{lo:g}'} to {'inf' if hi is None else f'{hi:g}'}, "
+                                       f"params.{name}.calibrate at {at})")
             out.append(Param(name, self.values[name], decl["description"], calibration, at,
                              self.overridden.get(name, "")))
         return tuple(out)
@@ -785,7 +829,7 @@ def load_rules(paths: Sequence[str | Path]) -> RuleSet:
     table = _ParamTable()
     for f in files:
         try:
-            text = f.read_text(encoding="utf-8")
+            text = inputs.read_text(f, MAX_FILE_BYTES)
         except (OSError, UnicodeDecodeError) as exc:
             errors.append(RuleError(str(f), 1, 1, f"cannot read rule file: {exc}"))
             continue
@@ -803,7 +847,7 @@ def load_rules(paths: Sequence[str | Path]) -> RuleSet:
         for rule in got:
             if rule.name in where:
                 line = int(rule.source.rsplit(":", 1)[1])
-                errors.append(RuleError(str(f), line, 1, f"rule {rule.name!r} is already defined at {where[rule.name]}"))
+                errors.append(RuleError(r.file, line, 1, f"rule {rule.name!r} is already defined at {where[rule.name]}"))
                 continue
             where[rule.name] = rule.source
             rules.append(rule)

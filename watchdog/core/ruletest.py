@@ -32,9 +32,17 @@ from typing import Any
 import yaml
 
 from watchdog.core.engine import STATUSES, Decision, EngineState, evaluate
-from watchdog.core.rulefile import RuleError, RuleFileError, RuleSet, YamlReader, load_rules
+from watchdog.core.rulefile import (
+    MAX_FILE_BYTES,
+    RuleError,
+    RuleFileError,
+    RuleSet,
+    YamlReader,
+    _show,
+    load_rules,
+)
 from watchdog.core.series import Window
-from watchdog.protocol import catalog
+from watchdog.protocol import catalog, inputs
 from watchdog.protocol.events import EVENT_KINDS
 
 _ITEM = re.compile(
@@ -123,7 +131,7 @@ def _fmt(d: Decision) -> str:
 def _read_test_file(path: Path) -> tuple[RuleSet | None, list[dict[str, Any]], list[RuleError]]:
     r = YamlReader(str(path))
     try:
-        text = path.read_text(encoding="utf-8")
+        text = inputs.read_text(path, MAX_FILE_BYTES)
     except (OSError, UnicodeDecodeError) as exc:
         return None, [], [RuleError(str(path), 1, 1, f"cannot read test file: {exc}")]
     root = r.compose(text)
@@ -181,6 +189,9 @@ def _read_test(r: YamlReader, node: yaml.Node, i: int, rules: RuleSet | None) ->
             r.error(knode, f"{where}: unknown metric {key!r}")
             continue
         v = r.scalar(vnode)
+        if isinstance(v, yaml.Node):
+            r.error(vnode, f"{where}.input_series.{key}: must be a series of values in a string, got {_show(v)}")
+            continue
         try:
             series[metric.short] = parse_series(v if isinstance(v, str) else str(v))
         except SeriesError as exc:
@@ -192,7 +203,7 @@ def _read_test(r: YamlReader, node: yaml.Node, i: int, rules: RuleSet | None) ->
             continue
         ev = {k: r.scalar(v) for k, (_, v) in em.items()}
         if ev["kind"] not in EVENT_KINDS:
-            r.error(em["kind"][1], f"{where}: unknown event kind {ev['kind']!r}")
+            r.error(em["kind"][1], f"{where}: unknown event kind {_show(ev['kind'])}")
         if not isinstance(ev["step"], int) or isinstance(ev["step"], bool):
             r.error(em["step"][1], f"{where}: event step must be a whole number")
         elif start is not None and not 0 <= ev["step"] - start < MAX_SERIES_STEPS:
@@ -208,7 +219,7 @@ def _read_test(r: YamlReader, node: yaml.Node, i: int, rules: RuleSet | None) ->
         rule = r.string(em["rule"][1], f"{where}.expect[].rule")
         kind = r.scalar(em["kind"][1])
         if kind not in ("fire", "escalate", "resolve"):
-            r.error(em["kind"][1], f"{where}: expected kind must be fire, escalate or resolve, got {kind!r}")
+            r.error(em["kind"][1], f"{where}: expected kind must be fire, escalate or resolve, got {_show(kind)}")
         if rule is not None and rules is not None and rules.get(rule) is None:
             r.error(em["rule"][1], f"{where}: unknown rule {rule!r}")
         acts = None
@@ -221,9 +232,12 @@ def _read_test(r: YamlReader, node: yaml.Node, i: int, rules: RuleSet | None) ->
         em = r.mapping(en, f"{where}.expect_state[]", ("step", "rule", "status"), required=("step", "rule", "status"))
         if em is None or not {"step", "rule", "status"} <= set(em):
             continue
-        st = {k: r.scalar(v) for k, (_, v) in em.items()}
+        st = {"step": r.integer(em["step"][1], f"{where}.expect_state[].step"),
+              "rule": r.string(em["rule"][1], f"{where}.expect_state[].rule"), "status": r.scalar(em["status"][1])}
         if st["status"] not in STATUSES:
             r.error(em["status"][1], f"{where}: status must be one of {', '.join(STATUSES)}")
+        if st["rule"] is not None and rules is not None and rules.get(st["rule"]) is None:
+            r.error(em["rule"][1], f"{where}: unknown rule {st['rule']!r}")
         states.append(st)
     complete = r.boolean(m["complete"][1], f"{where}.complete") if "complete" in m else True
     if len(r.errors) > n_err:

@@ -49,8 +49,8 @@ from typing import Any
 from watchdog.core import engine
 from watchdog.core.planner import PlanContext, Planned, plan_decision
 from watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
-from watchdog.core.rulefile import RuleError, RuleSet, YamlReader
-from watchdog.protocol import catalog
+from watchdog.core.rulefile import MAX_FILE_BYTES, RuleError, RuleSet, YamlReader
+from watchdog.protocol import catalog, inputs
 from watchdog.sources import ingest
 
 LABELS_VERSION = 1
@@ -101,7 +101,7 @@ def load_labels(path: Path | str) -> list[Label]:
     """Read and validate a labels file; :class:`LabelsError` lists every problem at once."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = inputs.read_text(path, MAX_FILE_BYTES)
     except (OSError, UnicodeDecodeError) as exc:
         raise LabelsError([RuleError(str(path), 1, 1, f"cannot read labels file: {exc}")]) from exc
     r = YamlReader(str(path))

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from watchdog.protocol import rundir
+from watchdog.protocol import inputs, rundir
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def _remove_stale_temporaries(root: Path) -> None:
 def _read_manifest(path: Path) -> dict[str, Any]:
     mpath = path / MANIFEST
     try:
-        text = mpath.read_text()
+        text = inputs.read_text(mpath)
     except FileNotFoundError:
         raise CheckpointError(path, f"no {MANIFEST} (incomplete or torn save)") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -303,7 +303,7 @@ def list_checkpoints(root: Path | str, verify: bool = True) -> list[CheckpointIn
         except CheckpointError as exc:
             epoch = -1
             try:
-                raw = json.loads((p / MANIFEST).read_text())
+                raw = json.loads(inputs.read_text(p / MANIFEST))
                 epoch = int(raw.get("epoch", -1))
             except (OSError, ValueError, TypeError, AttributeError):
                 pass
@@ -343,7 +343,7 @@ def last_known_good(root: Path | str, bad_steps: Callable[[int], bool] | set[int
 def read_marker(root: Path | str) -> int | None:
     """The step in verl's ``latest_checkpointed_iteration.txt``, or None when absent or garbled."""
     try:
-        return int((Path(root) / rundir.LATEST_MARKER).read_text().strip())
+        return int(inputs.read_text(Path(root) / rundir.LATEST_MARKER).strip())
     except (FileNotFoundError, ValueError):
         return None
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
-from watchdog.protocol import catalog, rundir
+from watchdog.protocol import catalog, inputs, rundir
 from watchdog.protocol.rundir import CONTROL, PathError, atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def parse_control(text: str, path: Path | str = CONTROL) -> Control:
         raise ControlError(path, f"unknown key(s): {', '.join(sorted(unknown))}")
     version = doc.get("version", 0)
     if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version <= MAX_VERSION:
-        raise ControlError(path, f"'version' must be an integer from 0 to {MAX_VERSION}, got {version!r:.40}")
+        raise ControlError(path, f"'version' must be an integer from 0 to {MAX_VERSION}, got {inputs.short_repr(version, 40)}")
     overrides = doc.get("overrides", {})
     if not isinstance(overrides, dict):
         raise ControlError(path, "'overrides' must be an object")
@@ -122,7 +122,7 @@ def read_control(run_dir: Path | str) -> Control | None:
     """The current control.json, or None when there is none; raises :class:`ControlError` when garbled."""
     path = Path(run_dir) / CONTROL
     try:
-        text = path.read_text()
+        text = inputs.read_text(path)
     except FileNotFoundError:
         return None
     return parse_control(text, path)
@@ -144,7 +144,7 @@ def applied_version(run_dir: Path | str) -> int:
     state directory started afresh, a file written by hand) would otherwise ignore every new one.
     """
     try:
-        doc = json.loads((Path(run_dir) / STATE_FILE).read_text())
+        doc = json.loads(inputs.read_text(Path(run_dir) / STATE_FILE))
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return 0
     version = doc.get("version") if isinstance(doc, dict) else None
@@ -199,7 +199,7 @@ class ControlApplier:
 
     def _load_state(self) -> _State:
         try:
-            doc = json.loads(self.state_path.read_text())
+            doc = json.loads(inputs.read_text(self.state_path))
         except FileNotFoundError:
             return _State()
         except (OSError, json.JSONDecodeError) as exc:
@@ -240,7 +240,7 @@ class ControlApplier:
 
     def _read(self, step: int) -> Control | None:
         try:
-            text = self.path.read_text()
+            text = inputs.read_text(self.path)
         except FileNotFoundError:
             return None
         except (OSError, UnicodeDecodeError) as exc:

@@ -16,6 +16,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from watchdog.protocol.inputs import short_repr
+
+#: The largest step a metrics line or an event may carry: the largest integer every JSON reader reads exactly
+#: (2**53 - 1), far past any training run, and what a window's 64-bit step arrays hold with room to spare.
+MAX_STEP = 2**53 - 1
+
 #: Event kinds a trainer records in events.jsonl (a newer trainer's other kinds are read, not written).
 EVENT_KINDS = frozenset(
     {
@@ -80,20 +86,21 @@ class Event(dict[str, Any]):
             raise EventError(where, None, f"not a JSON object ({type(obj).__name__})")
         kind = obj.get("kind")
         if not isinstance(kind, str) or not kind:
-            raise EventError(where, "kind", f"must be a non-empty string, got {kind!r:.60}")
+            raise EventError(where, "kind", f"must be a non-empty string, got {short_repr(kind, 60)}")
         step = obj.get("step")
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise EventError(where, "step", f"must be a non-negative integer or null, got {step!r:.60}")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or not 0 <= step <= MAX_STEP):
+            raise EventError(where, "step", f"must be a non-negative integer (at most 2**53 - 1) or null, got "
+                                            f"{short_repr(step, 60)}")
         ts = obj.get("ts")
         if ts is not None and (isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts)):
-            raise EventError(where, "ts", f"must be a finite number (unix time), got {ts!r:.60}")
+            raise EventError(where, "ts", f"must be a finite number (unix time), got {short_repr(ts, 60)}")
         for name, optional in _COUNTS.get(kind, ()):
             value = obj.get(name)
             if (value is None and not optional) or (value is not None and not _count(value)):
                 raise EventError(where, name, f"a {kind} event's {name} must be a non-negative integer"
-                                 f"{' or null' if optional else ''}, got {value!r:.60}")
+                                 f"{' or null' if optional else ''}, got {short_repr(value, 60)}")
         if kind == "applied" and not isinstance(obj.get("commands", []), list):
-            raise EventError(where, "commands", f"must be a list, got {obj.get('commands')!r:.60}")
+            raise EventError(where, "commands", f"must be a list, got {short_repr(obj.get('commands'), 60)}")
         event = cls(obj)
         event.where = where
         return event

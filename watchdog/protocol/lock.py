@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from watchdog.protocol import inputs
+
 RUN_LOCK = ".watchdog.lock"
 """A run directory's watchdog lock."""
 TRAINER_LOCK = ".trainer.lock"
@@ -69,7 +71,7 @@ def describe_holder(holder: dict[str, Any]) -> str:
 def read_holder(path: Path | str) -> dict[str, Any]:
     """What a lock file says about its holder ({} when it says nothing readable)."""
     try:
-        doc = json.loads(Path(path).read_text(encoding="utf-8") or "{}")
+        doc = json.loads(inputs.read_text(path) or "{}")
     except (OSError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}

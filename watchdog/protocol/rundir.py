@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from watchdog.protocol.events import EVENT_KINDS, Event, EventError
+from watchdog.protocol.inputs import read_file, short_repr
 
 try:  # optional: a trainer's environment may lack it (verl's has it); the standard decoder stands in
     import orjson as _orjson
@@ -194,11 +195,9 @@ def read_jsonl(path: Path | str, offset: int = 0, first_line: int = 1, until: in
 def _read_bytes(path: str, offset: int, until: int | None) -> bytes:
     """The bytes of ``path`` from ``offset`` to ``until`` (or the end): one pread where the end is known."""
     if until is None:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            return f.read()
+        return read_file(path)[offset:]
     want = max(0, until - offset)
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (the caller stat'ed a regular file: never a FIFO's wait)
     try:
         data = os.pread(fd, want, offset)
         if 0 < len(data) < want:  # a short read (not at the end of the file): take the rest the same way
@@ -275,7 +274,7 @@ def events_of(chunk: JsonlChunk) -> list[Event]:
             chunk.errors.append(str(exc))
             continue
         if event.kind not in EVENT_KINDS:  # a rule may only name known kinds: said, never acted on
-            chunk.errors.append(f"{event.where}: unknown event kind {event.kind!r:.60} (known: "
+            chunk.errors.append(f"{event.where}: unknown event kind {short_repr(event.kind, 60)} (known: "
                                 f"{', '.join(sorted(EVENT_KINDS))}): ignored")
             continue
         out.append(event)

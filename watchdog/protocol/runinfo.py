@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from watchdog.protocol import rundir
+from watchdog.protocol import inputs, rundir
 
 MODE_VERL = "verl"
 """``mode`` of a run an unmodified verl trains, watched through the watchdog's zero-patch glue."""
@@ -157,7 +157,7 @@ class RunInfo:
                 continue
             what, ok = check
             if not ok(value):
-                raise RunInfoError(path, f"must be {what}, got {value!r:.80}", key)
+                raise RunInfoError(path, f"must be {what}, got {inputs.short_repr(value, 80)}", key)
             known[key] = float(value) if key == "started" else value
         return cls(**known, extra=extra)
 
@@ -192,7 +192,7 @@ class RunInfo:
     @classmethod
     def _parse(cls, path: Path) -> RunInfo:
         try:
-            text = path.read_text(encoding="utf-8")
+            text = inputs.read_text(path)
         except FileNotFoundError:
             return cls()
         except (OSError, UnicodeDecodeError) as exc:

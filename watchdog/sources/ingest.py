@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from watchdog.protocol import rundir
-from watchdog.protocol.events import Event
+from watchdog.protocol import inputs, rundir
+from watchdog.protocol.events import MAX_STEP, Event
 
 try:  # a dependency (pyproject): decodes and type-checks a metrics line in one C pass; an install without
     # it still reads every line, through orjson (tested)
@@ -260,9 +260,11 @@ def record_from_json(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
     if isinstance(step, float) and step.is_integer():
         step = int(step)
     if isinstance(step, bool) or not isinstance(step, int):
-        return None, f"'step' must be an integer, got {step!r}"
+        return None, f"'step' must be an integer, got {inputs.short_repr(step, 40)}"
     if step < 0:  # would read as a rewind to before the run began and drop every step recorded
         return None, f"'step' must be >= 0, got {step}"
+    if step > MAX_STEP:
+        return None, f"'step' must be at most 2**53 - 1, got {inputs.short_repr(step, 40)}"
     data = obj.get("data")
     if not isinstance(data, dict):
         return None, f"'data' must be an object, got {type(data).__name__}"
@@ -292,7 +294,7 @@ def _metrics_record(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
 def _typed_record(line: Any) -> tuple[dict[str, Any] | None, str | None]:
     """record_from_json for a line the typed decoder read: its data is floats already."""
     data = line.data
-    if line.step < 0:
+    if not 0 <= line.step <= MAX_STEP:
         return record_from_json({"step": line.step, "data": data})  # says why
     for key, base, scale in _scaled_keys(tuple(data)):  # as normalize_data; the dict is this line's own
         if base not in data:
@@ -364,10 +366,11 @@ def read_run(path: Path | str) -> ReadResult:
     """Read a metrics file or run directory whole; raises :class:`IngestError` when unreadable."""
     p = _resolve(path)
     try:
-        text = p.read_text(encoding="utf-8", errors="replace")
+        text = inputs.read_text(p, errors="replace")
     except OSError as exc:
         raise IngestError(p, f"cannot read ({exc.strerror or exc})") from exc
-    lines = text.splitlines()
+    # Newlines only, as the daemon's reader splits (a JSON string may hold U+2028, which splitlines() splits at).
+    lines = [ln[:-1] if ln.endswith("\r") else ln for ln in text.split("\n")]
     # The format is the one more lines parse in, not the first line's: one garbage line (a banner, a
     # torn write) at the top of a FileLogger JSONL must not make it a console log with no steps. The
     # other format's lines are then this one's skipped lines, each named by file:line.
@@ -456,6 +459,10 @@ def forward_only(records: Sequence[dict[str, Any]], lines: Sequence[int], path: 
         last = step
         kept.append(rec)
     return kept, issues, left[-16:]
+
+
+#: Skipped lines said one by one in a read of a run's file; past them, one line says how many more.
+SAY_SKIPPED = 10
 
 
 class RunTailer:
@@ -553,6 +560,8 @@ class RunTailer:
             st = os.stat(path)
         except FileNotFoundError:
             return None
+        if path != os.devnull:  # (a Prometheus source's tailer reads events only: its metrics are /dev/null)
+            inputs.check_regular(path, st.st_mode)  # a FIFO or a directory there: this run's tick fails, said once
         size = st.st_size
         if (cur.inode is not None and st.st_ino != cur.inode) or size < cur.offset:
             log.info("%s was replaced or truncated; reading it from the start", path)
@@ -569,8 +578,10 @@ class RunTailer:
         return chunk
 
     def _note_errors(self, errors: list[str]) -> None:
-        for err in errors:
+        for err in errors[:SAY_SKIPPED]:
             log.warning("skipped %s", err)
+        if len(errors) > SAY_SKIPPED:  # (a binary file appended to: hundreds of lines a read)
+            log.warning("skipped %d more line(s) in this read, the last %s", len(errors) - SAY_SKIPPED, errors[-1])
         self.issues = (self.issues + errors)[-1000:]
 
     def poll(self) -> tuple[list[dict[str, Any]], list[Event]]:
