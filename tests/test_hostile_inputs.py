@@ -15,8 +15,10 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from watchdog.backends.local import read_tail
 from watchdog.cli import app
 from watchdog.control.daemon import DaemonConfigError, load_daemon_config, prepare_daemon
+from watchdog.control.store import Phase, RunRecord, Store
 from watchdog.core import actions as act
 from watchdog.core.planner import snap_micro_batch
 from watchdog.core.rulefile import MAX_ALIASES, RuleFileError, load_rules
@@ -85,24 +87,44 @@ def _daemon_config(tmp_path: Path, runs: list[Path], **extra: Any) -> Path:
     return cfg
 
 
-def test_a_daemon_watches_its_other_runs_beside_a_fifo_run_json_and_a_symlink_loop(tmp_path: Path) -> None:
-    good, fifo, loop = tmp_path / "good", tmp_path / "fifo", tmp_path / "loop"
-    good.mkdir()
-    fifo.mkdir()
+def test_a_daemon_watches_its_other_runs_beside_fifos_and_a_symlink_loop(tmp_path: Path) -> None:
+    good, fifo, lock, metrics, loop = (tmp_path / n for n in ("good", "fifo", "lock", "metrics", "loop"))
+    for d in (good, fifo, lock, metrics):
+        d.mkdir()
     os.mkfifo(fifo / rundir.RUN_JSON)
+    os.mkfifo(lock / ".trainer.lock")  # (a FIFO where the trainer's lock belongs: not held, never waited on)
+    os.mkfifo(metrics / rundir.METRICS)
     loop.symlink_to(loop)
     for step, v in ((1, 0.01), (2, float("nan"))):
-        rundir.append_metrics(good, step, {"actor/reward_kl_penalty": v})
-    wd = _within(30, lambda: prepare_daemon(load_daemon_config(_daemon_config(tmp_path, [good, fifo, loop]))))
+        for d in (good, lock):
+            rundir.append_metrics(d, step, {"actor/reward_kl_penalty": v})
+    cfg = _daemon_config(tmp_path, [good, fifo, lock, metrics, loop])
+    wd = _within(30, lambda: prepare_daemon(load_daemon_config(cfg)))
     try:
         _within(30, wd.tick)
         _within(30, wd.tick)
-        assert "good" in wd.controllers
-        assert [d["step"] for d in wd.store.decisions("good")] == [2]
+        for run in ("good", "lock"):
+            assert [d["step"] for d in wd.store.decisions(run)] == [2], run
         assert set(wd.unwatched) == {str(fifo), str(loop)}
         assert "a FIFO, not a regular file" in wd.unwatched[str(fifo)]
+        assert "a FIFO, not a regular file" in wd._tick_errors["metrics"]
     finally:
         wd.close()
+
+
+def test_a_config_or_pack_piped_in_is_read_and_a_log_that_is_a_fifo_is_not_waited_on(tmp_path: Path) -> None:
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+
+    def write() -> None:
+        with open(pipe, "w") as f:
+            f.write("runs: [x]\ntick_s: 5\n")
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    assert _within(10, lambda: inputs.read_text(pipe, 1024, stream_ok=True)) == "runs: [x]\ntick_s: 5\n"
+    writer.join(10)
+    assert _within(10, lambda: read_tail(pipe)) == ""
 
 
 # -- values too large to print or to hold ---------------------------------------------------------
@@ -123,8 +145,10 @@ def test_an_alias_bomb_in_the_daemon_config_is_refused_at_once_quoting_a_little_
 def test_a_step_past_2_to_the_53_is_a_skipped_line_not_an_overflow(step: float) -> None:
     rec, reason = record_from_json({"step": step, "data": {"actor/kl": 0.1}})
     assert rec is None and reason is not None and "at most 2**53 - 1" in reason
-    with pytest.raises(EventError, match="step"):
-        rundir.Event.parse({"kind": "oom", "step": 2**70}, "events.jsonl:1")
+    if isinstance(step, int):
+        with pytest.raises(EventError, match="step"):
+            rundir.Event.parse({"kind": "oom", "step": step}, "events.jsonl:1")
+    assert rundir.Event.parse({"kind": "oom", "step": 2**53 - 1}, "events.jsonl:1")["step"] == 2**53 - 1
 
 
 def test_a_huge_step_in_metrics_jsonl_is_said_and_the_next_lines_are_read(tmp_path: Path) -> None:
@@ -154,6 +178,19 @@ def test_a_run_id_or_path_with_console_markup_is_printed_as_it_is(tmp_path: Path
     assert r.exit_code == 2, r.output
     assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
     assert "[/red]state" in r.output
+    store = Store(state)
+    store.upsert_run(RunRecord("[/x]", str(tmp_path / "run"), ["python", "-m", "trainer"], phase=Phase.PAUSED))
+    store.close()
+    r = CliRunner().invoke(app, ["status", "--state-dir", str(state)])
+    assert r.exit_code == 0 and "[/x]" in r.output, r.output
+
+
+def test_replay_prints_its_table_with_styles_not_markup_text(tmp_path: Path) -> None:
+    for step, v in ((1, 0.01), (2, float("nan"))):
+        rundir.append_metrics(tmp_path, step, {"actor/reward_kl_penalty": v})
+    r = CliRunner().invoke(app, ["replay", str(tmp_path)])
+    assert r.exit_code == 0 and "nan_or_inf" in r.output and "fire" in r.output, r.output
+    assert "[yellow]" not in r.output and "[/]" not in r.output
 
 
 def test_replay_of_a_run_dir_with_a_garbled_run_json_exits_2_naming_it(tmp_path: Path) -> None:
@@ -205,7 +242,8 @@ def test_a_value_no_setting_may_have_is_refused_when_planned_whatever_the_pack_s
 
 def test_a_huge_micro_batch_snaps_to_the_mini_batch_at_once() -> None:
     assert _within(5, lambda: snap_micro_batch(10**15, 8)) == 8
-    assert snap_micro_batch(6, 8) == 4
+    assert _within(5, lambda: snap_micro_batch(2**31 - 2, 2**31 - 1)) == 1  # (a prime share: no divisor but 1)
+    assert [snap_micro_batch(v, 12) for v in (1, 5, 6, 7, 11, 12, 13)] == [1, 4, 6, 6, 6, 12, 12]
 
 
 def test_a_description_with_a_terminal_escape_is_refused(tmp_path: Path) -> None:

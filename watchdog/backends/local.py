@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
+from watchdog.protocol import inputs
 from watchdog.protocol import lock as locks
 from watchdog.protocol.runinfo import RunInfo
 
@@ -423,7 +424,7 @@ ones is a few KiB)."""
 def read_tail(path: Path | str, start: int = 0, size: int = TAIL_BYTES) -> str:
     """The last ``size`` bytes of a log from byte ``start`` on (one attempt's part of an appended log)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(inputs.open_regular(path), "rb") as f:  # (a FIFO named trainer.log: refused, never waited on)
             f.seek(0, 2)
             end = f.tell()
             f.seek(max(start, end - size) if start <= end else max(0, end - size))

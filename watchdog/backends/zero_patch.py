@@ -737,7 +737,7 @@ LOG_HEAD_BYTES = 8 << 20
 def _read_part(path: Path, offset: int) -> str:
     """Up to :data:`LOG_HEAD_BYTES` of ``path`` from ``offset`` ("" when unreadable)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(inputs.open_regular(path), "rb") as f:
             f.seek(max(0, offset))
             return f.read(LOG_HEAD_BYTES).decode(errors="replace")
     except OSError:

@@ -57,7 +57,10 @@ def _expand(paths: Sequence[Path]) -> list[Path]:
     out: list[Path] = []
     for p in paths:
         if p.is_dir():
-            out.extend(sorted(q for q in p.iterdir() if q.suffix in (".yaml", ".yml") and q.is_file()))
+            try:
+                out.extend(sorted(q for q in p.iterdir() if q.suffix in (".yaml", ".yml") and q.is_file()))
+            except OSError as exc:
+                _fail(f"{p}: cannot be listed ({exc.strerror or exc})")
         elif p.exists():
             out.append(p)
         else:
@@ -398,7 +401,7 @@ def replay_cmd(
             config = replay.flatten_config(RunInfo.read(source).config)
             events = ingest.read_events(source)
         if events_file is not None:
-            if not events_file.is_file():
+            if not events_file.exists():
                 _fail(f"{events_file}: no such file")
             chunk = rundir.read_jsonl(events_file)
             events = rundir.events_of(chunk)
@@ -446,7 +449,7 @@ def replay_cmd(
                 text += f": {_fmt_num(a['from'])} -> {_fmt_num(a['to'])}"
             acts.append(text)
         style = {"fire": "yellow", "escalate": "red", "resolve": "green"}.get(d.kind, "")
-        t.add_row(str(d.step), d.rule, f"[{style}]{d.kind}[/]" if style else d.kind, d.severity,
+        t.add_row(str(d.step), d.rule, Text(d.kind, style), d.severity,
                   inputs, "; ".join(acts))
     summary = ", ".join(f"{rule}: " + " ".join(f"{n} {k}" for k, n in kinds.items())
                         for rule, kinds in out.counts().items())

@@ -218,7 +218,7 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
     """Parse the daemon YAML (safe_load); unknown keys are errors naming the file and key."""
     path = Path(path)
     try:
-        doc = yaml.safe_load(inputs.read_text(path, CONFIG_MAX_BYTES)) or {}
+        doc = yaml.safe_load(inputs.read_text(path, CONFIG_MAX_BYTES, stream_ok=True)) or {}
     except OSError as exc:
         raise DaemonConfigError(f"{path}: cannot be read ({exc.strerror or exc})") from exc
     except UnicodeDecodeError as exc:
@@ -783,11 +783,10 @@ def build_watchdog(
             reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
             raise DaemonConfigError(f"metrics port {metrics_port}: cannot serve /metrics on "
                                     f"{metrics_addr}:{metrics_port} ({reason})") from exc
-        if metrics_addr in ("127.0.0.1", "::1", "localhost"):
-            log.info("watchdog /metrics on http://%s:%d/metrics", metrics_addr, port)
-        else:  # asked for, and said: the runs' names and phases are then readable from other hosts
-            log.warning("watchdog /metrics on http://%s:%d/metrics: reachable from other hosts (metrics_addr; "
-                        "127.0.0.1 keeps it on this one)", metrics_addr, port)
+        # (said, not warned: a Kubernetes pod must listen on 0.0.0.0 to be scraped, deploy/k8s does)
+        loopback = metrics_addr in ("127.0.0.1", "::1", "localhost")
+        log.info("watchdog /metrics on http://%s:%d/metrics%s", metrics_addr, port,
+                 "" if loopback else " (reachable from other hosts: metrics_addr)")
     return Watchdog(
         store, rules, LocalBackend(), notifier, controller_config, actuator_config, telemetry, crash_hook,
         annotator=_annotator(grafana_url), exclusive=exclusive, state_lock=state_lock,

@@ -383,7 +383,7 @@ class YamlReader:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             self.error(node, f"{where} must be a number, got {_show(v)}")
             return None
-        if isinstance(v, int) and abs(v) > 1e300 or not math.isfinite(v):  # (an int past 1e308 is no float)
+        if isinstance(v, int) and abs(v) > sys.float_info.max or not math.isfinite(v):  # (an int no float holds)
             self.error(node, f"{where} must be a finite number, got {_show(v)}")
             return None
         return float(v)
@@ -829,9 +829,9 @@ def load_rules(paths: Sequence[str | Path]) -> RuleSet:
     table = _ParamTable()
     for f in files:
         try:
-            text = inputs.read_text(f, MAX_FILE_BYTES)
+            text = inputs.read_text(f, MAX_FILE_BYTES, stream_ok=True)
         except (OSError, UnicodeDecodeError) as exc:
-            errors.append(RuleError(str(f), 1, 1, f"cannot read rule file: {exc}"))
+            errors.append(RuleError(str(f), 1, 1, f"cannot read rule file: {getattr(exc, 'strerror', None) or exc}"))
             continue
         r = YamlReader(str(f))
         m = _compose_pack(r, text)

@@ -131,9 +131,9 @@ def _fmt(d: Decision) -> str:
 def _read_test_file(path: Path) -> tuple[RuleSet | None, list[dict[str, Any]], list[RuleError]]:
     r = YamlReader(str(path))
     try:
-        text = inputs.read_text(path, MAX_FILE_BYTES)
+        text = inputs.read_text(path, MAX_FILE_BYTES, stream_ok=True)
     except (OSError, UnicodeDecodeError) as exc:
-        return None, [], [RuleError(str(path), 1, 1, f"cannot read test file: {exc}")]
+        return None, [], [RuleError(str(path), 1, 1, f"cannot read test file: {getattr(exc, 'strerror', None) or exc}")]
     root = r.compose(text)
     if root is None:
         return None, [], r.errors or [RuleError(str(path), 1, 1, "empty test file")]

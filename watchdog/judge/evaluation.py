@@ -101,9 +101,9 @@ def load_labels(path: Path | str) -> list[Label]:
     """Read and validate a labels file; :class:`LabelsError` lists every problem at once."""
     path = Path(path)
     try:
-        text = inputs.read_text(path, MAX_FILE_BYTES)
+        text = inputs.read_text(path, MAX_FILE_BYTES, stream_ok=True)
     except (OSError, UnicodeDecodeError) as exc:
-        raise LabelsError([RuleError(str(path), 1, 1, f"cannot read labels file: {exc}")]) from exc
+        raise LabelsError([RuleError(str(path), 1, 1, f"cannot read labels file: {getattr(exc, 'strerror', None) or exc}")]) from exc
     r = YamlReader(str(path))
     root = r.compose(text)
     if root is None:

@@ -26,6 +26,7 @@ from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 from watchdog.observe import dashboards
+from watchdog.protocol import inputs
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def load_token(
     path = token_file or env.get(TOKEN_FILE_ENV)
     if path:
         try:
-            text = Path(path).read_text()
+            text = inputs.read_text(path)
         except OSError as exc:
             raise TokenError(f"cannot read Grafana token file {path}: {exc.strerror}") from None
         if not text.strip():

@@ -241,7 +241,7 @@ def _read_verified(path: Path, rel: str, expected: str) -> bytes:
     if path.resolve() not in target.parents:
         raise CheckpointError(path, f"manifest file {rel!r} lies outside the checkpoint")
     try:
-        data = target.read_bytes()
+        data = inputs.read_file(target)
     except FileNotFoundError:
         raise CheckpointError(path / rel, "listed in the manifest but missing") from None
     except OSError as exc:

@@ -33,26 +33,48 @@ def check_regular(path: str | Path, mode: int) -> None:
         raise NotRegularFileError(errno.EINVAL, f"{what}, not a regular file", os.fspath(path))
 
 
-def read_file(path: str | Path, max_bytes: int | None = None) -> bytes:
-    """The whole of a regular file. It is opened without blocking and checked before it is read: a FIFO put
-    where a run's file belongs (or given as a config) raises :class:`NotRegularFileError` instead of waiting
-    for a writer that may never come, and a device is not read for ever. Past ``max_bytes``: an OSError
-    (EFBIG) that says the limit."""
+def open_regular(path: str | Path) -> int:
+    """A descriptor of ``path`` opened for reading, once it is known to be a regular file. It is opened without
+    blocking first: a FIFO put where a run's file belongs raises :class:`NotRegularFileError` instead of waiting
+    for a writer that may never come (and that Ctrl-C does not interrupt). The caller closes it."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        st = os.fstat(fd)
-        check_regular(path, st.st_mode)
-        if max_bytes is not None and st.st_size > max_bytes:
-            raise OSError(errno.EFBIG, f"larger than {max_bytes:,} bytes ({st.st_size:,})", os.fspath(path))
+        check_regular(path, os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_file(path: str | Path, max_bytes: int | None = None, offset: int = 0, stream_ok: bool = False) -> bytes:
+    """The bytes of a regular file from ``offset`` on (:func:`open_regular`). Past ``max_bytes``: an OSError
+    (EFBIG) that says the limit. ``stream_ok``: a file a person named on the command line may also be a pipe
+    (``--config <(...)``, ``/dev/stdin``), read as it comes, up to ``max_bytes``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if stream_ok and (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+            os.set_blocking(fd, True)  # what the person piped in is what they asked to be read
+            limit = max_bytes if max_bytes is not None else 2**62
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = f.read(limit + 1)
+            if len(data) > limit:
+                raise OSError(errno.EFBIG, f"larger than {limit:,} bytes", os.fspath(path))
+            return data
+        check_regular(path, mode)
+        size = os.fstat(fd).st_size
+        if max_bytes is not None and size > max_bytes:
+            raise OSError(errno.EFBIG, f"larger than {max_bytes:,} bytes ({size:,})", os.fspath(path))
         with os.fdopen(os.dup(fd), "rb") as f:
+            f.seek(offset)
             return f.read()
     finally:
         os.close(fd)
 
 
-def read_text(path: str | Path, max_bytes: int | None = None, errors: str = "strict") -> str:
+def read_text(path: str | Path, max_bytes: int | None = None, errors: str = "strict", stream_ok: bool = False) -> str:
     """:func:`read_file` as UTF-8 text."""
-    return read_file(path, max_bytes).decode("utf-8", errors)
+    return read_file(path, max_bytes, stream_ok=stream_ok).decode("utf-8", errors)
 
 
 _SHORT = reprlib.Repr()

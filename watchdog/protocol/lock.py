@@ -140,7 +140,7 @@ def holder_if_held(path: Path | str) -> dict[str, Any] | None:
     Looks without taking it for more than an instant (a shared lock, dropped at once); a file
     that cannot be opened counts as not held."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = inputs.open_regular(path)  # (a FIFO there is no lock file: not held, and never waited on)
     except OSError:
         return None
     try:

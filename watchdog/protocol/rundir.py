@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from watchdog.protocol.events import EVENT_KINDS, Event, EventError
-from watchdog.protocol.inputs import read_file, short_repr
+from watchdog.protocol.inputs import open_regular, read_file, short_repr
 
 try:  # optional: a trainer's environment may lack it (verl's has it); the standard decoder stands in
     import orjson as _orjson
@@ -193,11 +193,12 @@ def read_jsonl(path: Path | str, offset: int = 0, first_line: int = 1, until: in
 
 
 def _read_bytes(path: str, offset: int, until: int | None) -> bytes:
-    """The bytes of ``path`` from ``offset`` to ``until`` (or the end): one pread where the end is known."""
+    """The bytes of ``path`` from ``offset`` to ``until`` (or the end): one pread where the end is known. A path
+    that is not a regular file (a FIFO) raises :class:`~watchdog.protocol.inputs.NotRegularFileError`."""
     if until is None:
-        return read_file(path)[offset:]
+        return read_file(path, offset=offset)
     want = max(0, until - offset)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (the caller stat'ed a regular file: never a FIFO's wait)
+    fd = open_regular(path)
     try:
         data = os.pread(fd, want, offset)
         if 0 < len(data) < want:  # a short read (not at the end of the file): take the rest the same way
