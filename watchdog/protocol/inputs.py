@@ -33,13 +33,16 @@ def check_regular(path: str | Path, mode: int) -> None:
         raise NotRegularFileError(errno.EINVAL, f"{what}, not a regular file", os.fspath(path))
 
 
-def open_regular(path: str | Path) -> int:
+def open_regular(path: str | Path, stream_ok: bool = False) -> int:
     """A descriptor of ``path`` opened for reading, once it is known to be a regular file. It is opened without
     blocking first: a FIFO put where a run's file belongs raises :class:`NotRegularFileError` instead of waiting
-    for a writer that may never come (and that Ctrl-C does not interrupt). The caller closes it."""
+    for a writer that may never come (and that Ctrl-C does not interrupt). ``stream_ok``: a pipe or a character
+    device is let through too (a file a person names: ``--config <(...)``). The caller closes it."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        check_regular(path, os.fstat(fd).st_mode)
+        mode = os.fstat(fd).st_mode
+        if not (stream_ok and (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode))):
+            check_regular(path, mode)
     except BaseException:
         os.close(fd)
         raise
@@ -48,23 +51,21 @@ def open_regular(path: str | Path) -> int:
 
 def read_file(path: str | Path, max_bytes: int | None = None, offset: int = 0, stream_ok: bool = False) -> bytes:
     """The bytes of a regular file from ``offset`` on (:func:`open_regular`). Past ``max_bytes``: an OSError
-    (EFBIG) that says the limit. ``stream_ok``: a file a person named on the command line may also be a pipe
-    (``--config <(...)``, ``/dev/stdin``), read as it comes, up to ``max_bytes``."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    (EFBIG) that says the limit. ``stream_ok``: a file a person named may also be a pipe, read as it comes
+    (what they piped in is what they asked to be read), up to ``max_bytes``."""
+    fd = open_regular(path, stream_ok)
     try:
-        mode = os.fstat(fd).st_mode
-        if stream_ok and (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
-            os.set_blocking(fd, True)  # what the person piped in is what they asked to be read
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # (a pipe: its size is not known before it is read)
+            os.set_blocking(fd, True)
             limit = max_bytes if max_bytes is not None else 2**62
             with os.fdopen(os.dup(fd), "rb") as f:
                 data = f.read(limit + 1)
             if len(data) > limit:
                 raise OSError(errno.EFBIG, f"larger than {limit:,} bytes", os.fspath(path))
             return data
-        check_regular(path, mode)
-        size = os.fstat(fd).st_size
-        if max_bytes is not None and size > max_bytes:
-            raise OSError(errno.EFBIG, f"larger than {max_bytes:,} bytes ({size:,})", os.fspath(path))
+        if max_bytes is not None and st.st_size > max_bytes:
+            raise OSError(errno.EFBIG, f"larger than {max_bytes:,} bytes ({st.st_size:,})", os.fspath(path))
         with os.fdopen(os.dup(fd), "rb") as f:
             f.seek(offset)
             return f.read()
