@@ -108,6 +108,7 @@ def test_a_daemon_watches_its_other_runs_beside_fifos_and_a_symlink_loop(tmp_pat
         assert set(wd.unwatched) == {str(fifo), str(loop)}
         assert "a FIFO, not a regular file" in wd.unwatched[str(fifo)]
         assert "a FIFO, not a regular file" in wd._tick_errors["metrics"]
+        assert wd.unwatched[str(loop)] == f"{loop}: cannot be resolved (a symlink loop): not a run directory"
     finally:
         wd.close()
 
@@ -306,3 +307,15 @@ def test_a_daemon_config_number_yaml_reads_as_text_says_how_to_write_it(tmp_path
     cfg.write_text("runs: [x]\ntick_s: 1e-3\n")
     with pytest.raises(DaemonConfigError, match=r"tick_s must be a finite number \(YAML 1\.1 reads 1e-3 as text"):
         load_daemon_config(cfg)
+
+
+def test_a_webhook_url_in_a_config_others_can_read_is_said_without_the_url(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = _daemon_config(tmp_path, [tmp_path / "run"], webhook_url="https://hooks.example/T0/secret-part")
+    for mode, said in ((0o644, True), (0o600, False)):
+        cfg.chmod(mode)
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            load_daemon_config(cfg)
+        assert ("holds webhook_url and can be read by other users (mode 644)" in caplog.text) is said
+        assert "secret-part" not in caplog.text

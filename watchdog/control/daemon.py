@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import re
+import stat
 import threading
 import time
 import types
@@ -96,8 +97,8 @@ FULL_GC_EVERY_S = 3600.0
 
 
 def real_path(path: Path | str) -> Path:
-    """``path`` with its symlinks resolved; where they cannot be (a symlink loop), made absolute as it is, so
-    that the directory is refused for what it is when it is used, said with the run, not here."""
+    """``path`` with its symlinks resolved; where they cannot be (a symlink loop), made absolute as it is (what
+    the daemon files a run it cannot watch under, and shards it by; :meth:`Watchdog.add_run` says why)."""
     try:
         return Path(path).resolve()
     except (OSError, RuntimeError):  # (Python 3.11's resolve raises RuntimeError on a loop)
@@ -270,6 +271,13 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
             webhook_target(cfg.webhook_url)
         except ValueError as exc:
             raise DaemonConfigError(f"{path}: webhook_url: {exc}") from exc
+        try:
+            mode = path.stat().st_mode
+        except OSError:  # (a pipe read already)
+            mode = 0
+        if stat.S_ISREG(mode) and mode & 0o077:  # as a Ray token file: the URL is a secret (it posts to a channel)
+            log.warning("%s holds webhook_url and can be read by other users (mode %o): chmod 600 it, or give "
+                        "webhook_url_file or $WATCHDOG_WEBHOOK_URL instead", path, mode & 0o777)
     return cfg
 
 
@@ -400,7 +408,11 @@ class Watchdog:
         on the same directory: the user asks for a new attempt); the daemon passes False, so
         restarting the daemon does not relaunch the runs of its config that already ended.
         ``on_escalate``: this run's escalation policy (default: the controller config's)."""
-        run_dir = real_path(run_dir)
+        try:
+            run_dir = Path(run_dir).resolve()
+        except (OSError, RuntimeError) as exc:  # (Python 3.11's resolve raises RuntimeError on a symlink loop)
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else "a symlink loop"
+            raise SupervisorError(f"{run_dir}: cannot be resolved ({why}): not a run directory") from None
         # A run is its directory: the record of this very directory, whatever its name; a new
         # directory whose name another one has gets its own id (never the other's record).
         existing = self.store.run_for_dir(run_dir)
