@@ -319,3 +319,13 @@ def test_a_webhook_url_in_a_config_others_can_read_is_said_without_the_url(
             load_daemon_config(cfg)
         assert ("holds webhook_url and can be read by other users (mode 644)" in caplog.text) is said
         assert "secret-part" not in caplog.text
+
+
+def test_a_count_over_that_would_read_billions_of_values_a_step_is_refused_at_load(tmp_path: Path) -> None:
+    slow = _pack(tmp_path, "notify")
+    slow.write_text(slow.read_text().replace("expr: kl > 0.1",
+                                             "expr: count_over(reward > slope(reward, 100000), 100000) > 3"))
+    assert "10,000,000,000 values a step, more than 100,000" in _errors(slow)
+    fine = _pack(tmp_path, "notify", "fine.yaml")
+    fine.write_text(fine.read_text().replace("expr: kl > 0.1", "expr: count_over(kl > median(kl, 100), 1000) > 3"))
+    assert len(load_rules([fine]).rules) == 1

@@ -42,10 +42,14 @@ from watchdog.core.series import MissingDataError, Window, _Series
 from watchdog.protocol import catalog
 from watchdog.protocol.events import EVENT_KINDS
 
-MAX_DEPTH = 64
 MAX_LENGTH = 4000
 MAX_DEPTH = 64
 """Deepest expression tree accepted: evaluation recurses once per level, far below Python's limit."""
+MAX_COUNT_OVER_READS = 100_000
+"""The most values one ``count_over(cond, N)`` may read a step: N times the widest window ``cond`` reads (it
+is judged again at each of the N steps). A daemon evaluates it for every run at every step: at 100,000 that
+is a few milliseconds a run; ``count_over(reward > slope(reward, 100000), 100000)`` was 10**10, 17 s to replay
+a 700-step log."""
 
 NUM, BOOL = "number", "condition"
 
@@ -1262,11 +1266,18 @@ def _build_count_over(c: _Compiler, node: Call) -> Fn:
     if c.in_count_over:
         raise ExprError(node.col, "count_over() cannot be nested")
     c.in_count_over = True
+    outer, c.max_window = c.max_window, 1
     try:
         cond = c.cond(node.args[0], "count_over()")
     finally:
         c.in_count_over = False
+        inner = c.max_window
     n = int(node.args[1].value)  # type: ignore[union-attr]
+    if n * inner > MAX_COUNT_OVER_READS:
+        raise ExprError(node.col, f"count_over() judges its condition at each of its {n:,} steps, and the condition "
+                                  f"reads {inner:,} steps back: {n * inner:,} values a step, more than "
+                                  f"{MAX_COUNT_OVER_READS:,}; shorten one of the windows")
+    c.max_window = max(outer, inner)
 
     def f(w: Window, at: int, seq: int) -> float:
         k = 0
