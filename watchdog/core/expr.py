@@ -1277,7 +1277,10 @@ def _build_count_over(c: _Compiler, node: Call) -> Fn:
         raise ExprError(node.col, f"count_over() judges its condition at each of its {n:,} steps, and the condition "
                                   f"reads {inner:,} steps back: {n * inner:,} values a step, more than "
                                   f"{MAX_COUNT_OVER_READS:,}; shorten one of the windows")
-    c.max_window = max(outer, inner)
+    # Its reach: the condition is judged n - 1 steps back too, and reads its own windows from there (sized by
+    # max(n, inner) alone, a window trimmed in halves held too few of those steps, and a median(kl, 20) judged
+    # 9 steps back was taken over 12 values, silently).
+    c.max_window = max(outer, n - 1 + inner)
 
     def f(w: Window, at: int, seq: int) -> float:
         k = 0
