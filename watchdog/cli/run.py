@@ -350,12 +350,12 @@ def _interrupted(wd: Any, ctl: Any, signum: int = signal.SIGINT) -> None:
     the run as stopped, with what stopped it. A ``watchdog run`` owns its trainer: it never leaves it
     running unwatched."""
     name = STOP_SIGNALS.get(signum, f"signal {signum}")
-    console.print(f"interrupted: stopping the trainer ({name}; it saves a checkpoint first; Ctrl-C or {name} "
-                  "again kills it)")
-    for sig in STOP_SIGNALS:
+    for sig in STOP_SIGNALS:  # before it is said: a second signal right after the line below kills the trainer
         signal.signal(sig, _raise_interrupt)
     code: int | None = None
     try:
+        console.print(f"interrupted: stopping the trainer ({name}; it saves a checkpoint first; Ctrl-C or {name} "
+                      "again kills it)")
         code = wd.actuator.stop(ctl.h)
     except KeyboardInterrupt:
         console.print("interrupted again: killing the trainer")
