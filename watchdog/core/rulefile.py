@@ -752,8 +752,8 @@ class _ParamTable:
     def __init__(self) -> None:
         self.decl: dict[str, tuple[YamlReader, yaml.Node, dict[str, Any], str]] = {}
         self.values: dict[str, float] = {}
-        self.overridden: dict[str, str] = {}
-        self.overlay_nodes: dict[str, tuple[YamlReader, yaml.Node]] = {}
+        self.overlays: dict[str, tuple[YamlReader, yaml.Node]] = {}
+        """Per parameter an overlay set: the overlay's reader and key node (the last overlay's)."""
 
     def add(self, r: YamlReader, m: dict[str, tuple[yaml.Node, yaml.Node]]) -> None:
         if "params" not in m:
@@ -772,25 +772,24 @@ class _ParamTable:
                 r.error(knode, f"params.{name}: no pack loaded before this overlay declares it{hint}")
             else:
                 self.values[name] = value
-                self.overridden[name] = at
-                self.overlay_nodes[name] = (r, knode)
+                self.overlays[name] = (r, knode)
 
     def build(self) -> tuple[Param, ...]:
         out = []
         for name, (r, _knode, decl, at) in self.decl.items():
             cal = decl.get("calibrate")
             calibration = _calibration(r, cal, f"params.{name}.calibrate", self.values) if cal is not None else None
-            if calibration is not None and name in self.overlay_nodes:
+            overlay = self.overlays.get(name)
+            if calibration is not None and overlay is not None:
                 # The pack's floor and ceiling are principles (KL at least doubles): an overlay moves a value
                 # within them, as a calibration does, and never past them (kl_jump 0 rolls back every step).
                 v, lo, hi = self.values[name], calibration.min, calibration.max
                 if (lo is not None and v < lo) or (hi is not None and v > hi):
-                    where, knode = self.overlay_nodes[name]
-                    where.error(knode, f"params.{name}: {v:g} is outside what its pack allows "
+                    overlay[0].error(overlay[1], f"params.{name}: {v:g} is outside what its pack allows "
                                        f"({'-inf' if lo is None else f'{lo:g}'} to {'inf' if hi is None else f'{hi:g}'}, "
                                        f"params.{name}.calibrate at {at})")
             out.append(Param(name, self.values[name], decl["description"], calibration, at,
-                             self.overridden.get(name, "")))
+                             f"{overlay[0].file}:{overlay[1].start_mark.line + 1}" if overlay is not None else ""))
         return tuple(out)
 
 
@@ -831,7 +830,7 @@ def load_rules(paths: Sequence[str | Path]) -> RuleSet:
         try:
             text = inputs.read_text(f, MAX_FILE_BYTES, stream_ok=True)
         except (OSError, UnicodeDecodeError) as exc:
-            errors.append(RuleError(str(f), 1, 1, f"cannot read rule file: {getattr(exc, 'strerror', None) or exc}"))
+            errors.append(RuleError(str(f), 1, 1, f"cannot read rule file: {inputs.reason(exc)}"))
             continue
         r = YamlReader(str(f))
         m = _compose_pack(r, text)

@@ -133,7 +133,7 @@ def _read_test_file(path: Path) -> tuple[RuleSet | None, list[dict[str, Any]], l
     try:
         text = inputs.read_text(path, MAX_FILE_BYTES, stream_ok=True)
     except (OSError, UnicodeDecodeError) as exc:
-        return None, [], [RuleError(str(path), 1, 1, f"cannot read test file: {getattr(exc, 'strerror', None) or exc}")]
+        return None, [], [RuleError(str(path), 1, 1, f"cannot read test file: {inputs.reason(exc)}")]
     root = r.compose(text)
     if root is None:
         return None, [], r.errors or [RuleError(str(path), 1, 1, "empty test file")]

@@ -103,7 +103,7 @@ def load_labels(path: Path | str) -> list[Label]:
     try:
         text = inputs.read_text(path, MAX_FILE_BYTES, stream_ok=True)
     except (OSError, UnicodeDecodeError) as exc:
-        raise LabelsError([RuleError(str(path), 1, 1, f"cannot read labels file: {getattr(exc, 'strerror', None) or exc}")]) from exc
+        raise LabelsError([RuleError(str(path), 1, 1, f"cannot read labels file: {inputs.reason(exc)}")]) from exc
     r = YamlReader(str(path))
     root = r.compose(text)
     if root is None:

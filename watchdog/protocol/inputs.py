@@ -38,24 +38,27 @@ def open_regular(path: str | Path, stream_ok: bool = False) -> int:
     blocking first: a FIFO put where a run's file belongs raises :class:`NotRegularFileError` instead of waiting
     for a writer that may never come (and that Ctrl-C does not interrupt). ``stream_ok``: a pipe or a character
     device is let through too (a file a person names: ``--config <(...)``). The caller closes it."""
+    return _open(path, stream_ok)[0]
+
+
+def _open(path: str | Path, stream_ok: bool) -> tuple[int, os.stat_result]:
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        mode = os.fstat(fd).st_mode
-        if not (stream_ok and (stat.S_ISFIFO(mode) or stat.S_ISCHR(mode))):
-            check_regular(path, mode)
+        st = os.fstat(fd)
+        if not (stream_ok and (stat.S_ISFIFO(st.st_mode) or stat.S_ISCHR(st.st_mode))):
+            check_regular(path, st.st_mode)
     except BaseException:
         os.close(fd)
         raise
-    return fd
+    return fd, st
 
 
 def read_file(path: str | Path, max_bytes: int | None = None, offset: int = 0, stream_ok: bool = False) -> bytes:
     """The bytes of a regular file from ``offset`` on (:func:`open_regular`). Past ``max_bytes``: an OSError
     (EFBIG) that says the limit. ``stream_ok``: a file a person named may also be a pipe, read as it comes
     (what they piped in is what they asked to be read), up to ``max_bytes``."""
-    fd = open_regular(path, stream_ok)
+    fd, st = _open(path, stream_ok)
     try:
-        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # (a pipe: its size is not known before it is read)
             os.set_blocking(fd, True)
             limit = max_bytes if max_bytes is not None else 2**62
@@ -76,6 +79,12 @@ def read_file(path: str | Path, max_bytes: int | None = None, offset: int = 0, s
 def read_text(path: str | Path, max_bytes: int | None = None, errors: str = "strict", stream_ok: bool = False) -> str:
     """:func:`read_file` as UTF-8 text."""
     return read_file(path, max_bytes, stream_ok=stream_ok).decode("utf-8", errors)
+
+
+def reason(exc: Exception) -> str:
+    """What went wrong reading a file, without the errno and path the OSError's ``str()`` repeats (a decoding
+    error has no ``strerror``: its own text)."""
+    return getattr(exc, "strerror", None) or str(exc)
 
 
 _SHORT = reprlib.Repr()

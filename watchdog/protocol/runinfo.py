@@ -196,7 +196,7 @@ class RunInfo:
         except FileNotFoundError:
             return cls()
         except (OSError, UnicodeDecodeError) as exc:
-            raise RunInfoError(path, f"cannot be read ({getattr(exc, 'strerror', None) or exc})") from exc
+            raise RunInfoError(path, f"cannot be read ({inputs.reason(exc)})") from exc
         try:
             doc = json.loads(text)
         except json.JSONDecodeError as exc:

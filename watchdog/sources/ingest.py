@@ -487,10 +487,12 @@ class RunTailer:
         self,
         run_dir: Path | str,
         offsets: Mapping[str, Any] | None = None,
-        metrics_path: Path | str | None = None,
+        events_only: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir)
-        self.metrics_path = Path(metrics_path) if metrics_path else self.run_dir / rundir.METRICS
+        self.events_only = events_only
+        """Read events.jsonl alone (a Prometheus source: its metrics come from Prometheus)."""
+        self.metrics_path = self.run_dir / rundir.METRICS
         self.events_path = self.run_dir / rundir.EVENTS
         # The paths as str, made once: a poll stats and reads them without building path objects.
         self._metrics_file = os.fspath(self.metrics_path)
@@ -560,8 +562,7 @@ class RunTailer:
             st = os.stat(path)
         except FileNotFoundError:
             return None
-        if path != os.devnull:  # (a Prometheus source's tailer reads events only: its metrics are /dev/null)
-            inputs.check_regular(path, st.st_mode)  # a FIFO or a directory there: this run's tick fails, said once
+        inputs.check_regular(path, st.st_mode)  # a FIFO or a directory there: this run's tick fails, said once
         size = st.st_size
         if (cur.inode is not None and st.st_ino != cur.inode) or size < cur.offset:
             log.info("%s was replaced or truncated; reading it from the start", path)
@@ -591,7 +592,7 @@ class RunTailer:
         last = self._last
         prev = last["step"] if last is not None else -1
         ascending = True  # every step after the one before (the usual poll: nothing to merge or drop)
-        metrics = self._read(self._metrics_file, self._metrics, _LINE_TYPED)
+        metrics = None if self.events_only else self._read(self._metrics_file, self._metrics, _LINE_TYPED)
         if metrics is not None:
             if metrics.errors:
                 self._note_errors(metrics.errors)

@@ -357,8 +357,7 @@ class PrometheusSource:
         self.file_sd_dir = Path(file_sd_dir) if file_sd_dir else None
         self.lookback_s = lookback_s
         self._clock = clock
-        # Events only: metrics come from Prometheus, so the tailer's metrics file is /dev/null.
-        self._events = RunTailer(self.run_dir, metrics_path=os.devnull)
+        self._events = RunTailer(self.run_dir, events_only=True)  # (metrics come from Prometheus)
         self._aligner = StepAligner()
         self._since: float | None = None
         self._last_ts: float | None = None
