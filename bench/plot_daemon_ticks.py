@@ -1,8 +1,10 @@
-"""A picture of the daemon's busy tick, before and after, against issue 22's target.
+"""A picture of the daemon's busy tick, before and now, against issue 22's target.
 
 Reads committed results (bench/results/daemon_scale*.json, daemon_shards*.json): one process and 2 shards on
-one state database at 1,000 runs with 4 new steps a run a tick, main f4f0dd3's code (before the columnar screen) and this one, measured back
-to back on one machine; the target's 300 ms p50 and 1 s p99 drawn across.
+one state database at 1,000 runs with 4 new steps a run a tick. Before: main f4f0dd3's code (before the columnar
+screen), both measured back to back on an earlier session's machine. Now: this code, both measured back to back
+on this session's (``python bench/daemon_scale.py --runs 1000 --hours 0.25 [--traced-ticks 0 | --shards 2]``);
+the target's 300 ms p50 and 1 s p99 drawn across.
 
 Usage: ``python bench/plot_daemon_ticks.py [--out bench/results/daemon_ticks.png]``.
 """
@@ -18,9 +20,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 #: (label, result file, kind): the bars, left to right.
 BARS = [
     ("1 process\nbefore", "daemon_scale_before_i22g.json", "scale"),
-    ("1 process\nafter", "daemon_scale.json", "scale"),
+    ("1 process\nnow", "daemon_scale_one_process.json", "scale"),
     ("2 shards, one state\nbefore", "daemon_shards_before_i22g.json", "shards"),
-    ("2 shards, one state\nafter", "daemon_shards.json", "shards"),
+    ("2 shards, one state\nnow", "daemon_scale.json", "shards"),
 ]
 
 
