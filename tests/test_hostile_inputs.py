@@ -329,3 +329,55 @@ def test_a_count_over_that_would_read_billions_of_values_a_step_is_refused_at_lo
     fine = _pack(tmp_path, "notify", "fine.yaml")
     fine.write_text(fine.read_text().replace("expr: kl > 0.1", "expr: count_over(kl > median(kl, 100), 1000) > 3"))
     assert len(load_rules([fine]).rules) == 1
+
+
+@pytest.mark.parametrize(("value", "said"), [
+    ("1:30", "1:30 is a base-60 number in YAML 1.1 (90)"),
+    ("010", "010 is an octal number in YAML 1.1 (8)"),
+    ("!!int abc", "bad scalar 'abc'"),
+])
+def test_a_number_yaml_1_1_misreads_or_cannot_build_is_one_error_naming_the_line(tmp_path: Path, value: str,
+                                                                                  said: str) -> None:
+    p = _pack(tmp_path, "notify")
+    p.write_text(p.read_text().replace("    actions:", f"    for: {value}\n    actions:"))
+    message = _errors(p)
+    assert f"pack.yaml:6:10: {said}" in message, message
+    assert "must be a whole number" not in message  # (not a second error about the None it became)
+    fine = _pack(tmp_path, "notify", "fine.yaml", extra=" 1:30 010")  # decimal, and the same text in a string
+    fine.write_text(fine.read_text().replace("    actions:", "    for: 10\n    actions:"))
+    (rule,) = load_rules([fine]).rules
+    assert rule.for_ == 10 and rule.description == "d 1:30 010"
+
+
+def test_a_digit_of_another_script_in_an_expression_is_an_unexpected_character(tmp_path: Path) -> None:
+    p = _pack(tmp_path, "notify")
+    p.write_text(p.read_text().replace("kl > 0.1", "kl > \u0661"))  # ARABIC-INDIC DIGIT ONE
+    assert "unexpected character '\u0661'" in _errors(p)
+
+
+@pytest.mark.parametrize(("item", "said"), [("lr=nan", "lr must be a finite number"),
+                                            ("actor_rollout_ref.actor.optim.lr=5", "optim.lr must be in (0, 1]")])
+def test_replay_refuses_a_set_no_run_could_hold(tmp_path: Path, item: str, said: str) -> None:
+    rundir.append_metrics(tmp_path, 1, {"actor/kl": 0.1})
+    r = CliRunner().invoke(app, ["replay", str(tmp_path), "--set", item])
+    assert r.exit_code == 2 and said in r.output, r.output
+
+
+def test_a_relative_run_dir_found_only_beside_the_config_or_under_a_tilde_is_said(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    conf, elsewhere = tmp_path / "conf", tmp_path / "elsewhere"
+    (conf / "run1").mkdir(parents=True)
+    elsewhere.mkdir()
+    cfg = conf / "daemon.yaml"
+    cfg.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "state"), "runs": ["run1", "~/runs/r2"]}))
+    monkeypatch.chdir(elsewhere)
+    with caplog.at_level("WARNING"):
+        load_daemon_config(cfg)
+    assert f"runs[0] run1 is relative to the daemon's working directory {elsewhere}, where it does not exist; " \
+           f"{conf / 'run1'} does" in caplog.text
+    assert "runs[1] ~/runs/r2: a ~ is not expanded" in caplog.text
+    monkeypatch.chdir(conf)  # run from the config's folder, as meant: nothing to say of run1
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        load_daemon_config(cfg)
+    assert "runs[0]" not in caplog.text and "runs[1] ~/runs/r2" in caplog.text

@@ -451,3 +451,20 @@ def test_the_shared_verl_logs_are_found_beside_the_checkout_or_through_the_envir
                          text=True, timeout=60)
     assert out.stdout.strip() == str(tmp_path / "td" / "verl-logs"), out.stdout + out.stderr
     assert "/work/" not in (REPO / "tests" / "verl_logs.py").read_text()
+
+
+def test_a_history_of_all_runs_names_each_decisions_run_and_one_runs_does_not(tmp_path: Path) -> None:
+    store = Store(tmp_path / "state")
+    for rid, rule in (("alpha", "kl_jump"), ("beta", "oom")):
+        store.upsert_run(RunRecord(rid, str(tmp_path / rid)))
+        store.add_decision(rid, 12, rule, "fire", [{"kind": "rollback"}], {"kl": 0.12})
+    args = ["--state-dir", str(tmp_path / "state")]
+    every = CliRunner().invoke(app, ["history", *args], terminal_width=200)
+    rows = [line for line in every.output.splitlines() if "kl_jump" in line or "oom" in line]
+    assert every.exit_code == 0 and len(rows) == 2, every.output
+    assert "alpha" in rows[0] and "kl_jump" in rows[0] and "beta" in rows[1] and "oom" in rows[1]
+    one = CliRunner().invoke(app, ["history", "alpha", *args], terminal_width=200)
+    assert one.exit_code == 0 and "kl_jump" in one.output and "oom" not in one.output
+    (header,) = [line for line in one.output.splitlines() if " step " in line]
+    assert " run " not in header, one.output  # (its title names the run: no column for it)
+    assert " run " in [line for line in every.output.splitlines() if " step " in line][0]

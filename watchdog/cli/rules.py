@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from watchdog.core.actions import value_problem
 from watchdog.core.rulefile import RULES_ENV, default_rules_paths
 from watchdog.core.vocabulary import DecisionKind
 from watchdog.protocol import catalog, hydra, rundir
@@ -361,6 +362,8 @@ def _parse_sets(items: Sequence[str]) -> dict[str, float]:
             _fail(f"--set expects KEY=NUMBER, got {item!r}: {exc.reason}")
         if isinstance(ov.value, bool) or not isinstance(ov.value, (int, float)):
             _fail(f"--set expects KEY=NUMBER, got {item!r}")
+        if (problem := value_problem(ov.key, ov.value)) is not None:  # (nan, inf, an lr of 5: no run holds it)
+            _fail(f"--set: {problem}")
         out[ov.key] = float(ov.value)
     return out
 

@@ -498,16 +498,17 @@ def _history_rows(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
     } for d in decisions]
 
 
-def _print_history(decisions: list[dict[str, Any]], title: str) -> None:
+def _print_history(decisions: list[dict[str, Any]], title: str, by_run: bool = False) -> None:
+    """The decisions as a table; ``by_run``: each row names its run (a history of all runs)."""
     t = Table(title=title)
-    for col in ("step", "rule", "kind", "inputs", "actions", "status", "cost", "outcome"):
+    for col in ("run",) * by_run + ("step", "rule", "kind", "inputs", "actions", "status", "cost", "outcome"):
         t.add_column(col, overflow="fold")
     for d in decisions:
         inputs = evidence_text(d["inputs"])  # the measured values first, the $param thresholds after
         actions = "; ".join(str(a.get("kind", a)) if isinstance(a, dict) else str(a) for a in d["actions"])
         actions = actions or ", ".join(j["kind"] for j in d["journal"]) or "-"
-        t.add_row(str(d["step"]), d["rule"], d["kind"], inputs, actions, d["status"], cost_text(d["journal"]),
-                  d["outcome"])
+        t.add_row(*(d["run_id"],) * by_run, str(d["step"]), d["rule"], d["kind"], inputs, actions, d["status"],
+                  cost_text(d["journal"]), d["outcome"])
     console.print(t)
 
 
@@ -533,7 +534,7 @@ def history_cmd(
     if as_json:
         typer.echo(json.dumps(_history_rows(decisions), indent=2, sort_keys=True))
     else:
-        _print_history(decisions, title=f"history of {run or 'all runs'}")
+        _print_history(decisions, title=f"history of {run or 'all runs'}", by_run=run is None)
 
 
 @run_app.command("resume")

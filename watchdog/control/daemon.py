@@ -266,6 +266,7 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
                                     f"got {spec.on_escalate!r}")
         if spec.ray_token_file is not None and not spec.ray_address:
             raise DaemonConfigError(f"{path}: runs[{i}].ray_token_file is for a Ray cluster: give ray_address too")
+        _say_if_meant_from_the_config(path, i, spec.run_dir)
     if cfg.webhook_url:
         try:
             webhook_target(cfg.webhook_url)
@@ -279,6 +280,23 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
             log.warning("%s holds webhook_url and can be read by other users (mode %o): chmod 600 it, or give "
                         "webhook_url_file or $WATCHDOG_WEBHOOK_URL instead", path, mode & 0o777)
     return cfg
+
+
+def _say_if_meant_from_the_config(path: Path, i: int, run_dir: str) -> None:
+    """A relative run directory is the daemon's working directory's (as ever: changing that would move
+    existing runs). Where it is not there but is beside the config, which is what was most likely meant (a
+    daemon under systemd works from /), say so before the daemon makes an empty one and watches that."""
+    rel = Path(run_dir)
+    if rel.is_absolute() or os.path.lexists(rel):
+        return
+    if run_dir.startswith("~"):  # no shell reads the config: a directory named ~ would be made
+        log.warning("%s: runs[%d] %s: a ~ is not expanded (no shell reads this file), and %s does not exist: write "
+                    "the run directory's absolute path", path, i, run_dir, Path.cwd() / rel)
+        return
+    beside = path.parent / rel
+    if path.parent.resolve() != Path.cwd().resolve() and beside.is_dir():
+        log.warning("%s: runs[%d] %s is relative to the daemon's working directory %s, where it does not exist; "
+                    "%s does: write the run directory's absolute path", path, i, run_dir, Path.cwd(), beside)
 
 
 def _check_mode(path: Path, prefix: str, spec: RunSpec) -> None:

@@ -151,7 +151,7 @@ Node = Num | Str | Step | Param | Metric | Unary | Binary | Compare | BoolOp | N
 _TOKEN = re.compile(
     r"""
     (?P<ws>\s+)
-  | (?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)
+  | (?P<num>(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?)  # (0-9: a digit of another script is no number here)
   | (?P<ident>[A-Za-z_][A-Za-z0-9_]*)
   | (?P<param>\$[A-Za-z_][A-Za-z0-9_]*)
   | (?P<str>"[^"\\\n]*"|'[^'\\\n]*')

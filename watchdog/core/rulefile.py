@@ -274,6 +274,9 @@ MAX_FILE_BYTES = 4 * 2**20
 #: C0 and C1 control characters other than tab and newline: in a name, description or message they would
 #: drive the terminal that prints it (clear it, recolour it, rewrite a line).
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+_NUMBER_TAGS = frozenset(("tag:yaml.org,2002:int", "tag:yaml.org,2002:float"))
+_YAML11_TRAP = re.compile(r"^[-+]?(?:(?P<sexagesimal>[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?)|0[0-7_]+)$")
+"""A plain number YAML 1.1 reads in base 60 (``1:30``) or 8 (``010``): refused, with what it would have been."""
 
 
 class _Loader(yaml.SafeLoader):
@@ -345,17 +348,31 @@ class YamlReader:
         return out
 
     def scalar(self, node: yaml.Node) -> Any:
-        """A scalar's Python value (safe constructor); lists/maps are returned as the node."""
+        """A scalar's Python value (safe constructor); lists/maps are returned as the node. A scalar that is no
+        value (``!!int abc``, ``1:30``) is an error, and None."""
+        return self._scalar(node)[0]
+
+    def _scalar(self, node: yaml.Node) -> tuple[Any, bool]:
+        """(:meth:`scalar`, False when it recorded an error): the typed readers say nothing more of that node."""
         if not isinstance(node, yaml.ScalarNode):
-            return node
+            return node, True
         try:
-            return _CONSTRUCTOR.construct_object(node)
+            value = _CONSTRUCTOR.construct_object(node)
         except (yaml.YAMLError, ValueError, OverflowError, TypeError) as exc:  # (!!int abc, !!float x, a bad date)
             self.error(node, f"bad scalar {inputs.short_repr(node.value, 40)}: {exc}")
-            return None
+            return None, False
+        if node.style is None and node.tag in _NUMBER_TAGS and (trap := _YAML11_TRAP.match(node.value)):
+            # YAML 1.1 (PyYAML) reads `for: 1:30` as 90 and `cooldown: 010` as 8; nobody means either.
+            how = "a base-60 number" if trap.group("sexagesimal") else "an octal number"
+            self.error(node, f"{node.value} is {how} in YAML 1.1 ({value!r}): write the number in decimal, without "
+                             "':' or a leading 0")
+            return None, False
+        return value, True
 
     def string(self, node: yaml.Node, where: str, allow_empty: bool = False) -> str | None:
-        v = self.scalar(node)
+        v, ok = self._scalar(node)
+        if not ok:
+            return None
         if not isinstance(v, str) or (not allow_empty and not v.strip()):
             self.error(node, f"{where} must be a {'non-empty ' if not allow_empty else ''}string, got {_show(v)}")
             return None
@@ -366,7 +383,9 @@ class YamlReader:
         return v
 
     def integer(self, node: yaml.Node, where: str, minimum: int = 0, maximum: int = MAX_STEPS) -> int | None:
-        v = self.scalar(node)
+        v, ok = self._scalar(node)
+        if not ok:
+            return None
         if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
             self.error(node, f"{where} must be a whole number >= {minimum}, got {_show(v)}")
             return None
@@ -376,7 +395,9 @@ class YamlReader:
         return v
 
     def number(self, node: yaml.Node, where: str) -> float | None:
-        v = self.scalar(node)
+        v, ok = self._scalar(node)
+        if not ok:
+            return None
         # PyYAML (YAML 1.1) reads 1e-3 as a string; a rule author means the number.
         if isinstance(v, str) and _FLOAT.match(v.strip()):
             v = float(v)
@@ -389,7 +410,9 @@ class YamlReader:
         return float(v)
 
     def boolean(self, node: yaml.Node, where: str) -> bool | None:
-        v = self.scalar(node)
+        v, ok = self._scalar(node)
+        if not ok:
+            return None
         if not isinstance(v, bool):
             self.error(node, f"{where} must be true or false, got {_show(v)}")
             return None
