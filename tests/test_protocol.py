@@ -49,6 +49,22 @@ def test_a_bad_run_json_names_the_file_and_the_field(tmp_path: Path, text: str, 
     assert message in str(err.value)
 
 
+def test_an_atomic_write_makes_its_directory_and_leaves_the_old_file_whole_when_it_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "new" / "dir" / "control.json"
+    rundir.atomic_write_bytes(path, b"v1" * 40_000)  # (more than one write(2) may take)
+    assert path.read_bytes() == b"v1" * 40_000
+
+    def no_disk(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rundir.os, "fsync", no_disk)
+    with pytest.raises(OSError, match="No space"):
+        rundir.atomic_write_bytes(path, b"v2")
+    assert path.read_bytes() == b"v1" * 40_000
+    assert sorted(p.name for p in path.parent.iterdir()) == ["control.json"]  # no temporary file left
+
+
 def test_without_clears_a_field_another_process_writes_again(tmp_path: Path) -> None:
     info = RunInfo(id="r", pid=1, metrics_port=9000, extra={"trainer_hint": 1})
     cleared = info.without("metrics_port", "trainer_hint")

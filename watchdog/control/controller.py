@@ -1124,11 +1124,11 @@ class RunController:
 
     def _rollback_in_flight(self) -> bool:
         """A rollback or restart is open, or done but the trainer's metrics do not show it yet."""
-        entries = [e for e in self.store.journal(self.run.run_id) if e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART)
-                   and e.status not in (ActionStatus.WAITING, ActionStatus.DROPPED)]
-        if any(e.status in OPEN_ACTION_STATUSES for e in entries):
+        statuses = [s for s in self.store.journal_statuses(self.run.run_id, (JournalKind.ROLLBACK, JournalKind.RESTART))
+                    if s not in (ActionStatus.WAITING, ActionStatus.DROPPED)]
+        if any(s in OPEN_ACTION_STATUSES for s in statuses):
             return True
-        return self._rewind_pending and bool(entries) and entries[-1].status == ActionStatus.DONE
+        return self._rewind_pending and bool(statuses) and statuses[-1] == ActionStatus.DONE
 
     def _set_phase(self, phase: str) -> None:
         waiting = phase in (Phase.PAUSED, Phase.ESCALATED) and self.run.phase not in (Phase.PAUSED, Phase.ESCALATED)

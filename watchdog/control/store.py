@@ -802,6 +802,15 @@ class Store:
                 rows = self._db.execute("SELECT * FROM journal WHERE run_id=? ORDER BY id", (run_id,)).fetchall()
         return [_action_from_row(r) for r in rows]
 
+    def journal_statuses(self, run_id: str, kinds: Sequence[str]) -> list[str]:
+        """The statuses of a run's journal entries of these kinds, oldest first: what a commit asks of the
+        journal before it plans (a relaunch in flight), without reading each entry's payload."""
+        marks = ", ".join("?" * len(kinds))
+        with self._lock:
+            rows = self._db.execute(f"SELECT status FROM journal WHERE run_id=? AND kind IN ({marks}) ORDER BY id",
+                                    (run_id, *kinds)).fetchall()
+        return [r[0] for r in rows]
+
     # -- actions journal ----------------------------------------------------------------
 
     def add_action(

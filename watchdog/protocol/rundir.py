@@ -71,15 +71,25 @@ def atomic_write_json(path: Path | str, obj: Any) -> None:
 
 
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
-    """Write bytes to ``path`` via a fsynced temp file in the same directory and a rename."""
+    """Write bytes to ``path`` via a fsynced temp file in the same directory and a rename.
+
+    Plain descriptors, not a buffered file object, and the directory made only when it is missing: the
+    watchdog writes a control.json for each live change, and each costs this (bench/live_set_parts.py).
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
