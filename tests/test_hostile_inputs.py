@@ -116,6 +116,10 @@ def test_a_daemon_watches_its_other_runs_beside_fifos_and_a_symlink_loop(tmp_pat
 def test_a_config_or_pack_piped_in_is_read_and_a_log_that_is_a_fifo_is_not_waited_on(tmp_path: Path) -> None:
     pipe = tmp_path / "pipe"
     os.mkfifo(pipe)
+    # The writer is done before the reader opens, as a shell's `<(cat config)` often is. (A held read end lets
+    # it open without waiting and keeps what it wrote; a writer still opening when the reader reads would be
+    # read as an empty pipe.)
+    held = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)
 
     def write() -> None:
         with open(pipe, "w") as f:
@@ -123,8 +127,11 @@ def test_a_config_or_pack_piped_in_is_read_and_a_log_that_is_a_fifo_is_not_waite
 
     writer = threading.Thread(target=write, daemon=True)
     writer.start()
-    assert _within(10, lambda: inputs.read_text(pipe, 1024, stream_ok=True)) == "runs: [x]\ntick_s: 5\n"
     writer.join(10)
+    try:
+        assert _within(10, lambda: inputs.read_text(pipe, 1024, stream_ok=True)) == "runs: [x]\ntick_s: 5\n"
+    finally:
+        os.close(held)
     assert _within(10, lambda: read_tail(pipe)) == ""
 
 
