@@ -123,6 +123,18 @@ class RunSource:
         return {"step": step, "data": data}
 
 
+def provenance(benchmark: str, script: str, argv: list[str] | None) -> dict[str, Any]:
+    """What a result's JSON opens with: what it measures, the command that made it, and when and on what."""
+    return {
+        "benchmark": benchmark,
+        "command": " ".join([f"python bench/{script}", *(argv if argv is not None else sys.argv[1:])]),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "loadavg": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
 def timed(fn: Callable[..., None], *args: Any) -> tuple[float, float]:
     """(wall seconds by perf_counter, CPU seconds of this process): on a shared machine the
     second is what the code costs, the first what it took while others ran too."""

@@ -14,20 +14,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_rules import provenance  # noqa: E402
 from daemon_scale import served_daemon  # noqa: E402
 
 from watchdog.control.daemon import DaemonConfig, RunSpec  # noqa: E402
@@ -70,11 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     doc: dict[str, Any] = {
-        "benchmark": "daemon ticks with nothing new in any run",
-        "command": " ".join(["python bench/daemon_idle.py", *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "python": platform.python_version(), "cpus": os.cpu_count(),
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        **provenance("daemon ticks with nothing new in any run", "daemon_idle.py", argv),
         "runs": args.runs, "idle_ticks": args.ticks,
         "cpu_ms_p50": round(statistics.median(cpu) * 1e3, 1), "cpu_ms_max": round(max(cpu) * 1e3, 1),
         "wall_ms_p50": round(statistics.median(wall) * 1e3, 1), "wall_ms_max": round(max(wall) * 1e3, 1),

@@ -39,7 +39,6 @@ import logging
 import math
 import multiprocessing as mp
 import os
-import platform
 import pstats
 import random
 import resource
@@ -51,7 +50,6 @@ import time
 import tracemalloc
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -61,7 +59,7 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_rules import KEYS_PER_RECORD, base_trajectory, deep_size  # noqa: E402
+from bench_rules import KEYS_PER_RECORD, base_trajectory, deep_size, provenance  # noqa: E402
 
 from watchdog.control.daemon import DaemonConfig, RunSpec, Watchdog, prepare_daemon  # noqa: E402
 from watchdog.control.shards import MAX_SHARDS  # noqa: E402
@@ -219,12 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ticks = m.tick_s
     late = sum(1 for x in ticks if x >= args.tick_s)
     doc = {
-        "benchmark": "one daemon, many run directories, an hour of simulated steps",
-        "command": " ".join(["python bench/daemon_scale.py", *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        **provenance("one daemon, many run directories, an hour of simulated steps", "daemon_scale.py", argv),
         "runs": args.runs,
         "shards": args.shards,
         "simulated_hours": args.hours,

@@ -21,20 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench_rules import provenance, timed  # noqa: E402
 
 from watchdog.control.store import RunRecord, Store  # noqa: E402
 from watchdog.protocol import rundir  # noqa: E402
@@ -45,10 +44,12 @@ DOC = Control(7, {"actor_rollout_ref.actor.optim.lr": 9.0e-7, "actor_rollout_ref
 
 def per_call_ms(fn: Callable[[int], None], n: int) -> tuple[float, float]:
     """(wall, CPU) milliseconds a call of ``fn(i)`` for i < n."""
-    wall, cpu = time.perf_counter(), time.process_time()
-    for i in range(n):
-        fn(i)
-    return (time.perf_counter() - wall) / n * 1e3, (time.process_time() - cpu) / n * 1e3
+    def calls() -> None:
+        for i in range(n):
+            fn(i)
+
+    wall, cpu = timed(calls)
+    return wall / n * 1e3, cpu / n * 1e3
 
 
 def measure(tmp: Path, n: int, dirs: int) -> dict[str, tuple[float, float]]:
@@ -103,11 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         parts[name] = {"wall_ms_median": round(statistics.median(walls), 4), "wall_ms_rounds": [round(w, 4) for w in walls],
                        "cpu_ms_median": round(statistics.median(cpus), 4)}
     doc = {
-        "benchmark": "what one live set's file write and store writes cost",
-        "command": " ".join(["python bench/live_set_parts.py", *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "python": platform.python_version(), "cpus": os.cpu_count(),
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
+        **provenance("what one live set's file write and store writes cost", "live_set_parts.py", argv),
         "n": args.n, "dirs": args.dirs, "rounds": args.rounds, "parts": parts,
     }
     args.out.mkdir(parents=True, exist_ok=True)

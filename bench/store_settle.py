@@ -15,19 +15,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from bench_rules import provenance  # noqa: E402
 
 from watchdog.control.store import RunRecord, Store  # noqa: E402
 
@@ -73,10 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = [measure(n, min(args.settle, n), tmp) for n in args.sizes]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    doc = {"benchmark": "Store.settle_decision by journal size, with and without the journal_decision index",
-           "command": " ".join(["python bench/store_settle.py", *(argv if argv is not None else sys.argv[1:])]),
-           "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "python": platform.python_version(),
-           "cpus": os.cpu_count(), "loadavg": [round(x, 2) for x in os.getloadavg()], "rows": rows}
+    doc = {**provenance("Store.settle_decision by journal size, with and without the journal_decision index",
+                        "store_settle.py", argv), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "store_settle.json").write_text(json.dumps(doc, indent=2) + "\n")
     (args.out / "store_settle.md").write_text(
