@@ -18,7 +18,9 @@ product's partition gives it, on one state database, ticking in turns (:func:`sh
 one shard's over its runs, what each of them waits for. One process (the default) is also measured
 from inside:
 
-Memory: RSS after every tick (``/proc/self/statm``) and peak (``ru_maxrss``); the daemon's windows
+Memory: RSS after every tick (``/proc/self/statm``) and peak (``ru_maxrss``, taken before the bench counts the
+decisions: that query decodes the whole state, which the daemon never does; each process runs the APScheduler
+the daemon's does, with no job, so that it counts too); the daemon's windows
 measured object by object (as bench/bench_rules.py) at each quarter of the hour; Python heap by
 ``tracemalloc`` over the last ``--traced-ticks`` ticks (it slows the process, so not over all).
 
@@ -154,9 +156,14 @@ class GcInTicks:
 
 
 def served_daemon(cfg: DaemonConfig, exclusive: bool = True) -> Watchdog:
-    """The daemon as ``watchdog daemon`` builds and ticks it (``serve_forever``: the collector's freeze)."""
+    """The daemon as ``watchdog daemon`` builds and ticks it (``serve_forever``: the collector's freeze), and
+    beside it the APScheduler ``serve_forever`` starts, with no job (this process ticks it): its imports and
+    thread count in the memory measured, as in the daemon's. (It is left to end with the process.)"""
+    from apscheduler.schedulers.background import BackgroundScheduler
+
     wd = prepare_daemon(cfg, exclusive=exclusive)
     wd.freeze_survivors = True
+    BackgroundScheduler(daemon=True).start()
     return wd
 
 
@@ -328,6 +335,7 @@ def one_process(args: argparse.Namespace, trainers: list[Trainer], tmp: Path,
             print(f"tick {i + 1}/{m.n_ticks}: step {trainers[0].step}, tick {m.tick_s[-1] * 1e3:.0f} ms, "
                   f"RSS {rss[-1]:.0f} MiB, windows {windows_kb[-1]['window_kb_per_run']} KB/run", flush=True)
     tracemalloc.stop()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # (before the count: as in shard())
     m.decisions = len(wd.store.decisions())
     wd.close()
     # The last --traced-ticks ran under tracemalloc, which slows every allocation: they count in the
@@ -346,7 +354,7 @@ def one_process(args: argparse.Namespace, trainers: list[Trainer], tmp: Path,
         "rss_mib_start": round(rss_start, 1),
         "rss_mib_end": round(rss[-1], 1),
         "rss_mib_steady_min_max": [round(min(steady), 1), round(max(steady), 1)],
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_rss_mib": round(peak, 1),
         "windows": windows_kb,
         "tracemalloc_last_ticks_mib": {"ticks": args.traced_ticks, "current": round(traced_now / 2**20, 1),
                                        "peak": round(traced_peak / 2**20, 1)},
@@ -367,8 +375,10 @@ def shard(conn: Connection, run_dirs: list[str], state_dir: str, tick_s: float) 
         wd.tick(now)
         wall, cpu = time.perf_counter() - a, time.process_time() - c
         conn.send((wall, cpu, {p: (total - before[p]) * 1e3 for p, total in phase_sums(wd).items()}))
-    decisions = len([d for d in wd.store.decisions() if d["run_id"] in wd.controllers])
+    # The peak first: the count below decodes every decision of the state (50 MiB at 1,000 runs over the
+    # hour), which the daemon never does.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    decisions = len([d for d in wd.store.decisions() if d["run_id"] in wd.controllers])
     wd.close()
     conn.send((decisions, peak))
 
