@@ -135,6 +135,11 @@ def provenance(benchmark: str, script: str, argv: list[str] | None) -> dict[str,
     }
 
 
+def peak_rss_mib() -> float:
+    """This process's peak RSS so far, MiB (``ru_maxrss`` is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def timed(fn: Callable[..., None], *args: Any) -> tuple[float, float]:
     """(wall seconds by perf_counter, CPU seconds of this process): on a shared machine the
     second is what the code costs, the first what it took while others ran too."""
@@ -217,8 +222,8 @@ def bench_size(rules: RuleSet, n_runs: int, repeats: int, base: list[dict[str, f
         "decisions": n_decisions,
         "rules_firing_at_end": firing,
         "window_kb_per_run": round(deep_size(windows) / n_runs / 1024, 2),
-        # ru_maxrss is KiB on Linux; sizes run in ascending order, so this is ~this size's peak
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        # sizes run in ascending order, so this is ~this size's peak
+        "peak_rss_mib": round(peak_rss_mib(), 1),
     }
     if n_runs == GOAL_RUNS and per_rule:
         out["per_rule_cpu_us_per_run"] = per_rule_costs(rules, windows, states, step)

@@ -43,7 +43,6 @@ import multiprocessing as mp
 import os
 import pstats
 import random
-import resource
 import shutil
 import statistics
 import sys
@@ -61,7 +60,7 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_rules import KEYS_PER_RECORD, base_trajectory, deep_size, provenance  # noqa: E402
+from bench_rules import KEYS_PER_RECORD, base_trajectory, deep_size, peak_rss_mib, provenance  # noqa: E402
 
 from watchdog.control.daemon import DaemonConfig, RunSpec, Watchdog, prepare_daemon  # noqa: E402
 from watchdog.control.shards import MAX_SHARDS  # noqa: E402
@@ -335,7 +334,7 @@ def one_process(args: argparse.Namespace, trainers: list[Trainer], tmp: Path,
             print(f"tick {i + 1}/{m.n_ticks}: step {trainers[0].step}, tick {m.tick_s[-1] * 1e3:.0f} ms, "
                   f"RSS {rss[-1]:.0f} MiB, windows {windows_kb[-1]['window_kb_per_run']} KB/run", flush=True)
     tracemalloc.stop()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # (before the count: as in shard())
+    peak = peak_rss_mib()  # (before the count: as in shard())
     m.decisions = len(wd.store.decisions())
     wd.close()
     # The last --traced-ticks ran under tracemalloc, which slows every allocation: they count in the
@@ -377,7 +376,7 @@ def shard(conn: Connection, run_dirs: list[str], state_dir: str, tick_s: float) 
         conn.send((wall, cpu, {p: (total - before[p]) * 1e3 for p, total in phase_sums(wd).items()}))
     # The peak first: the count below decodes every decision of the state (50 MiB at 1,000 runs over the
     # hour), which the daemon never does.
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = peak_rss_mib()
     decisions = len([d for d in wd.store.decisions() if d["run_id"] in wd.controllers])
     wd.close()
     conn.send((decisions, peak))
