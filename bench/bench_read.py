@@ -53,24 +53,18 @@ def _git_rev() -> str:
         return "?"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=1000)
-    ap.add_argument("--lines", type=int, default=4, help="new metric lines a run between two polls")
-    ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--label", default="", help="suffix of the result files (e.g. before)")
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    args = ap.parse_args(argv)
-
+def measure(runs: int, lines: int, repeats: int) -> dict[str, Any]:
+    """The read path over ``runs`` fresh run directories, ``lines`` new lines a run a repeat: the figures of
+    bench_read.json after its provenance (medians over ``repeats``)."""
     tmp = Path(tempfile.mkdtemp(prefix="bench_read_"))
     try:
         base = base_trajectory()
-        trainers = [Trainer(tmp / f"run{r:04d}", r, base, ckpt_every=50) for r in range(args.runs)]
+        trainers = [Trainer(tmp / f"run{r:04d}", r, base, ckpt_every=50) for r in range(runs)]
         tailers = [RunTailer(t.dir) for t in trainers]
         sources: list[dict[str, str]] = [{} for _ in trainers]
         now = 1_700_000_000.0
         for t in trainers:  # a first stretch of steps, read once: the tailers are past the start
-            t.advance(args.lines, now)
+            t.advance(lines, now)
         for tl in tailers:
             tl.poll()
         load_before = [round(x, 2) for x in os.getloadavg()]
@@ -79,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         total_wall: list[float] = []
         total_cpu: list[float] = []
         records = 0
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             now += 60.0
             for t in trainers:
-                t.advance(args.lines, now)
+                t.advance(lines, now)
             gc.collect()
             # Run by run, as the daemon's controller does: poll, then map the records just read.
             p_wall = s_wall = 0.0
@@ -103,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             poll_wall.append(p_wall)
             short_wall.append(s_wall)
         idle_wall = []
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             a = time.perf_counter()
             for tl in tailers:
                 tl.poll()
@@ -115,7 +109,33 @@ def main(argv: list[str] | None = None) -> int:
     def ms(xs: list[float]) -> float:
         return round(statistics.median(xs) * 1e3, 2)
 
-    total = total_wall
+    return {
+        "loadavg_before_after": [load_before, load_after],
+        "runs": runs,
+        "lines_per_run": lines,
+        "keys_per_line": len(trainers[0].keys) + len(trainers[0].pad),
+        "records_per_repeat": records,
+        "repeats": repeats,
+        "poll_ms_p50": ms(poll_wall),
+        "to_short_ms_p50": ms(short_wall),
+        "read_ms_p50": ms(total_wall),
+        "read_cpu_ms_p50": ms(total_cpu),
+        "read_ms_min_max": [round(min(total_wall) * 1e3, 2), round(max(total_wall) * 1e3, 2)],
+        "us_per_record_p50": round(statistics.median(total_wall) * 1e6 / max(1, records), 2),
+        "idle_poll_ms_p50": ms(idle_wall),
+        "idle_us_per_run_p50": round(statistics.median(idle_wall) * 1e6 / runs, 2),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=1000)
+    ap.add_argument("--lines", type=int, default=4, help="new metric lines a run between two polls")
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--label", default="", help="suffix of the result files (e.g. before)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+
     doc: dict[str, Any] = {
         "benchmark": "read path: RunTailer.poll + catalog.to_short over many run directories",
         "command": " ".join(["python bench/bench_read.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -123,20 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
-        "loadavg_before_after": [load_before, load_after],
-        "runs": args.runs,
-        "lines_per_run": args.lines,
-        "keys_per_line": len(trainers[0].keys) + len(trainers[0].pad),
-        "records_per_repeat": records,
-        "repeats": args.repeats,
-        "poll_ms_p50": ms(poll_wall),
-        "to_short_ms_p50": ms(short_wall),
-        "read_ms_p50": ms(total),
-        "read_cpu_ms_p50": ms(total_cpu),
-        "read_ms_min_max": [round(min(total) * 1e3, 2), round(max(total) * 1e3, 2)],
-        "us_per_record_p50": round(statistics.median(total) * 1e6 / max(1, records), 2),
-        "idle_poll_ms_p50": ms(idle_wall),
-        "idle_us_per_run_p50": round(statistics.median(idle_wall) * 1e6 / args.runs, 2),
+        **measure(args.runs, args.lines, args.repeats),
     }
     suffix = f"_{args.label}" if args.label else ""
     args.out.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,8 @@ Python frame that called it (``--native`` not used), so "own" below includes the
     python bench/pyspy_top.py /tmp/tick.txt --below "Watchdog.tick (" > bench/results/daemon_tick_pyspy.txt
 
 ``--below``: the frame whose samples count (the start of its text in py-spy's raw format); ``--top``: rows.
+A last table puts every sample in one part of a tick (:data:`PARTS`): the part of its deepest frame that
+belongs to one, so that the store's time under the act phase counts as the store's.
 """
 
 from __future__ import annotations
@@ -17,9 +19,33 @@ from __future__ import annotations
 import argparse
 import re
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 _LINE = re.compile(r":\d+\)$")
+
+#: The parts of a daemon's tick, each by the starts of its functions' names (py-spy's ``name (file)``).
+PARTS: dict[str, tuple[str, ...]] = {
+    "read: the new lines polled and mapped": ("RunTailer.poll ", "to_short ", "RunController._values "),
+    "rules: windows appended": ("Window.append ", "Window.add_event"),
+    "rules: the screen": ("EngineRules.screen ",),
+    "rules: the engine": ("evaluate ",),
+    "store: SQLite": ("Store.", "_Transaction.", "_WriterGate."),
+    "files: control.json, run.json, events written": ("atomic_write_bytes ", "read_control ", "write_control ",
+                                                      "RunInfo.read ", "append_event ", "append_jsonl "),
+    "JSON encoded or decoded": ("dumps ", "loads ", "JSONEncoder.", "JSONDecoder."),
+}
+REST = "the rest: the controller's and the daemon's own code"
+
+
+def _samples(path: Path, below: str) -> Iterator[tuple[list[str], int]]:
+    """Each stack of ``path`` at and below the frame ``below`` (line numbers dropped), with its count."""
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        at = next((i for i, f in enumerate(frames) if f.startswith(below)), None)
+        if at is not None and count.isdigit():
+            yield [_LINE.sub(")", f) for f in frames[at:]], int(count)
 
 
 def top(path: Path, below: str) -> tuple[int, Counter[str], Counter[str]]:
@@ -27,19 +53,21 @@ def top(path: Path, below: str) -> tuple[int, Counter[str], Counter[str]]:
     inclusive: Counter[str] = Counter()
     own: Counter[str] = Counter()
     total = 0
-    for line in path.read_text().splitlines():
-        stack, _, count = line.rpartition(" ")
-        frames = stack.split(";")
-        at = next((i for i, f in enumerate(frames) if f.startswith(below)), None)
-        if at is None or not count.isdigit():
-            continue
-        n = int(count)
+    for names, n in _samples(path, below):
         total += n
-        names = [_LINE.sub(")", f) for f in frames[at:]]
         for name in set(names):  # a recursive function counts once per sample
             inclusive[name] += n
         own[names[-1]] += n
     return total, inclusive, own
+
+
+def by_part(path: Path, below: str) -> Counter[str]:
+    """Samples under ``below`` per part of :data:`PARTS` (its deepest frame's), the others under :data:`REST`."""
+    parts: Counter[str] = Counter()
+    for names, n in _samples(path, below):
+        parts[next((part for name in reversed(names) for part, starts in PARTS.items()
+                    if name.startswith(starts)), REST)] += n
+    return parts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n## {title}\n")
         for name, n in counts.most_common(args.top):
             print(f"{100 * n / total:5.1f}%  {name}")
+    print("\n## by part (each sample in the part of its deepest frame that has one)\n")
+    for part, n in by_part(args.raw, args.below).most_common():
+        print(f"{100 * n / total:5.1f}%  {part}")
     return 0
 
 

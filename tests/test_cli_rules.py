@@ -256,6 +256,21 @@ def test_rules_benchmark_script_writes_its_json_and_table(tmp_path: Path) -> Non
     assert "| 10 |" in (tmp_path / "rules_bench.md").read_text()
 
 
+@needs_default
+def test_tick_floor_script_adds_the_read_and_the_rules_for_each_split(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "tick_floor.py"), "--runs", "20", "--steps", "2",
+                        "--processes", "1,2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((tmp_path / "tick_floor.json").read_text())
+    assert [(r["processes"], r["runs_a_process"]) for r in doc["results"]] == [(1, 20), (2, 10)]
+    for r in doc["results"]:
+        assert r["read_cpu_ms"] > 0 and r["rules_ms_a_step"] > 0
+        assert r["rules_ms"] == pytest.approx(2 * r["rules_ms_a_step"], abs=0.1)
+        assert r["floor_ms"] == pytest.approx(r["read_cpu_ms"] + r["rules_ms"], abs=0.1)
+        assert r["left_for_the_rest_ms"] == pytest.approx(300.0 - r["floor_ms"], abs=0.1)
+    assert "| 2 | 10 |" in (tmp_path / "tick_floor.md").read_text()
+
+
 def test_replay_of_a_console_log_ending_in_cuda_oom_fires_the_oom_rule(tmp_path: Path) -> None:
     rules = tmp_path / "oom.yaml"
     rules.write_text("""\
