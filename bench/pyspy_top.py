@@ -31,8 +31,8 @@ PARTS: dict[str, tuple[str, ...]] = {
     "rules: the screen": ("EngineRules.screen ",),
     "rules: the engine": ("evaluate ",),
     "store: SQLite": ("Store.", "_Transaction.", "_WriterGate."),
-    "files: control.json, run.json, events written": ("atomic_write_bytes ", "read_control ", "write_control ",
-                                                      "RunInfo.read ", "append_event ", "append_jsonl "),
+    "files: control.json, run.json and events, read or written": (
+        "atomic_write_bytes ", "read_control ", "write_control ", "RunInfo.read ", "append_event ", "append_jsonl "),
     "JSON encoded or decoded": ("dumps ", "loads ", "JSONEncoder.", "JSONDecoder."),
 }
 REST = "the rest: the controller's and the daemon's own code"
