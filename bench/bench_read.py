@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
 
+    measured = measure(args.runs, args.lines, args.repeats)
     doc: dict[str, Any] = {
         "benchmark": "read path: RunTailer.poll + catalog.to_short over many run directories",
         "command": " ".join(["python bench/bench_read.py", *(argv if argv is not None else sys.argv[1:])]),
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
-        **measure(args.runs, args.lines, args.repeats),
+        **measured,
     }
     suffix = f"_{args.label}" if args.label else ""
     args.out.mkdir(parents=True, exist_ok=True)
