@@ -10,8 +10,8 @@ A daemon watching many runs does, every tick and for every run, one ``Window.app
   drift in a tenth of the runs so the KL rules fire), or a pure random walk without it;
 - each repeat is one cycle: append the next step to every run (timed separately), then
   evaluate every run (timed): ``time.perf_counter`` around the loop, median over repeats;
-- runs are screened 1,024 at a time as the daemon's are (``READ_GROUP``; ``watchdog.core.screen``: the rules surely
-  false at the step, skipped by the engine), and each size of 8 runs or more is timed again without
+- runs are screened 1,024 at a time as the daemon's are (``READ_GROUP``; ``watchdog.core.screen``: the conditions surely
+  false or surely true at the step, not computed again by the engine), and each size of 8 runs or more is timed again without
   the screen (``--screen-chunk 0`` times that alone), the decisions of both checked equal;
 - windows are built as the daemon builds them (``EngineRules.new_window``): sized from the rules
   (their longest window and the current step) and keeping only the metrics the rules read; after
@@ -183,10 +183,10 @@ def bench_size(rules: RuleSet, n_runs: int, repeats: int, base: list[dict[str, f
         nonlocal n_decisions
         for lo in range(0, n_runs, chunk or n_runs):
             part = range(lo, min(n_runs, lo + (chunk or n_runs)))
-            skips = (screen([(windows[i], at, states[i].event_seq) for i in part])
-                     if screen is not None and len(part) >= SCREEN_MIN_RUNS else [None] * len(part))
-            for i, skip in zip(part, skips, strict=True):
-                d, states[i] = engine.evaluate(rules, windows[i], states[i], at, skip)
+            verdicts = (screen([(windows[i], at, states[i].event_seq) for i in part])
+                        if screen is not None and len(part) >= SCREEN_MIN_RUNS else [None] * len(part))
+            for i, run_verdicts in zip(part, verdicts, strict=True):
+                d, states[i] = engine.evaluate(rules, windows[i], states[i], at, run_verdicts)
                 n_decisions += len(d)
 
     for rep in range(repeats):

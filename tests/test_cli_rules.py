@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -310,3 +311,18 @@ def test_a_missing_default_pack_names_the_override(tmp_path: Path, monkeypatch: 
     r = invoke("rules", "list")
     assert r.exit_code == 2
     assert "--rules" in r.stderr and rulefile.RULES_ENV in r.stderr
+
+
+@needs_default
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
+def test_tick_instructions_script_counts_the_ticks_as_the_difference_of_two_callgrind_runs(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "tick_instructions.py"), "--runs", "2", "--hours", "0.05",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads((tmp_path / "tick_instructions.json").read_text())
+    counts = doc["instructions"]
+    assert counts["with_ticks"] > counts["without_ticks"] > 0
+    assert doc["tick_instructions"] == counts["with_ticks"] - counts["without_ticks"]
+    assert (doc["ticks"], doc["steps_per_run"]) == (3, 12)  # 0.05 h: three 60 s ticks of four 15 s steps
+    assert doc["tick_instructions_per_run_step"] == round(doc["tick_instructions"] / (2 * 12))
+    assert f"{doc['tick_instructions']:,}" in (tmp_path / "tick_instructions.md").read_text()

@@ -1,8 +1,9 @@
-"""The columnar screen (watchdog.core.screen) only ever says "surely false" where the closure says false, and
-"surely raises" where the closure raises that very MissingDataError.
+"""The columnar screen (watchdog.core.screen) only ever says "surely false" where the closure says false, "surely
+true" where it says true, and "surely raises" where the closure raises that very MissingDataError.
 
-The engine skips a rule at rest that the screen calls surely false, so a wrong "surely false" would be a
-missed fire (and a wrong message a rule's health misreported). These tests hold the screen to the closures on random expressions of the whole language over
+The engine calls no closure for a condition the screen is sure of, so a wrong "surely false" would be a missed
+fire, a wrong "surely true" a false one (and a wrong message a rule's health misreported). These tests hold the
+screen to the closures on random expressions of the whole language over
 windows in lockstep (gaps, zeros, equal values, a rewind, events, young and trimmed windows), and hold a
 screened engine to an unscreened one, decision for decision and state for state, on every log of the corpus.
 """
@@ -23,6 +24,7 @@ from watchdog.control import controller
 from watchdog.control.controller import SCREEN_MIN_RUNS, EngineRules
 from watchdog.control.daemon import load_daemon_config, prepare_daemon
 from watchdog.core import engine
+from watchdog.core.engine import SURELY_TRUE
 from watchdog.core.expr import ExprError, compile_expr
 from watchdog.core.rulefile import load_rules
 from watchdog.core.screen import Screen, screen_for
@@ -62,9 +64,10 @@ def _rows(seed: int, n: int) -> list[tuple[int, dict[str, float], list[dict[str,
     return out
 
 
-def _held_to_closures(compiled: list[Any], w: Window, step: int, seq: int, verdicts: list[Any]) -> tuple[int, int]:
-    """Each verdict of the screen against the closure: (surely false held, surely raising held)."""
-    false = raised = 0
+def _held_to_closures(compiled: list[Any], w: Window, step: int, seq: int,
+                      verdicts: list[Any]) -> tuple[int, int, int]:
+    """Each verdict of the screen against the closure: (surely false held, surely true held, surely raising held)."""
+    false = true = raised = 0
     for c, verdict in zip(compiled, verdicts, strict=True):
         if verdict is False:
             continue
@@ -76,10 +79,14 @@ def _held_to_closures(compiled: list[Any], w: Window, step: int, seq: int, verdi
             continue
         except Exception as exc:  # noqa: BLE001 - a raise where the screen said false is the failure
             raise AssertionError(f"{c.source!r} at step {step}: screened {verdict!r}, raised {exc!r}") from exc
+        if verdict is SURELY_TRUE:
+            assert got, f"{c.source!r} at step {step}: screened true, the closure says {got!r}"
+            true += 1
+            continue
         assert verdict is True, f"{c.source!r} at step {step}: screened {verdict!r}, the closure gives {got!r}"
         assert not got, f"{c.source!r} at step {step}: screened false, the closure says {got!r}"
         false += 1
-    return false, raised
+    return false, true, raised
 
 
 def test_what_the_closures_compute_otherwise_is_left_to_them() -> None:
@@ -101,7 +108,7 @@ def test_what_the_closures_compute_otherwise_is_left_to_them() -> None:
     assert verdicts[0][:3] == [False] * 3  # the closures raise OverflowError (std), or might (avg)
 
 
-def test_surely_false_is_false_for_random_expressions_over_windows_in_lockstep() -> None:
+def test_surely_false_and_surely_true_hold_for_random_expressions_over_windows_in_lockstep() -> None:
     eq: Any = load_bench()
     rnd = random.Random(7)
     gen = eq.ExprGen(rnd)
@@ -116,7 +123,7 @@ def test_surely_false_is_false_for_random_expressions_over_windows_in_lockstep()
     runs = [(_rows(seed, 90), Window(size, None if seed % 2 else frozenset(eq.METRICS[:6])))
             for seed, size in enumerate([None, 8, 25, 120, 25, None, 40, 60])]
     seqs = [0] * len(runs)
-    said = raised = checked = irregular = 0
+    said = said_true = raised = checked = irregular = 0
     for i in range(90):
         batch = []
         for k, (rows, w) in enumerate(runs):
@@ -129,13 +136,15 @@ def test_surely_false_is_false_for_random_expressions_over_windows_in_lockstep()
             if skips is None:
                 irregular += 1
                 continue
-            false, missing = _held_to_closures(compiled, w, step, seq, skips)
+            false, true, missing = _held_to_closures(compiled, w, step, seq, skips)
             checked += len(skips)
             said += false
+            said_true += true
             raised += missing
         seqs = [w.event_seq for w, _, _ in batch]
     # Not vacuous: the screen decided a good share, and the irregular shapes were met.
     assert said > checked // 5, (said, checked)
+    assert said_true > checked // 20, (said_true, checked)
     assert raised > checked // 100, (raised, checked)
     assert irregular > 0
 
@@ -144,6 +153,10 @@ def _corpus() -> list[list[dict[str, Any]]]:
     logs = sorted(ROOT.glob("bench/corpus*/*/metrics.jsonl"))
     assert len(logs) >= 10
     return [ingest.read_records(p) for p in logs]
+
+
+def _at_rest(rs: engine.RuleState) -> bool:
+    return rs.status == engine.INACTIVE and rs.since is None
 
 
 def test_a_screened_engine_decides_as_the_closures_do_on_every_corpus_log() -> None:
@@ -156,6 +169,7 @@ def test_a_screened_engine_decides_as_the_closures_do_on_every_corpus_log() -> N
     screened = [(Window(size, rules.metrics), engine.EngineState()) for _ in runs]
     skipped = total = 0
     decisions = 0
+    stepped_screened = 0  # rules pending or firing whose condition the screen told
     for i in range(max(len(r) for r in runs)):
         live = [k for k, recs in enumerate(runs) if i < len(recs)]
         batch = []
@@ -165,6 +179,9 @@ def test_a_screened_engine_decides_as_the_closures_do_on_every_corpus_log() -> N
             screened[k][0].append_record(rec)
             batch.append((screened[k][0], int(rec["step"]), screened[k][1].event_seq))
         for k, (w, step, _), skips in zip(live, batch, screen(batch), strict=True):
+            states = screened[k][1].rules
+            stepped_screened += sum((v is True or v is SURELY_TRUE) and r.name in states and not _at_rest(states[r.name])
+                                    for r, v in zip(rules, skips or (), strict=False))
             d1, s1 = engine.evaluate(rules, plain[k][0], plain[k][1], step)
             d2, s2 = engine.evaluate(rules, w, screened[k][1], step, skips)
             assert [d.to_json() for d in d2] == [d.to_json() for d in d1], (k, step)
@@ -173,7 +190,7 @@ def test_a_screened_engine_decides_as_the_closures_do_on_every_corpus_log() -> N
             decisions += len(d1)
             total += len(rules)
             skipped += sum(v is True for v in skips or ())
-    assert decisions > 0
+    assert decisions > 0 and stepped_screened > 0
     assert skipped > total // 2, (skipped, total)
 
 

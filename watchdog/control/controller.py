@@ -42,7 +42,7 @@ from watchdog.control.actuator import (
     run_world_size,
 )
 from watchdog.control.store import ActionRecord, Phase, RunRecord, Store
-from watchdog.core.engine import BLIND_AFTER_STEPS
+from watchdog.core.engine import BLIND_AFTER_STEPS, Verdict
 from watchdog.core.planner import (
     ON_ESCALATE,
     PlanContext,
@@ -214,10 +214,10 @@ class EngineRules:
         return self._engine.EngineState.from_json(d)
 
     def evaluate(self, window: Any, state: Any, step: int,
-                 skip: Sequence[bool | str] | None = None) -> tuple[list[Any], Any]:
-        return self._engine.evaluate(self.ruleset, window, state, step, skip)
+                 verdicts: Sequence[Verdict] | None = None) -> tuple[list[Any], Any]:
+        return self._engine.evaluate(self.ruleset, window, state, step, verdicts)
 
-    def screen(self, batch: Sequence[tuple[Any, int, Any]]) -> list[list[bool | str] | None]:
+    def screen(self, batch: Sequence[tuple[Any, int, Any]]) -> list[list[Verdict] | None]:
         """Per (window, step, engine state): what is sure of each rule at that step (``watchdog.core.screen``,
         imported when first screened: numpy stays out of a command's start-up)."""
         from watchdog.core.screen import screen_for
@@ -350,9 +350,9 @@ class RunController:
         """What this tick's read changed, as it stood before (see :meth:`undo_decide`)."""
         self._read: _Read | None = None
         """This tick's read and evaluation, until :meth:`decide` writes it."""
-        self.skip: Sequence[bool | str] | None = None
+        self.verdicts: Sequence[Verdict] | None = None
         """For the rules' next step, what a screen found of each rule (:func:`read_and_evaluate_all`, the engine's
-        ``skip``); None: every rule is evaluated."""
+        ``verdicts``); None: every rule is evaluated."""
         self._failed_ticks = 0
         """Ticks in a row that failed at the same read position (``_failed_at``)."""
         self._failed_at: Mapping[str, Any] | None = None
@@ -497,8 +497,8 @@ class RunController:
     def reading(self, now: float, result: TickResult) -> Generator[int, None, Exception | None]:
         """:meth:`read_and_evaluate` in steps: it pauses (yields the step) before the rules run at each new
         step, the window holding that step as its newest, so a daemon can screen many runs' rules at once
-        (:func:`read_and_evaluate_all`) and set :attr:`skip` for each."""
-        self._undo, self._read, self.skip = None, None, None
+        (:func:`read_and_evaluate_all`) and set :attr:`verdicts` for each."""
+        self._undo, self._read, self.verdicts = None, None, None
         try:
             self._read = yield from self._read_ahead(now, result)
         except Exception as exc:  # put back (or putting it back failed too): this run's tick fails alone
@@ -834,12 +834,12 @@ class RunController:
             log.warning("%s: %s", self.run.run_id, line)
 
     def _run_engine(self, step: int, result: TickResult) -> list[Any]:
-        skip, self.skip = self.skip, None  # for this step only, whatever happens next
+        verdicts, self.verdicts = self.verdicts, None  # for this step only, whatever happens next
         if not self._blind_warned and len(self.window.steps()) >= BLIND_AFTER_STEPS:
             self._warn_blind()
         try:
-            if skip is not None:
-                decisions, self.state = self.rules.evaluate(self.window, self.state, step, skip)  # type: ignore[call-arg]
+            if verdicts is not None:
+                decisions, self.state = self.rules.evaluate(self.window, self.state, step, verdicts)  # type: ignore[call-arg]
             else:
                 decisions, self.state = self.rules.evaluate(self.window, self.state, step)
         except Exception:  # recorded; the loop goes on with the old state
@@ -1334,15 +1334,15 @@ def _round(runs: Sequence[tuple[RunController, float, TickResult]], steps: list[
             continue
         t0 = time.perf_counter()
         try:
-            skips = screen([(ctl.window, at[i], ctl.state) for ctl, i in zip(ctls, members, strict=True)])
-            if len(skips) != len(ctls):
-                raise ValueError(f"{len(skips)} answers for {len(ctls)} runs")
+            verdicts = screen([(ctl.window, at[i], ctl.state) for ctl, i in zip(ctls, members, strict=True)])
+            if len(verdicts) != len(ctls):
+                raise ValueError(f"{len(verdicts)} answers for {len(ctls)} runs")
         except Exception:  # a screen that fails costs its time, never a decision: every rule is evaluated
             log.exception("the rules' screen failed; these runs' rules are evaluated one by one")
-            skips = [None] * len(ctls)
+            verdicts = [None] * len(ctls)
         ctls[0].telemetry.phase_time("decide", time.perf_counter() - t0)
-        for ctl, skip in zip(ctls, skips, strict=True):
-            ctl.skip = skip
+        for ctl, run_verdicts in zip(ctls, verdicts, strict=True):
+            ctl.verdicts = run_verdicts
     return [i for members in paused.values() for i in members]
 
 

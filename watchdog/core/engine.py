@@ -42,6 +42,22 @@ STATUSES = tuple(s.value for s in RuleStatus)
 DECISION_KINDS = tuple(k.value for k in DecisionKind)
 
 
+class _SurelyTrue:
+    """The type of :data:`SURELY_TRUE` (one object, compared by identity)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "SURELY_TRUE"
+
+
+SURELY_TRUE = _SurelyTrue()
+"""A verdict of :func:`evaluate`'s ``verdicts``: the rule's condition is true at this step, without raising."""
+
+Verdict = bool | str | _SurelyTrue
+"""What :func:`evaluate`'s ``verdicts`` say of one rule at one step (see there)."""
+
+
 @dataclass(frozen=True)
 class Decision:
     """What the engine decided for one rule at one step."""
@@ -244,14 +260,15 @@ def _plan(rules: RuleSet | Iterable[Rule]) -> tuple[tuple[str, ...], tuple[tuple
 
 def evaluate(
     rules: RuleSet | Iterable[Rule], window: Window, state: EngineState, step: int,
-    skip: Sequence[bool | str] | None = None,
+    verdicts: Sequence[Verdict] | None = None,
 ) -> tuple[list[Decision], EngineState]:
     """Evaluate every enabled rule at ``step``; returns the decisions and the new state.
 
-    ``skip`` (:class:`watchdog.core.screen.Screen`, over many runs at once), per rule: True where its condition
-    is known to be false at this step without raising, the text of the MissingDataError it is known to raise
-    (as ``RuleState.last_error`` records it), or False. A rule at rest is not evaluated where that is known,
-    nor a rule that fails again as it did; a rule pending or firing always is (its clear condition, its ``for``)."""
+    ``verdicts`` (:class:`watchdog.core.screen.Screen`'s, over many runs at once), per rule: True where its condition
+    is known to be false at this step without raising, :data:`SURELY_TRUE` where it is known to be true without
+    raising, the text of the MissingDataError it is known to raise (as ``RuleState.last_error`` records it), or
+    False. A condition known true or false is not evaluated, nor that of a rule at rest that fails again as it
+    did; every rule still steps (a firing rule's clear condition, its ``for``, its cooldown)."""
     clock = _advance(state, step)
     seq = state.event_seq
     decisions: list[Decision] = []
@@ -265,12 +282,12 @@ def evaluate(
         get = old.get
         olds = [get(name, _INITIAL) for name in names]
     changed: dict[str, RuleState] | None = None  # (made when a rule changes: most steps none does)
-    for (name, enabled, fn, rule), rs, verdict in zip(plan, olds, skip or repeat(False, len(plan)), strict=True):
+    for (name, enabled, fn, rule), rs, verdict in zip(plan, olds, verdicts or repeat(False, len(plan)), strict=True):
         if rs is _INITIAL and enabled:  # never fired, healthy: the commonest state, one identity test
             if verdict is True:
                 continue
             try:
-                cond = fn(window, step, seq)
+                cond = True if verdict is SURELY_TRUE else fn(window, step, seq)
             except Exception as exc:  # noqa: BLE001 - a broken rule must not stop the others; recorded
                 new = _failed(rule, rs, exc, step)
             else:
@@ -284,7 +301,7 @@ def evaluate(
             if verdict and verdict is not True and verdict == rs.last_error and rs.health != "ok":
                 continue  # it fails again as it did (_failed would keep it as it is)
             try:
-                cond = False if verdict is True else fn(window, step, seq)
+                cond = False if verdict is True else True if verdict is SURELY_TRUE else fn(window, step, seq)
             except Exception as exc:  # noqa: BLE001 - a broken rule must not stop the others; recorded
                 new = _failed(rule, rs, exc, step)
             else:
@@ -294,7 +311,7 @@ def evaluate(
                 else:
                     new = rs if rs.health == "ok" else replace(rs, health="ok")
         else:
-            new = _step_rule(rule, rs, window, step, clock, seq, decisions)
+            new = _step_rule(rule, rs, window, step, clock, seq, decisions, verdict)
         if new is not rs:
             if changed is None:
                 changed = {}
@@ -335,10 +352,13 @@ def _failed(rule: Rule, rs: RuleState, exc: Exception, step: int) -> RuleState:
 
 
 def _step_rule(
-    rule: Rule, rs: RuleState, w: Window, step: int, clock: int, seq: int, out: list[Decision]
+    rule: Rule, rs: RuleState, w: Window, step: int, clock: int, seq: int, out: list[Decision],
+    verdict: Verdict = False,
 ) -> RuleState:
+    """A rule pending, firing or resolved, at ``step``; its condition evaluated unless ``verdict`` (see
+    :func:`evaluate`) says what it is."""
     try:
-        cond = bool(rule.expr.fn(w, step, seq))
+        cond = False if verdict is True else True if verdict is SURELY_TRUE else bool(rule.expr.fn(w, step, seq))
         clearing = None
         if rs.status == FIRING:
             clearing = bool(rule.clear.fn(w, step, seq)) if rule.clear is not None else not cond

@@ -1,13 +1,15 @@
-"""Which rules are surely false, for many runs at once: the engine's columnar screen.
+"""Which rules are surely false or surely true, for many runs at once: the engine's columnar screen.
 
 A daemon evaluates one rule pack over hundreds of runs at each new step, and nearly every rule of nearly
 every run is at rest and false: its condition's first test (``kl > $kl_jump * clamp_min(median(kl, 5, 1),
 ...)``) already fails. :class:`Screen` evaluates the pack's conditions over a batch of runs at once, one
 numpy operation per node of the expression over every run, and answers, per run and rule, whether the
-condition is **surely false**: :func:`watchdog.core.expr.compile_expr`'s closure would return false at
-this step, without raising. The engine skips those (:func:`watchdog.core.engine.evaluate`'s ``skip``);
-what the screen cannot be sure of, it leaves to the closures, which stay the one definition of what an
-expression means. So a screened evaluation gives the very decisions and states of an unscreened one
+condition is **surely false** or **surely true**: :func:`watchdog.core.expr.compile_expr`'s closure would
+return false (or true) at this step, without raising. The engine does not call the closure of those
+(:func:`watchdog.core.engine.evaluate`'s ``verdicts``): a rule at rest and surely false is skipped whole, and
+a rule pending or firing steps on the condition the screen gives (a run in trouble has such rules at every
+step). What the screen cannot be sure of, it leaves to the closures, which stay the one definition of what
+an expression means. So a screened evaluation gives the very decisions and states of an unscreened one
 (``tests/test_screen.py`` holds it to that on random expressions and windows, and the golden digests of
 ``tests/test_engine_equivalence.py`` still hold).
 
@@ -41,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from watchdog.core import expr as ex
+from watchdog.core.engine import SURELY_TRUE, Verdict
 from watchdog.core.series import Window
 
 _U = 2.3e-16
@@ -140,11 +143,12 @@ class Screen:
             for o in node.operands:
                 self._reach(o)
 
-    def __call__(self, batch: Sequence[tuple[Window, int, int]]) -> list[list[bool | str] | None]:
+    def __call__(self, batch: Sequence[tuple[Window, int, int]]) -> list[list[Verdict] | None]:
         """Per (window, step, event seq) of the batch, per rule: True where the condition is surely false at
-        that step; the text the engine records of the MissingDataError it surely raises (``"MissingDataError:
-        no data for metric 'aborted_ratio'"``); False where the closure must tell. None for a run the screen
-        leaves whole to the closures."""
+        that step; :data:`~watchdog.core.engine.SURELY_TRUE` where it is surely true; the text the engine
+        records of the MissingDataError it surely raises (``"MissingDataError: no data for metric
+        'aborted_ratio'"``); False where the closure must tell. None for a run the screen leaves whole to the
+        closures."""
         with np.errstate(all="ignore"):
             return _Pass(self, batch).run()
 
@@ -229,8 +233,8 @@ class _Pass:
 
     # -- the pass -----------------------------------------------------------------------
 
-    def run(self) -> list[list[bool | str] | None]:
-        # Per rule and run: 0 evaluate, 1 surely false, 2 + k surely the MissingDataError messages[k].
+    def run(self) -> list[list[Verdict] | None]:
+        # Per rule and run: 0 evaluate, 1 surely false, 2 surely true, 3 + k surely the MissingDataError messages[k].
         verdicts = []
         for node in self.s.exprs:
             if node is None:
@@ -238,9 +242,9 @@ class _Pass:
                 continue
             c = self.cond(node)
             known = c.miss & (c.why >= 0) if c.why is not None else c.miss & False
-            verdict = np.where(c.f, 1, np.where(known, (c.why if c.why is not None else 0) + 2, 0))
+            verdict = np.where(c.f, 1, np.where(c.t, 2, np.where(known, (c.why if c.why is not None else 0) + 3, 0)))
             verdicts.append(np.where(self.regular, verdict, 0))
-        lookup = np.array([False, True, *self.s.messages], dtype=object)
+        lookup = np.array([False, True, SURELY_TRUE, *self.s.messages], dtype=object)
         table = lookup[np.stack(verdicts, axis=1)].tolist() if verdicts else [[] for _ in range(self.n)]
         return [row if reg else None for row, reg in zip(table, self.regular_list, strict=True)]
 
