@@ -268,7 +268,7 @@ def evaluate(
     is known to be false at this step without raising, :data:`SURELY_TRUE` where it is known to be true without
     raising, the text of the MissingDataError it is known to raise (as ``RuleState.last_error`` records it), or
     False. A condition known true or false is not evaluated, nor that of a rule at rest that fails again as it
-    did; every rule still steps (a firing rule's clear condition, its ``for``, its cooldown)."""
+    did; a rule pending or firing still steps on it (its clear condition, its ``for``, its cooldown)."""
     clock = _advance(state, step)
     seq = state.event_seq
     decisions: list[Decision] = []
