@@ -19,8 +19,12 @@ one shard's over its runs, what each of them waits for. One process (the default
 from inside:
 
 Memory: RSS after every tick (``/proc/self/statm``) and peak (``ru_maxrss``, taken before the bench counts the
-decisions: that query decodes the whole state, which the daemon never does; each process runs the APScheduler
-the daemon's does, with no job, so that it counts too); the daemon's windows
+decisions: that query decodes the whole state, which the daemon never does; each process imports the command
+line a daemon runs in and runs the APScheduler the daemon's does, with no job, so that they count too). With
+shards, whose RSS summed counts once a shard the pages they share (the same libraries), also each shard's PSS
+after every tick (``/proc/self/smaps_rollup``: a shared page counted as its share), and at the end of the hour
+what the shards hold together: the distinct physical frames behind their pages (``/proc/self/pagemap``; it
+shows frames to root alone, so as another user that figure is left out, said); the daemon's windows
 measured object by object (as bench/bench_rules.py) at each quarter of the hour; Python heap by
 ``tracemalloc`` over the last ``--traced-ticks`` ticks (it slows the process, so not over all).
 
@@ -54,6 +58,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -155,10 +161,13 @@ class GcInTicks:
 
 
 def served_daemon(cfg: DaemonConfig, exclusive: bool = True) -> Watchdog:
-    """The daemon as ``watchdog daemon`` builds and ticks it (``serve_forever``: the collector's freeze), and
-    beside it the APScheduler ``serve_forever`` starts, with no job (this process ticks it): its imports and
-    thread count in the memory measured, as in the daemon's. (It is left to end with the process.)"""
+    """The daemon as ``watchdog daemon`` builds and ticks it (``serve_forever``: the collector's freeze), in a
+    process that has imported the command line (``python -m watchdog daemon``, each shard's too), and beside it
+    the APScheduler ``serve_forever`` starts, with no job (this process ticks it): their imports and thread
+    count in the memory measured, as in the daemon's. (It is left to end with the process.)"""
     from apscheduler.schedulers.background import BackgroundScheduler
+
+    import watchdog.cli  # noqa: F401
 
     wd = prepare_daemon(cfg, exclusive=exclusive)
     wd.freeze_survivors = True
@@ -175,6 +184,33 @@ def phase_sums(wd: Any) -> dict[str, float]:
 def rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def pss_mib() -> float:
+    """This process's proportional set size, MiB: each page it shares counted as its share."""
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Pss:")) / 1024
+
+
+def frames() -> np.ndarray | None:
+    """The physical frames behind this process's pages now (sorted), from ``/proc/self/pagemap``: None where
+    the kernel hides them (to any user but root it shows every frame as 0). The mappings are listed first; the
+    heap pages its own reading touches count (about 1 MiB)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    with open("/proc/self/maps") as maps:
+        ranges = [[int(x, 16) for x in line.split(None, 1)[0].split("-")] for line in maps]
+    found = []
+    with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+        for lo, hi in ranges:
+            try:
+                pagemap.seek(lo // page * 8)
+                entries = np.frombuffer(pagemap.read((hi - lo) // page * 8), dtype=np.uint64)
+            except OSError:  # ([vsyscall]: no entries to read)
+                continue
+            present = entries[(entries >> np.uint64(63)) == 1]
+            found.append(present & np.uint64((1 << 55) - 1))  # (bits 0-54: the frame number)
+    held = np.unique(np.concatenate(found))
+    return None if held.size == 0 or not held.any() else held
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -365,6 +401,7 @@ def shard(conn: Connection, run_dirs: list[str], state_dir: str, tick_s: float) 
     wd = served_daemon(DaemonConfig(runs=[RunSpec(d) for d in run_dirs], state_dir=state_dir, tick_s=tick_s),
                        exclusive=False)
     conn.send(next(iter(wd.controllers.values())).window.size if wd.controllers else 0)
+    pss = pss_mib()
     while True:
         now = conn.recv()
         if now is None:
@@ -374,12 +411,13 @@ def shard(conn: Connection, run_dirs: list[str], state_dir: str, tick_s: float) 
         wd.tick(now)
         wall, cpu = time.perf_counter() - a, time.process_time() - c
         conn.send((wall, cpu, {p: (total - before[p]) * 1e3 for p, total in phase_sums(wd).items()}))
+        pss = max(pss, pss_mib())  # (after the answer: untimed)
     # The peak first: the count below decodes every decision of the state (50 MiB at 1,000 runs over the
     # hour), which the daemon never does.
-    peak = peak_rss_mib()
+    peak, held = peak_rss_mib(), frames()
     decisions = len([d for d in wd.store.decisions() if d["run_id"] in wd.controllers])
     wd.close()
-    conn.send((decisions, peak))
+    conn.send((decisions, peak, pss, held))
 
 
 def answer(conn: Connection, timeout_s: float = 600.0) -> Any:
@@ -453,8 +491,12 @@ def sharded(args: argparse.Namespace, trainers: list[Trainer], tmp: Path,
             if p.is_alive():
                 p.kill()
     m.tick_s = [w for each in shard_wall for w in each]
-    m.decisions = sum(d for d, _ in ends)
-    peaks = [round(peak, 1) for _, peak in ends]
+    m.decisions = sum(d for d, _, _, _ in ends)
+    peaks = [round(peak, 1) for _, peak, _, _ in ends]
+    pss = [round(p, 1) for _, _, p, _ in ends]
+    held = [h for _, _, _, h in ends]
+    seen = all(h is not None for h in held)
+    frame_mib = os.sysconf("SC_PAGE_SIZE") / 2**20
     return {
         "shared_state": not args.state_per_shard,
         "ticks_in_turns": not args.together,
@@ -467,6 +509,11 @@ def sharded(args: argparse.Namespace, trainers: list[Trainer], tmp: Path,
         "peak_rss_mib_per_shard": peaks,
         "peak_rss_mib": max(peaks),
         "peak_rss_mib_all_shards": round(sum(peaks), 1),
+        "peak_pss_mib_per_shard": pss,
+        "peak_pss_mib_all_shards": round(sum(pss), 1),
+        # At the end of the hour: each shard's resident pages, and the frames behind them counted once.
+        "end_rss_mib_per_shard": [round(h.size * frame_mib, 1) for h in held] if seen else None,
+        "end_held_mib_all_shards": round(np.unique(np.concatenate(held)).size * frame_mib, 1) if seen else None,
     }, m
 
 
@@ -573,8 +620,18 @@ def write_md(d: dict[str, Any], path: Path) -> None:
             "",
         ]
     else:
-        lines += [f"Memory: peak RSS {' / '.join(map(str, d['peak_rss_mib_per_shard']))} MiB a shard, "
-                  f"{d['peak_rss_mib_all_shards']} MiB in all.", ""]
+        per = lambda k: " / ".join(map(str, d[k]))  # noqa: E731
+        held = (f"At the end of the hour the shards' resident pages were {per('end_rss_mib_per_shard')} MiB, "
+                f"and the physical frames behind them, each counted once (`/proc/self/pagemap`), "
+                f"**{d['end_held_mib_all_shards']} MiB held together**."
+                if d["end_held_mib_all_shards"] is not None else
+                "What the shards hold together is not measured: the kernel shows the frames behind a process's "
+                "pages to root alone.")
+        lines += [
+            f"Memory: peak RSS {per('peak_rss_mib_per_shard')} MiB a shard, {d['peak_rss_mib_all_shards']} MiB "
+            f"summed, which counts once a shard the pages they share (the same libraries); peak PSS (a shared "
+            f"page counted as each process's share, after every tick) {per('peak_pss_mib_per_shard')} MiB, "
+            f"{d['peak_pss_mib_all_shards']} MiB summed. {held}", ""]
     lines += [f"Setup {d['setup_s']} s, trainers' writes {d['trainer_write_s']} s, wall {d['wall_s']} s.", ""]
     path.write_text("\n".join(lines))
 

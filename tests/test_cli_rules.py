@@ -273,6 +273,24 @@ def test_tick_floor_script_adds_the_read_and_the_rules_for_each_split(tmp_path: 
     assert "| 2 | 10 |" in (tmp_path / "tick_floor.md").read_text()
 
 
+@needs_default
+def test_daemon_scale_with_shards_counts_the_frames_they_share_once(tmp_path: Path) -> None:
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "daemon_scale.py"), "--runs", "6", "--hours", "0.05",
+                        "--shards", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0, p.stderr
+    d = json.loads((tmp_path / "daemon_scale.json").read_text())
+    assert (d["shards"], d["ticks"], len(d["shard_tick_ms_p50"])) == (2, 3, 2)
+    for rss, pss in zip(d["peak_rss_mib_per_shard"], d["peak_pss_mib_per_shard"], strict=True):
+        assert 0 < pss < rss  # (each maps libraries the other maps too)
+    md = (tmp_path / "daemon_scale.md").read_text()
+    if os.geteuid() != 0:  # the kernel shows frames to root alone
+        assert d["end_held_mib_all_shards"] is None and "to root alone" in md
+        return
+    ends = d["end_rss_mib_per_shard"]
+    assert max(ends) < d["end_held_mib_all_shards"] < sum(ends)  # each its own pages, the libraries once
+    assert f"**{d['end_held_mib_all_shards']} MiB held together**" in md
+
+
 def test_replay_of_a_console_log_ending_in_cuda_oom_fires_the_oom_rule(tmp_path: Path) -> None:
     rules = tmp_path / "oom.yaml"
     rules.write_text("""\

@@ -379,3 +379,18 @@ def test_a_named_but_unreadable_grafana_token_file_is_a_config_error(tmp_path, m
     monkeypatch.setenv(grafana.TOKEN_FILE_ENV, str(tmp_path / "missing"))
     with pytest.raises(DaemonConfigError, match="missing"):
         build_watchdog(tmp_path / "state", grafana_url="http://127.0.0.1:3000")
+
+
+def test_the_command_line_imports_the_dashboard_builders_only_to_build_dashboards() -> None:
+    # A daemon's every process runs the command line: the builders (grafana_foundation_sdk, about 4 MiB a
+    # process) are for `dashboards export|push` and a daemon that annotates a Grafana.
+    import subprocess
+    import sys
+
+    probe = ("import sys, watchdog.cli, watchdog.control.daemon; print('grafana_foundation_sdk' in sys.modules); "
+             "from watchdog.cli.dashboards import export; print('grafana_foundation_sdk' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "False"]
+    annotation = grafana.action_annotation("r", "kl_high", "live_set", "ok", ts=0.0)
+    assert dashboards.ACTION_TAG in annotation.tags  # (imported where it is used)

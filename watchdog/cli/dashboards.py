@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from watchdog.observe import dashboards, grafana
+from watchdog.observe import grafana
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +21,8 @@ def export(
     directory: Annotated[Path, typer.Argument(help="Directory to write the dashboard JSON files into.")],
 ) -> None:
     """Write every dashboard as JSON (fixed uids) into DIRECTORY."""
+    from watchdog.observe import dashboards
+
     try:
         written = dashboards.export(directory)
     except OSError as exc:

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from watchdog.observe import dashboards
 from watchdog.protocol import inputs
 
 log = logging.getLogger(__name__)
@@ -140,7 +139,11 @@ def action_annotation(
     text = f"watchdog: {rule} -> {kind} ({outcome}){at} on run {run}"
     if message:
         text += f": {message}"
-    tags = (dashboards.ACTION_TAG, dashboards.TAG, f"run:{run}", f"rule:{rule}", f"action:{kind}", f"outcome:{outcome}")
+    # The dashboard builders (grafana_foundation_sdk, about 4 MiB) only where used: every command of the CLI,
+    # each daemon shard among them, imports this module.
+    from watchdog.observe.dashboards import ACTION_TAG, TAG
+
+    tags = (ACTION_TAG, TAG, f"run:{run}", f"rule:{rule}", f"action:{kind}", f"outcome:{outcome}")
     return Annotation(int(round(when * 1000)), text, tags, dashboard_uid=dashboard_uid)
 
 
@@ -192,8 +195,10 @@ def push_all(
     grafana: Grafana, folder_uid: str | None = None, names: Sequence[str] | None = None,
 ) -> list[str]:
     """Push the generated dashboards (all, or those whose file names are given); returns their uids."""
+    from watchdog.observe.dashboards import DASHBOARDS
+
     uids = []
-    for name, build in dashboards.DASHBOARDS.items():
+    for name, build in DASHBOARDS.items():
         if names is not None and name not in names:
             continue
         d = build()
