@@ -382,7 +382,7 @@ def test_a_named_but_unreadable_grafana_token_file_is_a_config_error(tmp_path, m
 
 
 def test_the_command_line_imports_the_dashboard_builders_only_to_build_dashboards() -> None:
-    # A daemon's every process runs the command line: the builders (grafana_foundation_sdk, about 4 MiB a
+    # A daemon's every process runs the command line: the builders (grafana_foundation_sdk, about 3 MiB a
     # process) are for `dashboards export|push` and a daemon that annotates a Grafana.
     import subprocess
     import sys

@@ -845,7 +845,7 @@ def hold_state(store: Store, shard: int | None = None) -> locks.HolderLock:
 def _annotator(url: str | None) -> Any:
     """The background Grafana annotator when a Grafana URL is configured, else None."""
     if not (url or os.environ.get("GRAFANA_URL")):
-        return None  # the dashboard builders (PPO_RUN_UID's module) weigh 4 MiB: imported only when used
+        return None  # the dashboard builders (PPO_RUN_UID's module) weigh 3 MiB: imported only when used
     from watchdog.observe import grafana
     from watchdog.observe.dashboards import PPO_RUN_UID
 

@@ -139,7 +139,7 @@ def action_annotation(
     text = f"watchdog: {rule} -> {kind} ({outcome}){at} on run {run}"
     if message:
         text += f": {message}"
-    # The dashboard builders (grafana_foundation_sdk, about 4 MiB) only where used: every command of the CLI,
+    # The dashboard builders (grafana_foundation_sdk, about 3 MiB) only where used: every command of the CLI,
     # each daemon shard among them, imports this module.
     from watchdog.observe.dashboards import ACTION_TAG, TAG
 
