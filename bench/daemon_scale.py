@@ -23,8 +23,9 @@ decisions: that query decodes the whole state, which the daemon never does; each
 line a daemon runs in and runs the APScheduler the daemon's does, with no job, so that they count too). With
 shards, whose RSS summed counts once a shard the pages they share (the same libraries), also each shard's PSS
 after every tick (``/proc/self/smaps_rollup``: a shared page counted as its share), and at the end of the hour
-what the shards hold together: the distinct physical frames behind their pages (``/proc/self/pagemap``; it
-shows frames to root alone, so as another user that figure is left out, said); the daemon's windows
+what the shards hold together: the distinct physical frames behind their pages (``/proc/self/pagemap``; the
+kernel shows frames only to a process with CAP_SYS_ADMIN, root outside a container's user namespace, so elsewhere
+that figure is left out, said); the daemon's windows
 measured object by object (as bench/bench_rules.py) at each quarter of the hour; Python heap by
 ``tracemalloc`` over the last ``--traced-ticks`` ticks (it slows the process, so not over all).
 
@@ -194,13 +195,17 @@ def pss_mib() -> float:
 
 def frames() -> np.ndarray | None:
     """The physical frames behind this process's pages now (sorted), from ``/proc/self/pagemap``: None where
-    the kernel hides them (to any user but root it shows every frame as 0). The mappings are listed first; the
-    heap pages its own reading touches count (about 1 MiB)."""
+    the kernel hides them (without CAP_SYS_ADMIN it shows every frame as 0; some kernels refuse the file). The
+    mappings are listed first; the heap pages its own reading touches count (about 1 MiB)."""
     page = os.sysconf("SC_PAGE_SIZE")
     with open("/proc/self/maps") as maps:
         ranges = [[int(x, 16) for x in line.split(None, 1)[0].split("-")] for line in maps]
     found = []
-    with open("/proc/self/pagemap", "rb", buffering=0) as pagemap:
+    try:
+        pagemap = open("/proc/self/pagemap", "rb", buffering=0)  # noqa: SIM115
+    except OSError:
+        return None
+    with pagemap:
         for lo, hi in ranges:
             try:
                 pagemap.seek(lo // page * 8)
@@ -626,7 +631,7 @@ def write_md(d: dict[str, Any], path: Path) -> None:
                 f"**{d['end_held_mib_all_shards']} MiB held together**."
                 if d["end_held_mib_all_shards"] is not None else
                 "What the shards hold together is not measured: the kernel shows the frames behind a process's "
-                "pages to root alone.")
+                "pages only to a process with CAP_SYS_ADMIN.")
         lines += [
             f"Memory: peak RSS {per('peak_rss_mib_per_shard')} MiB a shard, {d['peak_rss_mib_all_shards']} MiB "
             f"summed, which counts once a shard the pages they share (the same libraries); peak PSS (a shared "

@@ -1,11 +1,12 @@
 """A picture of the daemon's busy tick, before issue 22 and now, against its target.
 
 Reads committed results (bench/results/daemon_scale*.json): the daemon at 1,000 runs with 4 new steps a run a tick
-over the bench's whole hour (11,067 decisions: the simulated runs turn unhealthy as their logs play backwards).
-Before: one process at the issue's start (``daemon_scale_before_i22.json``, the figures the issue cites). Now:
-one to four processes (``shards: N``) on one state database, run one after the other on 2026-12-04
-(``python bench/daemon_scale.py --runs 1000 --hours 1 --traced-ticks 0 [--shards N]``); the target's 300 ms p50
-and 1 s p99 drawn across, on a log scale.
+over the bench's whole hour (the simulated runs turn unhealthy as their logs play backwards). Before: one process
+at the issue's start, 2026-12-01 (``daemon_scale_before_i22.json``, the figures the issue cites; its p99 is its
+slowest of 60 ticks, and its last three ran under tracemalloc, as the bench then ran every time, which the bars of
+one process now leave out). Now: one to four processes (``shards: N``) on one state database, run one after the
+other on 2026-12-04 (``python bench/daemon_scale.py --runs 1000 --hours 1 --traced-ticks 0 [--shards N]``, 11,067
+decisions each); the target's 300 ms p50 and 1 s p99 drawn across, on a log scale.
 
 Usage: ``python bench/plot_daemon_ticks.py [--out bench/results/daemon_ticks.png]``.
 """
