@@ -496,10 +496,10 @@ def sharded(args: argparse.Namespace, trainers: list[Trainer], tmp: Path,
             if p.is_alive():
                 p.kill()
     m.tick_s = [w for each in shard_wall for w in each]
-    m.decisions = sum(d for d, _, _, _ in ends)
-    peaks = [round(peak, 1) for _, peak, _, _ in ends]
-    pss = [round(p, 1) for _, _, p, _ in ends]
-    held = [h for _, _, _, h in ends]
+    decided, peak_rss, peak_pss, held = zip(*ends, strict=True)
+    m.decisions = sum(decided)
+    peaks = [round(x, 1) for x in peak_rss]
+    pss = [round(x, 1) for x in peak_pss]
     seen = all(h is not None for h in held)
     frame_mib = os.sysconf("SC_PAGE_SIZE") / 2**20
     return {
