@@ -247,12 +247,17 @@ def test_python_dash_m_watchdog_runs_as_a_real_process(good: Path) -> None:
     assert p.returncode == 0 and "rules" in p.stdout and "replay" in p.stdout
 
 
+def _bench(script: str, result: str, tmp_path: Path, *args: str, timeout: float) -> dict:
+    """Run bench/SCRIPT with ARGS writing into TMP_PATH; its RESULT.json, once it exited 0."""
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args, "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr
+    return json.loads((tmp_path / f"{result}.json").read_text())
+
+
 @needs_default
 def test_rules_benchmark_script_writes_its_json_and_table(tmp_path: Path) -> None:
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_rules.py"), "--sizes", "1,10",
-                        "--repeats", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr
-    doc = json.loads((tmp_path / "rules_bench.json").read_text())
+    doc = _bench("bench_rules.py", "rules_bench", tmp_path, "--sizes", "1,10", "--repeats", "2", timeout=120)
     assert [r["runs"] for r in doc["results"]] == [1, 10]
     assert all(r["eval_ms_median"] > 0 and r["repeats"] == 2 for r in doc["results"])
     assert doc["rules"] == len(load_rules([DEFAULT]))
@@ -261,10 +266,8 @@ def test_rules_benchmark_script_writes_its_json_and_table(tmp_path: Path) -> Non
 
 @needs_default
 def test_tick_floor_script_adds_the_read_and_the_rules_for_each_split(tmp_path: Path) -> None:
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "tick_floor.py"), "--runs", "20", "--steps", "2",
-                        "--processes", "1,2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stderr
-    doc = json.loads((tmp_path / "tick_floor.json").read_text())
+    doc = _bench("tick_floor.py", "tick_floor", tmp_path, "--runs", "20", "--steps", "2", "--processes", "1,2",
+                 timeout=180)
     assert [(r["processes"], r["runs_a_process"]) for r in doc["results"]] == [(1, 20), (2, 10)]
     for r in doc["results"]:
         assert r["read_cpu_ms"] > 0 and r["rules_ms_a_step"] > 0
@@ -292,10 +295,8 @@ def _kernel_shows_frames() -> bool:
 
 @needs_default
 def test_daemon_scale_with_shards_counts_the_frames_they_share_once(tmp_path: Path) -> None:
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "daemon_scale.py"), "--runs", "6", "--hours", "0.05",
-                        "--shards", "2", "--out", str(tmp_path)], capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stderr
-    d = json.loads((tmp_path / "daemon_scale.json").read_text())
+    d = _bench("daemon_scale.py", "daemon_scale", tmp_path, "--runs", "6", "--hours", "0.05", "--shards", "2",
+               timeout=180)
     assert (d["shards"], d["ticks"], len(d["shard_tick_ms_p50"])) == (2, 3, 2)
     for rss, pss in zip(d["peak_rss_mib_per_shard"], d["peak_pss_mib_per_shard"], strict=True):
         assert 0 < pss < rss  # (each maps libraries the other maps too)
@@ -351,10 +352,7 @@ def test_a_missing_default_pack_names_the_override(tmp_path: Path, monkeypatch: 
 @needs_default
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
 def test_tick_instructions_script_counts_the_ticks_as_the_difference_of_two_callgrind_runs(tmp_path: Path) -> None:
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "tick_instructions.py"), "--runs", "2", "--hours", "0.05",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
-    assert p.returncode == 0, p.stderr
-    doc = json.loads((tmp_path / "tick_instructions.json").read_text())
+    doc = _bench("tick_instructions.py", "tick_instructions", tmp_path, "--runs", "2", "--hours", "0.05", timeout=600)
     counts = doc["instructions"]
     assert counts["with_ticks"] > counts["without_ticks"] > 0
     assert doc["tick_instructions"] == counts["with_ticks"] - counts["without_ticks"]
