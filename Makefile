@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run run-verl test lint bench clean deps constraints versions
+.PHONY: run run-verl test lint bench clean deps constraints versions package-tree
 
 # The tested set of versions: every package of the test environment pinned, so a release of any
 # dependency cannot turn `make test` red by surprise. pyproject.toml keeps ranges (a user's
@@ -60,21 +60,28 @@ run: $(STAMP)
 # 2 cores. RUN_VERL_ARGS adds options (e.g. --run-dir DIR).
 VERL_ASSETS := .verl_cpu_assets
 $(VERL_ASSETS)/.built: $(STAMP) trainer/verl_cpu/assets.py
-	$(BIN)/python -m trainer.verl_cpu.assets $(VERL_ASSETS)
+	$(BIN)/python -m ppo_watchdog.trainer.verl_cpu.assets $(VERL_ASSETS)
 	touch $@
 run-verl: $(STAMP) $(VERL_ASSETS)/.built
-	$(BIN)/python -m trainer.verl_cpu.demo --assets $(VERL_ASSETS) $(RUN_VERL_ARGS)
+	$(BIN)/python -m ppo_watchdog.trainer.verl_cpu.demo --assets $(VERL_ASSETS) $(RUN_VERL_ARGS)
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist): a test file goes whole to one worker, the files
 # that start Ray to the same one (tests/conftest.py). TEST_WORKERS=0 runs it in this process.
 TEST_WORKERS ?= 2
-test: $(STAMP) deps
-	$(BIN)/lint-imports
+test: $(STAMP) deps package-tree
+	PYTHONPATH=$(PACKAGE_TREE) $(BIN)/lint-imports
 	$(BIN)/pytest -q -n $(TEST_WORKERS)
 
-lint: $(STAMP)
+# import-linter and mypy read a package from its folder, and ppo_watchdog is mapped from two (watchdog/ and
+# trainer/, pyproject's package-dir): they check a copy laid out as the package installs.
+PACKAGE_TREE := $(VENV)/package-tree
+package-tree:
+	rm -rf $(PACKAGE_TREE) && mkdir -p $(PACKAGE_TREE)
+	cp -r watchdog $(PACKAGE_TREE)/ppo_watchdog && cp -r trainer $(PACKAGE_TREE)/ppo_watchdog/trainer
+
+lint: $(STAMP) package-tree
 	$(BIN)/ruff check trainer watchdog tests bench
-	$(BIN)/mypy trainer watchdog
+	cd $(PACKAGE_TREE) && $(abspath $(BIN))/mypy --config-file $(CURDIR)/pyproject.toml -p ppo_watchdog
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_rules.py

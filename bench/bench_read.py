@@ -2,9 +2,9 @@
 
 Each run directory is written by bench/daemon_scale.py's simulated trainer (``metrics.jsonl`` lines of
 ~100 verl keys from the real verl log of ../shared/testdata, ``events.jsonl`` with ``started`` and a
-``checkpoint`` now and then). A :class:`~watchdog.sources.ingest.RunTailer` per run is polled as the
+``checkpoint`` now and then). A :class:`~ppo_watchdog.sources.ingest.RunTailer` per run is polled as the
 daemon's controller polls it, and each record is mapped onto short names with
-:func:`~watchdog.protocol.catalog.to_short` (into the run's own ``sources`` dict, as the window does):
+:func:`~ppo_watchdog.protocol.catalog.to_short` (into the run's own ``sources`` dict, as the window does):
 what a tick spends reading, before the rules run. Per repeat: every trainer appends ``--lines`` steps
 (not timed), then run by run, as the controller does, the run is polled and the records it returned
 are mapped; the loop over all runs is timed (wall and process CPU time) and so is each call (poll and
@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_rules import base_trajectory  # noqa: E402
 from daemon_scale import Trainer  # noqa: E402
 
-from watchdog.protocol import catalog  # noqa: E402
-from watchdog.sources.ingest import RunTailer  # noqa: E402
+from ppo_watchdog.protocol import catalog  # noqa: E402
+from ppo_watchdog.sources.ingest import RunTailer  # noqa: E402
 
 
 def _git_rev() -> str:

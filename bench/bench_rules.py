@@ -10,7 +10,7 @@ A daemon watching many runs does, every tick and for every run, one ``Window.app
   drift in a tenth of the runs so the KL rules fire), or a pure random walk without it;
 - each repeat is one cycle: append the next step to every run (timed separately), then
   evaluate every run (timed): ``time.perf_counter`` around the loop, median over repeats;
-- runs are screened 1,024 at a time as the daemon's are (``READ_GROUP``; ``watchdog.core.screen``: the conditions surely
+- runs are screened 1,024 at a time as the daemon's are (``READ_GROUP``; ``ppo_watchdog.core.screen``: the conditions surely
   false or surely true at the step, not computed again by the engine), and each size of 8 runs or more is timed again without
   the screen (``--screen-chunk 0`` times that alone), the decisions of both checked equal;
 - windows are built as the daemon builds them (``EngineRules.new_window``): sized from the rules
@@ -62,13 +62,13 @@ BEFORE = {"window": "101 steps in the bench, 256 in the daemon",
 
 sys.path.insert(0, str(ROOT))
 
-from watchdog.control.controller import SCREEN_MIN_RUNS  # noqa: E402
-from watchdog.control.daemon import READ_GROUP  # noqa: E402
-from watchdog.core import engine  # noqa: E402
-from watchdog.core.rulefile import RuleSet, load_rules  # noqa: E402
-from watchdog.core.screen import screen_for  # noqa: E402
-from watchdog.core.series import Window, window_steps  # noqa: E402
-from watchdog.sources import ingest  # noqa: E402
+from ppo_watchdog.control.controller import SCREEN_MIN_RUNS  # noqa: E402
+from ppo_watchdog.control.daemon import READ_GROUP  # noqa: E402
+from ppo_watchdog.core import engine  # noqa: E402
+from ppo_watchdog.core.rulefile import RuleSet, load_rules  # noqa: E402
+from ppo_watchdog.core.screen import screen_for  # noqa: E402
+from ppo_watchdog.core.series import Window, window_steps  # noqa: E402
+from ppo_watchdog.sources import ingest  # noqa: E402
 
 
 def pin_one_core() -> str:
@@ -275,7 +275,7 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
         f"load average at start {doc['loadavg']}. Command: `{doc['command']}`.",
         "",
         f"Runs are screened {doc['screen_chunk']} at a time, as the daemon's read groups "
-        "(`watchdog.core.screen`; fewer than 8 are not); \"unscreened\" is the same cycles with every rule's "
+        "(`ppo_watchdog.core.screen`; fewer than 8 are not); \"unscreened\" is the same cycles with every rule's "
         "closure at every step (the same decisions, checked).",
         "",
         "| runs per cycle | evaluate, median ms (wall) | min ms | CPU ms (median) | per run µs (wall) "
@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS, help="directory for rules_bench.json/.md")
     ap.add_argument("--profile", action="store_true", help="cProfile the last cycle of each size")
     ap.add_argument("--screen-chunk", type=int, default=READ_GROUP,
-                    help=f"runs screened at once (watchdog.core.screen), as the daemon's read groups (default "
+                    help=f"runs screened at once (ppo_watchdog.core.screen), as the daemon's read groups (default "
                          f"{READ_GROUP}); 0: no screen, every rule's closure at every step")
     args = ap.parse_args(argv)
 

@@ -1,7 +1,7 @@
 """Benchmark: what a daemon tick costs when its runs have nothing new (issue 22: close to nothing).
 
 ``--runs`` run directories, each with a ``started`` event and 20 steps already written; one daemon
-(:func:`watchdog.control.daemon.prepare_daemon`, files source, default pack) reads them in a first
+(:func:`ppo_watchdog.control.daemon.prepare_daemon`, files source, default pack) reads them in a first
 tick, then ``--ticks`` ticks run with nothing new in any run. Reported: the process's CPU time a tick
 (what other work on shared cores does not inflate) and wall time, p50 and max, and CPU per run.
 
@@ -28,8 +28,8 @@ sys.path.insert(0, str(ROOT))
 from bench_rules import provenance  # noqa: E402
 from daemon_scale import served_daemon  # noqa: E402
 
-from watchdog.control.daemon import DaemonConfig, RunSpec  # noqa: E402
-from watchdog.protocol import rundir  # noqa: E402
+from ppo_watchdog.control.daemon import DaemonConfig, RunSpec  # noqa: E402
+from ppo_watchdog.protocol import rundir  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

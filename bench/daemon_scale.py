@@ -1,12 +1,12 @@
 """Benchmark: one daemon watching 1,000 run directories for an hour of simulated training.
 
-The daemon is built as ``watchdog daemon --config`` builds it (:func:`watchdog.control.daemon.prepare_daemon`
-on a :class:`~watchdog.control.daemon.DaemonConfig` listing every run directory, no restart command:
+The daemon is built as ``watchdog daemon --config`` builds it (:func:`ppo_watchdog.control.daemon.prepare_daemon`
+on a :class:`~ppo_watchdog.control.daemon.DaemonConfig` listing every run directory, no restart command:
 the runs are watched, not launched). A simulated trainer per run writes the run-directory protocol
 (``run.json``, ``metrics.jsonl`` lines of ~100 verl keys from the real verl log of ../shared/testdata
 with a per-run random walk and a KL drift in a tenth of the runs, ``events.jsonl``: ``started``, a
 ``checkpoint`` every ``--ckpt-every`` steps) and applies each newer ``control.json`` version at its next
-step boundary with the protocol's own :class:`~watchdog.protocol.control.ControlApplier` (an ``applied``
+step boundary with the protocol's own :class:`~ppo_watchdog.protocol.control.ControlApplier` (an ``applied``
 event), as a trainer speaking the protocol does. The simulated clock advances one tick interval at a
 time: the trainers append the steps of that interval, then ``Watchdog.tick(now)`` runs, timed with
 ``perf_counter``; no sleeps, so an hour takes what the ticks cost. A tick is on time when it takes
@@ -69,11 +69,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_rules import KEYS_PER_RECORD, base_trajectory, deep_size, peak_rss_mib, provenance  # noqa: E402
 
-from watchdog.control.daemon import DaemonConfig, RunSpec, Watchdog, prepare_daemon  # noqa: E402
-from watchdog.control.shards import MAX_SHARDS  # noqa: E402
-from watchdog.observe.telemetry import TICK_PHASE, TICK_PHASES  # noqa: E402
-from watchdog.protocol import rundir  # noqa: E402
-from watchdog.protocol.control import ControlApplier  # noqa: E402
+from ppo_watchdog.control.daemon import DaemonConfig, RunSpec, Watchdog, prepare_daemon  # noqa: E402
+from ppo_watchdog.control.shards import MAX_SHARDS  # noqa: E402
+from ppo_watchdog.observe.telemetry import TICK_PHASE, TICK_PHASES  # noqa: E402
+from ppo_watchdog.protocol import rundir  # noqa: E402
+from ppo_watchdog.protocol.control import ControlApplier  # noqa: E402
 
 
 class Trainer:
@@ -163,12 +163,12 @@ class GcInTicks:
 
 def served_daemon(cfg: DaemonConfig, exclusive: bool = True) -> Watchdog:
     """The daemon as ``watchdog daemon`` builds and ticks it (``serve_forever``: the collector's freeze), in a
-    process that has imported the command line (``python -m watchdog daemon``, each shard's too), and beside it
+    process that has imported the command line (``python -m ppo_watchdog daemon``, each shard's too), and beside it
     the APScheduler ``serve_forever`` starts, with no job (this process ticks it): their imports and thread
     count in the memory measured, as in the daemon's. (It is left to end with the process.)"""
     from apscheduler.schedulers.background import BackgroundScheduler
 
-    import watchdog.cli  # noqa: F401
+    import ppo_watchdog.cli  # noqa: F401
 
     wd = prepare_daemon(cfg, exclusive=exclusive)
     wd.freeze_survivors = True

@@ -1,10 +1,10 @@
 """Replay equals live, across engine rewrites: a digest of everything the engine and its windows say.
 
-The rules engine's hot path (``watchdog.core.engine``, ``expr``, ``series``) is tuned for speed;
+The rules engine's hot path (``ppo_watchdog.core.engine``, ``expr``, ``series``) is tuned for speed;
 its results must not move by one bit. This replays, and digests step by step:
 
 - every log of bench/corpus*/ and ../shared/testdata/verl-logs/ through
-  :func:`watchdog.core.engine.run_series` with the default pack (decisions with all fields, the
+  :func:`ppo_watchdog.core.engine.run_series` with the default pack (decisions with all fields, the
   EngineState's to_json and the sources after every step);
 - every case of rules/tests/*.yaml the way ``watchdog rules test`` steps it (unfiltered window);
 - a few hundred random expressions of the whole language (every function, lags, ``holds``,
@@ -44,13 +44,13 @@ TESTDATA = (Path(os.environ["WATCHDOG_TESTDATA"]) if os.environ.get("WATCHDOG_TE
 
 sys.path.insert(0, str(ROOT))
 
-from watchdog.core import actions as act  # noqa: E402
-from watchdog.core import engine  # noqa: E402
-from watchdog.core.expr import ExprError, compile_expr  # noqa: E402
-from watchdog.core.rulefile import Budget, Rule, RuleSet, load_rules  # noqa: E402
-from watchdog.core.ruletest import _read_test_file  # noqa: E402
-from watchdog.core.series import Window  # noqa: E402
-from watchdog.sources import ingest  # noqa: E402
+from ppo_watchdog.core import actions as act  # noqa: E402
+from ppo_watchdog.core import engine  # noqa: E402
+from ppo_watchdog.core.expr import ExprError, compile_expr  # noqa: E402
+from ppo_watchdog.core.rulefile import Budget, Rule, RuleSet, load_rules  # noqa: E402
+from ppo_watchdog.core.ruletest import _read_test_file  # noqa: E402
+from ppo_watchdog.core.series import Window  # noqa: E402
+from ppo_watchdog.sources import ingest  # noqa: E402
 
 
 class Digest:
@@ -123,7 +123,7 @@ def part_rule_tests() -> dict[str, Any]:
             continue
         d = Digest()
         for test in tests:
-            # watchdog.core.ruletest.run_test's loop, with every state digested.
+            # ppo_watchdog.core.ruletest.run_test's loop, with every state digested.
             rs = rules.only(test["only"]) if test["only"] else rules
             length = max((len(v) for v in test["series"].values()), default=0)
             last_event = max((int(e["step"]) for e in test["events"]), default=test["start"] - 1)
@@ -226,7 +226,7 @@ class ExprGen:
 
 def base_records() -> list[dict[str, float]]:
     """Short-name rows of a real verl run (or a random walk without the testdata)."""
-    from watchdog.protocol import catalog
+    from ppo_watchdog.protocol import catalog
 
     p = TESTDATA / "verl-logs" / "verl_ppo_gemma2b_gsm8k_healthy.txt"
     rows: list[dict[str, float]] = []
@@ -380,7 +380,7 @@ def part_random_packs(n_packs: int, seed: int) -> dict[str, Any]:
 
 
 def _verl_key(short: str) -> str:
-    from watchdog.protocol import catalog
+    from ppo_watchdog.protocol import catalog
 
     return catalog.BY_SHORT[short].key
 

@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="suffix for the result files")
     args = ap.parse_args()
     for name, (labels, mode) in CORPORA.items():
-        cmd = [sys.executable, "-m", "watchdog", "eval", str(labels), "--mode", mode, "--json"]
+        cmd = [sys.executable, "-m", "ppo_watchdog", "eval", str(labels), "--mode", mode, "--json"]
         for r in args.rules or []:
             cmd += ["--rules", r]
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)

@@ -83,9 +83,9 @@ def _env() -> dict[str, str]:
 
 
 def _trainer(run_dir: Path, seed: int) -> list[str]:
-    from watchdog.protocol import hydra
+    from ppo_watchdog.protocol import hydra
 
-    return [sys.executable, "-m", "trainer", f"trainer.run_dir={run_dir}", f"trainer.total_training_steps={STEPS}",
+    return [sys.executable, "-m", "ppo_watchdog.trainer", f"trainer.run_dir={run_dir}", f"trainer.total_training_steps={STEPS}",
             "trainer.test_freq=10", "trainer.save_freq=5", f"trainer.seed={seed}", "trainer.progress=false",
             hydra.format_override("trainer.faults", FAULTS)]
 
@@ -96,7 +96,7 @@ def run_watchdog(work: Path, seed: int) -> tuple[Path, float, list[tuple[int, fl
     t0 = time.time()
     args = _trainer(run_dir, seed)[3:]
     sets = [x for a in args if not a.startswith(("trainer.run_dir=", "trainer.faults=")) for x in ("--set", a)]
-    subprocess.run([sys.executable, "-m", "watchdog", "run", "--run-dir", str(run_dir), "--state-dir",
+    subprocess.run([sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run_dir), "--state-dir",
                     str(work / "watchdog" / "state"), "--no-report", "--on-escalate", "stop", "--tick", "0.5",
                     "--heartbeat-min", "20", "--faults", FAULTS, *sets],
                    cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=1800)
@@ -123,8 +123,8 @@ def run_baseline(work: Path, seed: int, limit_s: float) -> tuple[Path, float, li
 
 
 def measure(run_dir: Path, wall: float, seen: list[tuple[int, float]]) -> dict:
-    from watchdog.protocol import rundir
-    from watchdog.sources.ingest import read_records
+    from ppo_watchdog.protocol import rundir
+    from ppo_watchdog.sources.ingest import read_records
 
     records = read_records(run_dir) if (run_dir / "metrics.jsonl").exists() else []
     final = {r["step"]: r for r in records}

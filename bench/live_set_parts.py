@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench_rules import provenance, timed  # noqa: E402
 
-from watchdog.control.store import RunRecord, Store  # noqa: E402
-from watchdog.protocol import rundir  # noqa: E402
-from watchdog.protocol.control import Control  # noqa: E402
+from ppo_watchdog.control.store import RunRecord, Store  # noqa: E402
+from ppo_watchdog.protocol import rundir  # noqa: E402
+from ppo_watchdog.protocol.control import Control  # noqa: E402
 
 DOC = Control(7, {"actor_rollout_ref.actor.optim.lr": 9.0e-7, "actor_rollout_ref.actor.ppo_epochs": 2}, ()).to_json()
 

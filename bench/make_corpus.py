@@ -3,7 +3,7 @@
     .venv/bin/python bench/make_corpus.py            # ~4 min on 2 cores (two runs at a time)
     .venv/bin/watchdog eval bench/corpus/labels.yaml --mode embedded
 
-Each run is ``python -m trainer`` (80 steps, unsupervised) with one config or injected fault;
+Each run is ``python -m ppo_watchdog.trainer`` (80 steps, unsupervised) with one config or injected fault;
 its run directory keeps ``metrics.jsonl`` (catalog keys only, to stay small) and
 ``events.jsonl``. The labels follow the verl corpus's schema; onsets are where the numbers
 show the damage (an injected fault's step, or, for a config hostile from the start, the first
@@ -66,7 +66,7 @@ NOTES = {
 
 def run(name: str, overrides: list[str], work: Path) -> Path:
     rd = work / name
-    cmd = [sys.executable, "-m", "trainer", f"trainer.run_dir={rd}", f"trainer.total_training_steps={STEPS}",
+    cmd = [sys.executable, "-m", "ppo_watchdog.trainer", f"trainer.run_dir={rd}", f"trainer.total_training_steps={STEPS}",
            "trainer.progress=false", "trainer.test_freq=10", *overrides]
     subprocess.run(cmd, check=True, capture_output=True, timeout=900, cwd=ROOT)
     return rd
@@ -75,7 +75,7 @@ def run(name: str, overrides: list[str], work: Path) -> Path:
 def keep(rd: Path, dest: Path) -> None:
     """Copy a run's metrics (catalog keys only) and events into the corpus."""
     sys.path.insert(0, str(ROOT))
-    from watchdog.protocol import catalog
+    from ppo_watchdog.protocol import catalog
 
     dest.mkdir(parents=True, exist_ok=True)
     with (rd / "metrics.jsonl").open() as src, (dest / "metrics.jsonl").open("w") as out:

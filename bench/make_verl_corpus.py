@@ -3,7 +3,7 @@
     .venv/bin/python bench/make_verl_corpus.py --lock /work/verl.lock          # all runs, ~35 min
     .venv/bin/python bench/make_verl_corpus.py --lock /work/verl.lock --only lr_100x_grpo_seed3
 
-Each run is unmodified verl 0.9.1 on CPU (:mod:`trainer.verl_cpu`: the plugin, its overrides, the
+Each run is unmodified verl 0.9.1 on CPU (:mod:`ppo_watchdog.trainer.verl_cpu`: the plugin, its overrides, the
 tiny local assets), NOT under the watchdog: what a user's run looks like. Every run is kept in
 both of verl's own formats, written by verl itself:
 
@@ -39,7 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from trainer.verl_cpu import assets, overrides  # noqa: E402
+from ppo_watchdog.trainer.verl_cpu import assets, overrides  # noqa: E402
 
 OUT = ROOT / "bench" / "corpus_verl"
 STEPS, SAVE_FREQ, TEST_FREQ = 30, 10, 5

@@ -54,7 +54,7 @@ def _args(seed: int) -> list[str]:
 
 
 def step_time(run_dir: Path) -> float:
-    from watchdog.sources.ingest import read_records
+    from ppo_watchdog.sources.ingest import read_records
 
     times = [r["data"]["perf/time_per_step"] for r in read_records(run_dir) if "perf/time_per_step" in r["data"]]
     return statistics.median(times)
@@ -62,14 +62,14 @@ def step_time(run_dir: Path) -> float:
 
 def alone(work: Path, seed: int) -> float:
     run = work / f"alone-{seed}"
-    subprocess.run([sys.executable, "-m", "trainer", f"trainer.run_dir={run}", *_args(seed)], check=True,
+    subprocess.run([sys.executable, "-m", "ppo_watchdog.trainer", f"trainer.run_dir={run}", *_args(seed)], check=True,
                    cwd=ROOT, env=_env(), capture_output=True, timeout=900)
     return step_time(run)
 
 
 def watched(work: Path, seed: int, rules: Path | None = None, tag: str = "watched") -> Path:
     run = work / f"{tag}-{seed}"
-    cmd = [sys.executable, "-m", "watchdog", "run", "--run-dir", str(run), "--state-dir", str(work / f"state-{tag}-{seed}"),
+    cmd = [sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run), "--state-dir", str(work / f"state-{tag}-{seed}"),
            "--no-report", "--tick", "1.0", *(x for a in _args(seed) for x in ("--set", a))]
     if rules is not None:
         cmd[4:4] = ["--rules", str(rules)]
@@ -78,7 +78,7 @@ def watched(work: Path, seed: int, rules: Path | None = None, tag: str = "watche
 
 
 def reaction(work: Path, seed: int) -> list[dict]:
-    from watchdog.control.store import Store
+    from ppo_watchdog.control.store import Store
 
     rules = work / "ping.yaml"
     rules.write_text(PING_RULES)

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/ppo_curve.py [--steps 100] [--out bench/results]
 
-Runs ``python -m trainer`` three times (fresh run directories under a temp dir):
+Runs ``python -m ppo_watchdog.trainer`` three times (fresh run directories under a temp dir):
 
 - ``default``: the shipped defaults; validation accuracy should rise clearly above the
   SFT start and the KL mean to the reference should stay under 0.1 most of the time;
@@ -34,8 +34,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from trainer.config import Config  # noqa: E402
-from watchdog.protocol import rundir  # noqa: E402
+from ppo_watchdog.protocol import rundir  # noqa: E402
+from ppo_watchdog.trainer.config import Config  # noqa: E402
 
 BASE_LR = Config().actor_rollout_ref.actor.optim.lr
 CONFIGS: dict[str, list[str]] = {
@@ -57,7 +57,7 @@ SCORE_WINDOW = 10
 
 def rule_fires(run_dir: Path) -> dict[str, list[int]]:
     """Steps at which each rule of the default pack fires when the run is replayed."""
-    proc = subprocess.run([sys.executable, "-m", "watchdog", "replay", "--json", str(run_dir)], cwd=REPO,
+    proc = subprocess.run([sys.executable, "-m", "ppo_watchdog", "replay", "--json", str(run_dir)], cwd=REPO,
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"watchdog replay {run_dir} exited {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -88,7 +88,7 @@ def reward_fall(score: list[float], val: list[tuple[int, float]], sft: float | N
 def run(name: str, overrides: list[str], steps: int, root: Path) -> dict[str, Any]:
     """One trainer run; returns its per-step series and summary."""
     run_dir = root / name
-    cmd = [sys.executable, "-m", "trainer", f"trainer.run_dir={run_dir}", "trainer.resume_mode=disable",
+    cmd = [sys.executable, "-m", "ppo_watchdog.trainer", f"trainer.run_dir={run_dir}", "trainer.resume_mode=disable",
            f"trainer.total_training_steps={steps}", "trainer.test_freq=5", "trainer.save_epoch_freq=0",
            "trainer.progress=false", *overrides]
     t0 = time.time()

@@ -4,7 +4,7 @@
     .venv/bin/python bench/stability.py              # 8 families x 5 seeds, ~60-80 min on 2 cores
 
 Every (family, seed) is run twice with the same seed and the same number of steps (80): once
-alone (``python -m trainer``) and once under ``watchdog run --on-escalate stop`` (no human at
+alone (``python -m ppo_watchdog.trainer``) and once under ``watchdog run --on-escalate stop`` (no human at
 the keyboard: a run the watchdog can do nothing more for ends with a verdict instead of waiting).
 
 Outcome of a run:
@@ -78,7 +78,7 @@ class RunResult:
 
 
 def _records(run_dir: Path) -> list[dict]:
-    from watchdog.sources.ingest import read_records
+    from ppo_watchdog.sources.ingest import read_records
 
     try:
         return read_records(run_dir)
@@ -115,7 +115,7 @@ def classify(r: RunResult, run_dir: Path, steps: int) -> RunResult:
 
 
 def _trainer_args(family: str, seed: int, run_dir: Path, steps: int) -> list[str]:
-    from watchdog.protocol import hydra
+    from ppo_watchdog.protocol import hydra
 
     overrides, faults, _ = FAMILIES[family]
     args = [f"trainer.run_dir={run_dir}", f"trainer.total_training_steps={steps}", "trainer.test_freq=10",
@@ -164,11 +164,11 @@ def run_one(family: str, seed: int, watched: bool, work: Path, steps: int, plain
         sets = [x for a in _trainer_args(family, seed, run_dir, steps)
                 if not a.startswith(("trainer.run_dir=", "trainer.faults=")) for x in ("--set", a)]
         faults = FAMILIES[family][1]
-        cmd = [sys.executable, "-m", "watchdog", "run", "--run-dir", str(run_dir), "--state-dir", str(state),
+        cmd = [sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run_dir), "--state-dir", str(state),
                "--no-report", "--on-escalate", "stop", "--tick", "0.5", "--heartbeat-min", "20", *sets,
                *(["--faults", faults] if faults else [])]
         code, r.wall_s = _run(cmd, timeout=1800, log=base / "watchdog.log")
-        from watchdog.control.store import Store
+        from ppo_watchdog.control.store import Store
 
         store = Store(state)
         run = store.get_run("run")
@@ -179,7 +179,7 @@ def run_one(family: str, seed: int, watched: bool, work: Path, steps: int, plain
         r.decisions = [f"{d['step']}:{d['rule']}:{d['kind']}" for d in decisions if d["kind"] != "resolve"]
         store.close()
     else:
-        cmd = [sys.executable, "-m", "trainer", *_trainer_args(family, seed, run_dir, steps)]
+        cmd = [sys.executable, "-m", "ppo_watchdog.trainer", *_trainer_args(family, seed, run_dir, steps)]
         code, r.wall_s = _run(cmd, timeout=1800, log=base / "trainer.log", idle=plain_timeout,
                               watch=(run_dir / "metrics.jsonl",))
         r.phase = "exit " + ("killed: silent past the limit (hung)" if code is None else str(code))

@@ -2,7 +2,7 @@
 
 Each time a journal entry ends (done, failed, dropped), the store settles its decision from the decision's
 entries. The journal keeps every entry a daemon ever wrote, so a read that scans it costs more every hour;
-the index ``journal_decision`` (``watchdog.control.store._INDEXES``) makes it a lookup. This builds a real
+the index ``journal_decision`` (``ppo_watchdog.control.store._INDEXES``) makes it a lookup. This builds a real
 state database with N decisions of one finished entry each (as a daemon's decision storm leaves them:
 ``daemon_scale.py --hours 1`` ends with 11,067 decisions), then times settling the last ``--settle`` of them,
 with the index and with it dropped (what a state had before it).
@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench_rules import provenance  # noqa: E402
 
-from watchdog.control.store import RunRecord, Store  # noqa: E402
+from ppo_watchdog.control.store import RunRecord, Store  # noqa: E402
 
 
 def settle_ms(store: Store, ids: list[int]) -> float:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_read import measure  # noqa: E402
 from bench_rules import RESULTS, base_trajectory, bench_size, pin_one_core, provenance  # noqa: E402
 
-from watchdog.core.rulefile import load_rules  # noqa: E402
+from ppo_watchdog.core.rulefile import load_rules  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

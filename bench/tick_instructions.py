@@ -57,7 +57,7 @@ RUNNER = """
 import runpy, sys
 kind, runs, hours, out, script = sys.argv[1:6]
 if kind == "without_ticks":
-    from watchdog.control import daemon
+    from ppo_watchdog.control import daemon
     daemon.Watchdog.tick = lambda self, now=None: False
 sys.argv = [script, "--runs", runs, "--hours", hours, "--traced-ticks", "0", "--out", out]
 runpy.run_path(script, run_name="__main__")

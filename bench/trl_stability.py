@@ -3,12 +3,12 @@
     .venv/bin/python bench/trl_stability.py              # 4 families x 3 seeds, ~10-15 min on 2 cores
     .venv/bin/python bench/trl_stability.py --seeds 1    # one seed per family, ~4 min
 
-The model is the glue's tiny local Qwen2 (``trainer.trl_glue.assets``: 2 layers, hidden 64,
+The model is the glue's tiny local Qwen2 (``ppo_watchdog.trainer.trl_glue.assets``: 2 layers, hidden 64,
 warm-started on ``a+b=`` so its greedy answers start about half right), the task the glue's
 built-in arithmetic prompts with its dense reward (share of digits + 1 for the right sum).
 Every (family, seed) is run twice with the same seed and the same number of steps (40, a
-checkpoint every 5): once alone (``python -m trainer.trl_glue``) and once under
-``watchdog run --on-escalate stop -- python -m trainer.trl_glue`` (no human at the keyboard).
+checkpoint every 5): once alone (``python -m ppo_watchdog.trainer.trl_glue``) and once under
+``watchdog run --on-escalate stop -- python -m ppo_watchdog.trainer.trl_glue`` (no human at the keyboard).
 
 Outcome of a run:
 
@@ -120,8 +120,8 @@ def _run(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, float]:
 
 def classify(r: RunResult, run_dir: Path, start_acc: float) -> RunResult:
     """Judge a finished (or killed) run from its run directory and its final weights."""
-    from watchdog.protocol import checkpoint as ckpt
-    from watchdog.protocol import rundir
+    from ppo_watchdog.protocol import checkpoint as ckpt
+    from ppo_watchdog.protocol import rundir
 
     metrics = run_dir / rundir.METRICS
     recs = rundir.read_jsonl(metrics).records if metrics.exists() else []
@@ -150,13 +150,13 @@ def run_one(family: str, seed: int, watched: bool, work: Path, start_acc: float,
         shutil.rmtree(base)
     base.mkdir(parents=True)
     r = RunResult(family, seed, watched)
-    trainer = [sys.executable, "-m", "trainer.trl_glue", "--run-dir", str(run_dir), f"actor_rollout_ref.model.path={MODEL}",
+    trainer = [sys.executable, "-m", "ppo_watchdog.trainer.trl_glue", "--run-dir", str(run_dir), f"actor_rollout_ref.model.path={MODEL}",
                f"trainer.total_training_steps={STEPS}", f"trainer.seed={seed}", *BASE, *FAMILIES[family][0]]
     if watched:
-        cmd = [sys.executable, "-m", "watchdog", "run", "--run-dir", str(run_dir), "--state-dir", str(state),
+        cmd = [sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run_dir), "--state-dir", str(state),
                "--no-report", "--on-escalate", "stop", "--tick", "0.5", "--startup-timeout", "120", "--", *trainer]
         code, r.wall_s = _run(cmd, timeout, base / "watchdog.log")
-        from watchdog.control.store import Store
+        from ppo_watchdog.control.store import Store
 
         store = Store(state)
         run = store.get_run("run")
@@ -243,7 +243,7 @@ def main() -> None:
     if args.render:
         write_results(json.loads((RESULTS / "trl_stability.json").read_text()))
         return
-    from trainer.trl_glue import assets
+    from ppo_watchdog.trainer.trl_glue import assets
 
     t0 = time.time()
     MODEL = assets.build(args.work / "model")

@@ -1,7 +1,7 @@
 """The watchdog over real verl, end to end: every check a row (``python bench/verl_e2e.py``).
 
 ``--device cpu`` (default): verl 0.9.1's own ``python -m verl.trainer.main_ppo`` on this machine's
-CPU through :mod:`trainer.verl_cpu` (no file of verl edited), tiny local assets:
+CPU through :mod:`ppo_watchdog.trainer.verl_cpu` (no file of verl edited), tiny local assets:
 
 1. **zero-patch** (:func:`run_zero_patch`): ``watchdog run --mode verl`` over PPO with GAE, a critic
    and the KL in the reward, 12 steps, a checkpoint every 2 (``make run-verl`` plus
@@ -9,7 +9,7 @@ CPU through :mod:`trainer.verl_cpu` (no file of verl edited), tiny local assets:
    (``trainer.max_actor_ckpt_to_keep=1``). Injected: a NaN actor loss at step 5, a memory budget from step 8;
    one tuning relaunch carries lr x0.5, kl_coef x2 and clip_ratio x0.5; the rollback's ``skip_batches: 1``
    is checked in verl's own dataloader state (:func:`check_skip`). :func:`zero_patch_checks`;
-2. **in-process** (:func:`run_in_process`): ``watchdog run -- python -m trainer.verl_glue`` with
+2. **in-process** (:func:`run_in_process`): ``watchdog run -- python -m ppo_watchdog.trainer.verl_glue`` with
    bench/verl_gpu_smoke.yaml (kl_coef x2 live from step 2, lr x0.5 live from step 3), checked by
    bench/verl_gpu_smoke.py's :func:`check_run` against what verl logs;
 3. ``--world-size-2``: two gloo ranks (:func:`run_world_size_2`);
@@ -53,8 +53,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from watchdog.protocol import rundir  # noqa: E402
-from watchdog.protocol.runinfo import RunInfo  # noqa: E402
+from ppo_watchdog.protocol import rundir  # noqa: E402
+from ppo_watchdog.protocol.runinfo import RunInfo  # noqa: E402
 
 TEST_RULES = REPO / "tests" / "data" / "verl_e2e_rules.yaml"
 SMOKE_RULES = REPO / "bench" / "verl_gpu_smoke.yaml"
@@ -133,7 +133,7 @@ class VerlRun:
         return rundir.iter_events(self.run_dir)
 
     def journal(self) -> list[Any]:
-        from watchdog.control.store import Store
+        from ppo_watchdog.control.store import Store
 
         if not self.state_dir.exists():
             return []
@@ -208,7 +208,7 @@ def run_zero_patch(root: Path, extra_watchdog: list[str] | None = None, extra_ve
     """
     if not ray_memory_monitor:
         inject = {**(inject or {}), "RAY_memory_monitor_refresh_ms": "0"}
-    from trainer.verl_cpu import assets, demo, overrides
+    from ppo_watchdog.trainer.verl_cpu import assets, demo, overrides
 
     a = assets.build(root / "assets")
     run_dir, state = root / "run", root / "state"
@@ -258,7 +258,7 @@ def check_rollback(run: VerlRun) -> Row:
 
 def _drawn(path: Path) -> int | None:
     """Batches verl's train dataloader had drawn when it saved ``path`` (its data.pt, weights-only), or None."""
-    from watchdog.protocol import checkpoint as ckpt
+    from ppo_watchdog.protocol import checkpoint as ckpt
 
     data = path / ckpt.VERL_DATA_FILE
     if not data.is_file():
@@ -402,7 +402,7 @@ def check_timeline(run: VerlRun) -> Row:
 
 def check_replay(run: VerlRun) -> Row:
     def replay(source: Path) -> list[tuple[int, str, str]]:
-        out = subprocess.run([sys.executable, "-m", "watchdog", "replay", str(source), "--json",
+        out = subprocess.run([sys.executable, "-m", "ppo_watchdog", "replay", str(source), "--json",
                               "--rules", str(REPO / "rules" / "default.yaml"),
                               "--rules", str(REPO / "rules" / "demo" / "verl_cpu.yaml")],
                              capture_output=True, text=True, timeout=300)
@@ -447,16 +447,16 @@ def zero_patch_checks(run: VerlRun) -> list[Row]:
 
 
 def run_in_process(root: Path, steps: int = 6) -> VerlRun:
-    """``watchdog run -- python -m trainer.verl_glue`` on CPU with the smoke pack's two live changes."""
-    from trainer.verl_cpu import assets, overrides
+    """``watchdog run -- python -m ppo_watchdog.trainer.verl_glue`` on CPU with the smoke pack's two live changes."""
+    from ppo_watchdog.trainer.verl_cpu import assets, overrides
 
     a = assets.build(root / "assets")
     run_dir, state = root / "run", root / "state"
     env = overrides.verl_env(inject={"VERL_CPU_INJECT_DIR": str(run_dir / "injected")})
     ov = [o for o in overrides.ppo_overrides(a, steps=steps, save_freq=3) if not o.startswith("trainer.logger=")]
-    argv = [sys.executable, "-m", "watchdog", "run", "--run-dir", str(run_dir), "--state-dir", str(state),
+    argv = [sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run_dir), "--state-dir", str(state),
             "--rules", str(SMOKE_RULES), "--startup-timeout", "400", "--on-escalate", "stop", "--no-report",
-            "--", sys.executable, "-m", "trainer.verl_glue", "--run-dir", str(run_dir), *ov]
+            "--", sys.executable, "-m", "ppo_watchdog.trainer.verl_glue", "--run-dir", str(run_dir), *ov]
     return supervise(argv, env, run_dir, state, root)
 
 
@@ -483,7 +483,7 @@ def in_process_checks(run: VerlRun) -> list[Row]:
 def run_world_size_2(root: Path) -> VerlRun:
     """Two FSDP ranks on gloo (two logical GPUs, two rollout replicas), 8 steps, the demo's lr rule:
     one relaunch from a two-rank checkpoint through the per-rank lr patch."""
-    from trainer.verl_cpu import assets, demo, overrides
+    from ppo_watchdog.trainer.verl_cpu import assets, demo, overrides
 
     a = assets.build(root / "assets")
     run_dir, state = root / "run", root / "state"
@@ -491,7 +491,7 @@ def run_world_size_2(root: Path) -> VerlRun:
     verl = overrides.verl_command(sys.executable, [
         *overrides.ppo_overrides(a, steps=8, save_freq=2, gpus=2, micro_batch=2),
         f"actor_rollout_ref.actor.optim.clip_grad={demo.CLIP_GRAD}", f"hydra.run.dir={run_dir / 'verl' / 'hydra'}"])
-    argv = [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir), "--state-dir",
+    argv = [sys.executable, "-m", "ppo_watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir), "--state-dir",
             str(state), "--rules", str(REPO / "rules" / "default.yaml"), "--rules", str(demo.DEMO_RULES),
             "--on-escalate", "stop", "--tuning-relaunch-every", "2", "--startup-s", "60", "--startup-timeout", "400",
             "--no-report", "--", *verl]
@@ -661,7 +661,7 @@ RAY_OOM_STEP, RAY_STEPS = 3, 6
 def run_ray_job(root: Path) -> VerlRun:
     """``watchdog run --ray-address ... --ray-token-file ...`` over verl's main_ppo on a local token-auth head:
     an injected OOM at step 3 (micro batch 2 > 1) makes the watchdog resubmit the job with micro batch 1."""
-    from trainer.verl_cpu import assets, overrides
+    from ppo_watchdog.trainer.verl_cpu import assets, overrides
 
     a = assets.build(root / "assets")
     run_dir, state = root / "run", root / "state"
@@ -679,7 +679,7 @@ def run_ray_job(root: Path) -> VerlRun:
     verl = overrides.verl_command(sys.executable, [
         *ray_job_overrides(overrides.ppo_overrides(a, steps=RAY_STEPS, save_freq=2, micro_batch=2)),
         f"hydra.run.dir={run_dir / 'verl' / 'hydra'}"])
-    argv = [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir), "--state-dir",
+    argv = [sys.executable, "-m", "ppo_watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir), "--state-dir",
             str(state), "--ray-address", head.address, "--ray-token-file", str(head.token_file),
             "--rules", str(REPO / "rules" / "default.yaml"), "--on-escalate", "stop", "--startup-s", "60",
             "--startup-timeout", "400", "--no-report", "--", *verl]
@@ -745,7 +745,7 @@ def run_kl_adaptive(root: Path) -> VerlRun:
     """PPO with the KL in the reward under verl's adaptive controller (horizon 40: it visibly moves each
     step); a tuning set doubles kl_coef from step 2, applied by relaunch at the next checkpoint; an
     injected OOM at step 5 makes one more relaunch, which carries the controller's value on."""
-    from trainer.verl_cpu import assets, overrides
+    from ppo_watchdog.trainer.verl_cpu import assets, overrides
 
     a = assets.build(root / "assets")
     run_dir, state = root / "run", root / "state"
@@ -753,7 +753,7 @@ def run_kl_adaptive(root: Path) -> VerlRun:
                                      "RAY_memory_monitor_refresh_ms": "0"})
     base = [o for o in overrides.ppo_overrides(a, steps=6, save_freq=2) if not o.startswith("algorithm.kl_ctrl.type=")]
     verl = overrides.verl_command(sys.executable, [*base, *ADAPTIVE, f"hydra.run.dir={run_dir / 'verl' / 'hydra'}"])
-    argv = [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir), "--state-dir",
+    argv = [sys.executable, "-m", "ppo_watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir), "--state-dir",
             str(state), "--rules", str(REPO / "rules" / "default.yaml"), "--rules", str(KL_ADAPTIVE_RULES),
             "--on-escalate", "stop", "--tuning-relaunch-every", "2", "--startup-s", "60", "--startup-timeout", "400",
             "--no-report", "--", *verl]
@@ -767,7 +767,7 @@ ADAPTIVE_CFG = {"algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.target_
 def kl_adaptive_checks(run: VerlRun) -> list[Row]:
     """The coefficient verl logs at the first step after each resume is the one the watchdog passed; the
     watchdog's arithmetic of verl's controller matches what verl logs from one step to the next."""
-    from watchdog.backends.zero_patch import kl_coef_after
+    from ppo_watchdog.backends.zero_patch import kl_coef_after
 
     coef, pen = "actor/reward_kl_penalty_coeff", "actor/reward_kl_penalty"
     t = next((e for e in run.restarts() if KL in e.payload.get("set", {})), None)
@@ -791,7 +791,7 @@ def kl_adaptive_checks(run: VerlRun) -> list[Row]:
     moved = sorted({round(float(r["data"][coef]), 12) for r in first if coef in r["data"]})
     # The probe's tuning set: the planner leaves a tuning set of kl_coef out while verl's adaptive controller
     # owns it (core/planner.py, plan_sets); applied, it must be what the relaunch passed.
-    from watchdog.control.store import Store
+    from ppo_watchdog.control.store import Store
 
     probe = [(d["step"], d["status"], d["outcome"]) for d in Store(run.state_dir).decisions()
              if d["rule"] == "probe_kl_coef_adaptive"]
@@ -821,7 +821,7 @@ ASYNC_NAN_STEP = 5
 def run_async_save(root: Path) -> VerlRun:
     """``actor_rollout_ref.actor.checkpoint.async_save=true``: 6 steps, a checkpoint every 2, a NaN actor loss
     injected at step 5: the rollback must find a checkpoint although verl writes no marker."""
-    from trainer.verl_cpu import assets, overrides
+    from ppo_watchdog.trainer.verl_cpu import assets, overrides
 
     a = assets.build(root / "assets")
     run_dir, state = root / "run", root / "state"
@@ -831,7 +831,7 @@ def run_async_save(root: Path) -> VerlRun:
     verl = overrides.verl_command(sys.executable, [*overrides.ppo_overrides(a, steps=6, save_freq=2),
                                                    "actor_rollout_ref.actor.checkpoint.async_save=true",
                                                    f"hydra.run.dir={run_dir / 'verl' / 'hydra'}"])
-    argv = [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir), "--state-dir",
+    argv = [sys.executable, "-m", "ppo_watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir), "--state-dir",
             str(state), "--rules", str(REPO / "rules" / "default.yaml"), "--on-escalate", "stop",
             "--startup-s", "60", "--startup-timeout", "400", "--no-report", "--", *verl]
     return supervise(argv, env, run_dir, state, root)

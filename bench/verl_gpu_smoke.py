@@ -4,9 +4,9 @@ Needs a machine with a CUDA GPU, verl, vLLM and a small instruct model on local 
 (Qwen2.5-0.5B-Instruct style; ``--model`` takes a directory or a Hugging Face id already
 in the local cache). It
 
-1. writes the synthetic arithmetic task (:mod:`trainer.data`) as GSM8K-style parquet
+1. writes the synthetic arithmetic task (:mod:`ppo_watchdog.trainer.data`) as GSM8K-style parquet
    (``data_source=openai/gsm8k``, so verl's own GSM8K scorer rewards it);
-2. runs ``watchdog run --rules bench/verl_gpu_smoke.yaml -- python -m trainer.verl_glue ...``:
+2. runs ``watchdog run --rules bench/verl_gpu_smoke.yaml -- python -m ppo_watchdog.trainer.verl_glue ...``:
    verl's sync PPO (GAE, critic, KL in the reward with a fixed controller, vLLM rollout) for
    ``--steps`` steps, checkpoints every 3; the smoke rule pack makes the watchdog write two
    live changes to control.json: ``algorithm.kl_ctrl.kl_coef`` x2 from step 2 and the actor
@@ -53,8 +53,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from watchdog.protocol import rundir  # noqa: E402
-from watchdog.protocol.runinfo import RunInfo  # noqa: E402
+from ppo_watchdog.protocol import rundir  # noqa: E402
+from ppo_watchdog.protocol.runinfo import RunInfo  # noqa: E402
 
 KL_KEY = "algorithm.kl_ctrl.kl_coef"
 LR_KEY = "actor_rollout_ref.actor.optim.lr"
@@ -139,7 +139,7 @@ MICRO_KEY = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 
 
 def _journal(run_dir: Path) -> list[Any]:
-    from watchdog.control.store import Store
+    from ppo_watchdog.control.store import Store
 
     state = run_dir / "state"
     if not state.exists():
@@ -156,7 +156,7 @@ def check_zero_patch(run_dir: Path | str, lr0: float = LR0) -> list[Check]:
     """Every verdict of the zero-patch part about a finished run directory."""
     import torch
 
-    from watchdog.protocol import checkpoint as ckpt
+    from ppo_watchdog.protocol import checkpoint as ckpt
 
     run_dir = Path(run_dir)
     events = rundir.iter_events(run_dir)
@@ -266,7 +266,7 @@ def run_zero_patch(args: argparse.Namespace, run_dir: Path, gpus: int) -> int:
     train, val = write_data(run_dir / "data", n_train=64 * gpus, n_val=32)
     trainer = [sys.executable, "-m", "verl.trainer.main_ppo", *zero_patch_overrides(args, train, val, gpus),
                *args.overrides]
-    watchdog = [sys.executable, "-m", "watchdog", "run", "--run-dir", str(run_dir), "--mode", "verl",
+    watchdog = [sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run_dir), "--mode", "verl",
                 "--rules", str(REPO / "bench" / "verl_gpu_smoke_zero_patch.yaml"), "--state-dir", str(run_dir / "state"),
                 "--tick", "1", "--startup-timeout", str(args.timeout), "--heartbeat-min", "600",
                 "--restart-budget", "1", "--tuning-relaunch-every", "0", "--stop-grace", "60", "--no-report"]
@@ -330,7 +330,7 @@ def make_tiny_model(out: Path, texts: list[str]) -> Path:
 
 def write_data(out: Path, n_train: int, n_val: int) -> tuple[Path, Path]:
     """The synthetic task as GSM8K rows verl's default reward scores (data_source openai/gsm8k)."""
-    from trainer.data import synthetic_rows, write_parquet
+    from ppo_watchdog.trainer.data import synthetic_rows, write_parquet
 
     rows = synthetic_rows(n_train, n_val, max_operand=20, seed=0, heldout=False)
     for split in rows.values():
@@ -342,14 +342,14 @@ def write_data(out: Path, n_train: int, n_val: int) -> tuple[Path, Path]:
 
 def prepare(args: argparse.Namespace, run_dir: Path, gpus: int) -> list[str]:
     """Data (and the tiny model when asked) in the run directory; returns the trainer's command."""
-    from trainer.data import synthetic_rows
+    from ppo_watchdog.trainer.data import synthetic_rows
 
     train, val = write_data(run_dir / "data", n_train=64 * gpus, n_val=32)
     if args.model == TINY:
         texts = [r["prompt"][0]["content"] + SUFFIX + " #### " + r["reward_model"]["ground_truth"]
                  for r in synthetic_rows(441, 0, max_operand=20, seed=0)["train"]]
         args.model = str(make_tiny_model(run_dir / "tiny-model", texts))
-    return [sys.executable, "-m", "trainer.verl_glue", "--run-dir", str(run_dir),
+    return [sys.executable, "-m", "ppo_watchdog.trainer.verl_glue", "--run-dir", str(run_dir),
             *verl_overrides(args, train, val, gpus), *args.overrides]
 
 
@@ -391,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     trainer = prepare(args, run_dir, gpus)
-    watchdog = [sys.executable, "-m", "watchdog", "run", "--run-dir", str(run_dir), "--mode", "embedded",
+    watchdog = [sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run_dir), "--mode", "embedded",
                 "--rules", str(REPO / "bench" / "verl_gpu_smoke.yaml"), "--state-dir", str(run_dir / "state"),
                 "--tick", "2", "--startup-timeout", str(args.timeout), "--heartbeat-min", "600",
                 "--live-timeout", "900", "--restart-budget", "0", "--no-report"]
@@ -411,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
 
 def dry_run(args: argparse.Namespace) -> int:
     """The CPU-runnable part of :func:`run`: data, model, the composed and validated verl config."""
-    from trainer.verl_glue.runner import build_config, validate
+    from ppo_watchdog.trainer.verl_glue.runner import build_config, validate
 
     run_dir = Path(args.run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -426,7 +426,7 @@ def dry_run(args: argparse.Namespace) -> int:
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    from trainer.verl_glue.runner import verl_config_dir
+    from ppo_watchdog.trainer.verl_glue.runner import verl_config_dir
 
     train, val = run_dir / "data" / "train.parquet", run_dir / "data" / "test.parquet"
     zp = zero_patch_overrides(args, train, val, args.gpus or 1)
@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.mode == "both" and base.exists():
             shutil.rmtree(base)
         if args.model == TINY:  # built once, outside the run directories, for both parts
-            from trainer.data import synthetic_rows
+            from ppo_watchdog.trainer.data import synthetic_rows
 
             texts = [r["prompt"][0]["content"] + SUFFIX + " #### " + r["reward_model"]["ground_truth"]
                      for r in synthetic_rows(441, 0, max_operand=20, seed=0)["train"]]

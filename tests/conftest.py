@@ -1,6 +1,6 @@
 """Shared fixtures: a tiny SFT model and data, trained once per test session in a temp cache.
 
-Tests that run the trainer (in process or as ``python -m trainer``) use
+Tests that run the trainer (in process or as ``python -m ppo_watchdog.trainer``) use
 ``tiny_trainer_args(run_dir, *overrides)`` for an argv that finishes a step in a
 fraction of a second, and ``trainer_env`` for a subprocess environment whose cache is
 the session's temp directory (nothing under ~/.cache is touched).
@@ -58,8 +58,8 @@ def tiny_sft(tmp_path_factory: pytest.TempPathFactory) -> TinySFT:
     """Train (a few seconds) a 1-layer d=32 SFT model on 64 synthetic problems, once per session."""
     import torch
 
-    from trainer import data as data_mod
-    from trainer.sft import SFTSettings, train_sft
+    from ppo_watchdog.trainer import data as data_mod
+    from ppo_watchdog.trainer.sft import SFTSettings, train_sft
 
     torch.set_num_threads(1)
     cache = tmp_path_factory.mktemp("ppo-cache")
@@ -73,23 +73,22 @@ def tiny_sft(tmp_path_factory: pytest.TempPathFactory) -> TinySFT:
 
 @pytest.fixture(scope="session")
 def tiny_trainer_args(tiny_sft: TinySFT) -> Callable[..., list[str]]:
-    """``f(run_dir, *extra, steps=4)`` -> argv for ``python -m trainer`` on the tiny model."""
+    """``f(run_dir, *extra, steps=4)`` -> argv for ``python -m ppo_watchdog.trainer`` on the tiny model."""
 
     def make(run_dir: Path | str, *extra: str, steps: int = 4) -> list[str]:
-        return [sys.executable, "-m", "trainer", *tiny_sft.overrides(run_dir, steps), *extra]
+        return [sys.executable, "-m", "ppo_watchdog.trainer", *tiny_sft.overrides(run_dir, steps), *extra]
 
     return make
 
 
 @pytest.fixture(scope="session")
 def trainer_env(tiny_sft: TinySFT) -> dict[str, str]:
-    """Environment for trainer subprocesses: session cache, one thread, quiet logs, repo on the path."""
+    """Environment for trainer subprocesses: session cache, one thread, quiet logs."""
     env = dict(os.environ)
     env.update({
         "PPO_WATCHDOG_CACHE": str(tiny_sft.cache),
         "OMP_NUM_THREADS": "1",
         "TRAINER_LOG_LEVEL": "WARNING",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
     })
     return env
 

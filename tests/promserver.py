@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
-from watchdog.observe import telemetry
-from watchdog.protocol.exporter import free_port
+from ppo_watchdog.observe import telemetry
+from ppo_watchdog.protocol.exporter import free_port
 
 
 def prometheus_binary() -> str:

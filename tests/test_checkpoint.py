@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from watchdog.protocol import checkpoint as ck
-from watchdog.protocol import rundir
+from ppo_watchdog.protocol import checkpoint as ck
+from ppo_watchdog.protocol import rundir
 
 torch.set_num_threads(1)
 
@@ -131,7 +131,7 @@ def test_a_save_killed_midway_leaves_no_visible_checkpoint(tmp_path: Path) -> No
     script = textwrap.dedent(
         f"""
         import os, torch
-        from watchdog.protocol import checkpoint as ck
+        from ppo_watchdog.protocol import checkpoint as ck
         real = ck._write_file
         calls = []
         def dying(path, data):

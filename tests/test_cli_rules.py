@@ -15,10 +15,10 @@ import pytest
 from typer.testing import CliRunner
 from verl_logs import HEALTHY, NAN, needs_logs
 
-from watchdog import cli
-from watchdog.core import rulefile
-from watchdog.core.rulefile import load_rules
-from watchdog.protocol import catalog, rundir
+from ppo_watchdog import cli
+from ppo_watchdog.core import rulefile
+from ppo_watchdog.core.rulefile import load_rules
+from ppo_watchdog.protocol import catalog, rundir
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "rules" / "default.yaml"
@@ -237,13 +237,12 @@ def test_default_pack_rule_tests_pass() -> None:
 
 
 def test_python_dash_m_watchdog_runs_as_a_real_process(good: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    p = subprocess.run([sys.executable, "-m", "watchdog", "rules", "check", str(good)],
-                       capture_output=True, text=True, timeout=60, env=env)
+    p = subprocess.run([sys.executable, "-m", "ppo_watchdog", "rules", "check", str(good)],
+                       capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert "OK: 2 rules" in p.stdout
-    p = subprocess.run([sys.executable, "-m", "watchdog", "--help"], capture_output=True, text=True,
-                       timeout=60, env=env)
+    p = subprocess.run([sys.executable, "-m", "ppo_watchdog", "--help"], capture_output=True, text=True,
+                       timeout=60)
     assert p.returncode == 0 and "rules" in p.stdout and "replay" in p.stdout
 
 
@@ -339,7 +338,7 @@ def test_replay_rejects_a_malformed_set_option(good: Path, tmp_path: Path) -> No
 
 
 def test_a_missing_default_pack_names_the_override(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from watchdog.core import rulefile
+    from ppo_watchdog.core import rulefile
 
     monkeypatch.setattr(rulefile, "__file__", str(tmp_path / "pkg" / "watchdog" / "rulefile.py"))
     monkeypatch.chdir(tmp_path)

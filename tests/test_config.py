@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import Config, ConfigError, known_keys, load_config, parse_override
-from watchdog.protocol import catalog
+from ppo_watchdog.protocol import catalog
+from ppo_watchdog.trainer.config import Config, ConfigError, known_keys, load_config, parse_override
 
 
 def test_defaults_validate_and_every_live_key_exists() -> None:
@@ -115,7 +115,7 @@ def test_parse_override_requires_key_equals_value() -> None:
 
 
 def test_to_dict_round_trips_through_from_dict() -> None:
-    from trainer.config import from_dict
+    from ppo_watchdog.trainer.config import from_dict
 
     cfg = load_config(["algorithm.kl_ctrl.kl_coef=0.003", "trainer.faults=nan@2"])
     again = from_dict(cfg.to_dict())

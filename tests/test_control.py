@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from watchdog.protocol import rundir
-from watchdog.protocol.control import Command, Control, ControlApplier, write_control
+from ppo_watchdog.protocol import rundir
+from ppo_watchdog.protocol.control import Command, Control, ControlApplier, write_control
 
 KL = "algorithm.kl_ctrl.kl_coef"
 LR = "actor_rollout_ref.actor.optim.lr"

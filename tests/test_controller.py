@@ -1,7 +1,7 @@
 """The controller: pure planning and timing rules, then whole ticks against real small processes.
 
 The tick tests use a minimal trainer that speaks the run-directory protocol through the
-real ``watchdog.protocol.control.ControlApplier`` (metrics, events, control.json, exit codes) and
+real ``ppo_watchdog.protocol.control.ControlApplier`` (metrics, events, control.json, exit codes) and
 starts in a fraction of a second, so budgets, escalation, pause/resume and the live-apply
 timeout are tested on real processes without PPO's start-up cost.
 """
@@ -21,9 +21,9 @@ from types import SimpleNamespace
 import pytest
 from typer.testing import CliRunner
 
-from watchdog.backends.dialect import classify_exit
-from watchdog.backends.local import LocalBackend
-from watchdog.control.actuator import (
+from ppo_watchdog.backends.dialect import classify_exit
+from ppo_watchdog.backends.local import LocalBackend
+from ppo_watchdog.control.actuator import (
     Actuator,
     ActuatorConfig,
     RunHandle,
@@ -31,20 +31,20 @@ from watchdog.control.actuator import (
     choose_known_good,
     restart_command,
 )
-from watchdog.control.controller import (
+from ppo_watchdog.control.controller import (
     ControllerConfig,
     TickResult,
     heartbeat_timeout,
     span_start,
 )
-from watchdog.control.daemon import DaemonConfigError, build_watchdog, load_daemon_config
-from watchdog.control.store import BadSpan, RunRecord, Store
-from watchdog.core.actions import SetAction
-from watchdog.core.engine import Decision
-from watchdog.protocol import catalog, rundir
-from watchdog.protocol import checkpoint as ckpt
-from watchdog.protocol.control import read_control
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.control.daemon import DaemonConfigError, build_watchdog, load_daemon_config
+from ppo_watchdog.control.store import BadSpan, RunRecord, Store
+from ppo_watchdog.core.actions import SetAction
+from ppo_watchdog.core.engine import Decision
+from ppo_watchdog.protocol import catalog, rundir
+from ppo_watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.protocol.control import read_control
+from ppo_watchdog.protocol.runinfo import RunInfo
 
 KL = "algorithm.kl_ctrl.kl_coef"
 LR = "actor_rollout_ref.actor.optim.lr"
@@ -87,9 +87,9 @@ def test_known_good_skips_checkpoints_taken_while_diverging_but_not_their_retrai
 
 
 def test_restart_command_replaces_overrides_and_adds_the_resume_arguments():
-    base = ["python", "-m", "trainer", "trainer.run_dir=/r", f"{KL}=0.001", "trainer.resume_mode=auto"]
+    base = ["python", "-m", "ppo_watchdog.trainer", "trainer.run_dir=/r", f"{KL}=0.001", "trainer.resume_mode=auto"]
     cmd = restart_command(base, {KL: 0.0012, LR: 1e-06}, "/r/checkpoints/global_step_10")
-    assert cmd == ["python", "-m", "trainer", "trainer.run_dir=/r", f"{LR}=1e-06", f"{KL}=0.0012",
+    assert cmd == ["python", "-m", "ppo_watchdog.trainer", "trainer.run_dir=/r", f"{LR}=1e-06", f"{KL}=0.0012",
                    "trainer.resume_mode=resume_path", "trainer.resume_from_path=/r/checkpoints/global_step_10"]
 
 
@@ -117,9 +117,9 @@ def test_daemon_config_rejects_unknown_keys_naming_the_file(tmp_path):
 FAKE_TRAINER = textwrap.dedent('''
     """A protocol-speaking stand-in for the trainer: real metrics, events, control.json, exits."""
     import signal, sys, time
-    from watchdog.protocol import catalog, rundir
-    from watchdog.protocol.control import ControlApplier
-    from watchdog.protocol.runinfo import RunInfo
+    from ppo_watchdog.protocol import catalog, rundir
+    from ppo_watchdog.protocol.control import ControlApplier
+    from ppo_watchdog.protocol.runinfo import RunInfo
 
     args = dict(a.split("=", 1) for a in sys.argv[1:])
     run_dir = args["trainer.run_dir"]
@@ -282,7 +282,7 @@ def test_pause_rule_pauses_alerts_and_waits_for_watchdog_resume(tmp_path, webhoo
     time.sleep(0.5)
     wd.tick()
     assert not rundir.iter_events(run_dir, ["finished"]) and ctl.run.phase == "paused"  # no hang restart
-    from watchdog.cli.run import run_app
+    from ppo_watchdog.cli.run import run_app
 
     out = CliRunner().invoke(run_app, ["resume", "run", "--state-dir", str(tmp_path / "state")])
     assert out.exit_code == 0, out.output
@@ -294,7 +294,7 @@ def test_pause_rule_pauses_alerts_and_waits_for_watchdog_resume(tmp_path, webhoo
 def test_daemon_watches_a_run_it_did_not_start_and_serves_its_own_metrics(tmp_path):
     import urllib.request
 
-    from watchdog.control.daemon import prepare_daemon
+    from ppo_watchdog.control.daemon import prepare_daemon
 
     (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
     (tmp_path / "rules.yaml").write_text("version: 1\nrules:\n" + textwrap.dedent(KL_DOUBLE_RULE))
@@ -358,7 +358,7 @@ def _wait_for_log(path: Path, done, timeout: float = 10.0) -> str:
 def test_rollback_goes_in_process_only_to_a_trainer_whose_run_json_offers_it(tmp_path, commands, in_process):
     import torch
 
-    from watchdog.protocol import checkpoint as ckpt
+    from ppo_watchdog.protocol import checkpoint as ckpt
 
     run = tmp_path / "run"
     ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 4, 0, {"actor": {"w": torch.zeros(2)}})
@@ -387,7 +387,7 @@ def test_rollback_goes_in_process_only_to_a_trainer_whose_run_json_offers_it(tmp
 def test_a_rollback_by_restart_skips_batches_for_that_launch_only(tmp_path):
     import torch
 
-    from watchdog.protocol import checkpoint as ckpt
+    from ppo_watchdog.protocol import checkpoint as ckpt
 
     run = tmp_path / "run"
     ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 4, 0, {"actor": {"w": torch.zeros(2)}})
@@ -428,7 +428,7 @@ def test_a_rollback_by_restart_skips_batches_for_that_launch_only(tmp_path):
 
 
 def test_a_restarted_daemon_does_not_relaunch_a_run_that_already_finished(tmp_path):
-    from watchdog.control.daemon import prepare_daemon
+    from ppo_watchdog.control.daemon import prepare_daemon
 
     (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
     (tmp_path / "rules.yaml").write_text("version: 1\nrules:\n" + textwrap.dedent(QUIET_RULE))
@@ -453,13 +453,13 @@ def test_a_restarted_daemon_does_not_relaunch_a_run_that_already_finished(tmp_pa
 
 
 def test_status_lists_runs_as_json_and_says_where_it_looked_when_there_are_none(tmp_path):
-    from watchdog.cli import app
+    from ppo_watchdog.cli import app
 
     state = tmp_path / "state"
     r = CliRunner().invoke(app, ["status", "--state-dir", str(state)])
     assert r.exit_code == 2 and "no runs in" in r.output and "watchdog.db" in r.output  # as `history`
     assert not state.exists()  # looking creates nothing
-    Store(state).upsert_run(RunRecord("a", str(tmp_path / "a"), ["python", "-m", "trainer"], phase="running"))
+    Store(state).upsert_run(RunRecord("a", str(tmp_path / "a"), ["python", "-m", "ppo_watchdog.trainer"], phase="running"))
     r = CliRunner().invoke(app, ["status", "--state-dir", str(state), "--json"])
     assert r.exit_code == 0, r.output
     (row,) = json.loads(r.output)
@@ -476,7 +476,7 @@ def test_a_divergence_before_the_first_checkpoint_rolls_back_to_the_start(tmp_pa
     trainer = textwrap.dedent(f"""\
         import signal, sys, time
         import torch
-        from watchdog.protocol import checkpoint as ckpt
+        from ppo_watchdog.protocol import checkpoint as ckpt
         print(sys.argv[1:], flush=True)
         def save(*_):
             ckpt.save_checkpoint({str(run / rundir.CHECKPOINTS)!r}, 9, 0, {{"actor": {{"w": torch.zeros(2)}}}})
@@ -634,7 +634,7 @@ def test_a_checkpoint_saved_before_the_watchdog_first_saw_the_run_is_never_known
     checkpoint it watched being written (step 22) is known-good."""
     import torch
 
-    from watchdog.protocol import checkpoint as ckpt
+    from ppo_watchdog.protocol import checkpoint as ckpt
 
     run = tmp_path / "run"
     ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 20, 0, {"actor": {"w": torch.zeros(2)}})
@@ -672,7 +672,7 @@ def test_a_rollback_with_only_checkpoints_from_before_the_watchdog_fails_naming_
         tmp_path: Path) -> None:
     import torch
 
-    from watchdog.protocol import checkpoint as ckpt
+    from ppo_watchdog.protocol import checkpoint as ckpt
 
     run = tmp_path / "run"
     ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 20, 0, {"actor": {"w": torch.zeros(2)}})

@@ -1,7 +1,7 @@
 """A sharded daemon (``shards: N``): N processes, each over its share of the runs, on one state database.
 
 The config key is checked where the others are; the partition is total and the same in any interpreter;
-a real ``python -m watchdog daemon`` with ``shards: 2`` decides every run once, each run held by the
+a real ``python -m ppo_watchdog daemon`` with ``shards: 2`` decides every run once, each run held by the
 process of its shard; a child killed with SIGKILL is started again and decides nothing twice; SIGTERM
 stops every process (exit 0, no orphan), and a supervisor killed with SIGKILL takes its child with it.
 The supervisor's backoff and its SIGKILL after the grace are checked with stand-in children (small
@@ -27,8 +27,8 @@ from test_reliability import NAN_RULE
 from test_reliability_v2 import _alive, _wait
 from typer.testing import CliRunner
 
-from watchdog.cli import app
-from watchdog.control.daemon import (
+from ppo_watchdog.cli import app
+from ppo_watchdog.control.daemon import (
     DaemonConfig,
     DaemonConfigError,
     RunSpec,
@@ -36,10 +36,10 @@ from watchdog.control.daemon import (
     load_daemon_config,
     tick_trigger,
 )
-from watchdog.control.shards import SUPERVISOR_ENV, ShardSupervisor, shard_of, tick_phase
-from watchdog.control.store import Store
-from watchdog.protocol import lock as locks
-from watchdog.protocol import rundir
+from ppo_watchdog.control.shards import SUPERVISOR_ENV, ShardSupervisor, shard_of, tick_phase
+from ppo_watchdog.control.store import Store
+from ppo_watchdog.protocol import lock as locks
+from ppo_watchdog.protocol import rundir
 
 RUNS = [f"run{i}" for i in range(6)]  # shard_of(., 2): run0-run3 in shard 1, run4 and run5 in shard 0
 
@@ -83,13 +83,13 @@ def _holder_pid(path: Path) -> int | None:
 
 
 class _Daemon:
-    """A `python -m watchdog daemon` process, its console in a file (read while it runs)."""
+    """A `python -m ppo_watchdog daemon` process, its console in a file (read while it runs)."""
 
     def __init__(self, tmp_path: Path, cfg: Path) -> None:
         self.tmp_path = tmp_path
         self.log = tmp_path / "daemon.out"
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "watchdog", "daemon", "--config", str(cfg)],
+            self.proc = subprocess.Popen([sys.executable, "-m", "ppo_watchdog", "daemon", "--config", str(cfg)],
                                          stdout=out, stderr=subprocess.STDOUT)
 
     def output(self) -> str:
@@ -183,7 +183,7 @@ def test_every_run_is_in_exactly_one_shard(shards: int) -> None:
 
 def test_a_runs_shard_is_the_same_in_a_fresh_interpreter_whatever_its_hash_seed() -> None:
     here = [shard_of(i, 7) for i in IDS]
-    code = ("import json, sys; from watchdog.control.shards import shard_of; "
+    code = ("import json, sys; from ppo_watchdog.control.shards import shard_of; "
             "print(json.dumps([shard_of(i, 7) for i in json.loads(sys.argv[1])]))")
     for seed in ("1", "2"):  # str hashes differ between these two: a partition by hash() would too
         out = subprocess.run([sys.executable, "-c", code, json.dumps(IDS)], capture_output=True, text=True,
@@ -202,7 +202,7 @@ def test_a_runs_shard_is_decided_on_its_id_else_its_directorys_name(tmp_path: Pa
 
 
 def _stand_in(tmp_path: Path, body: str) -> str:
-    """An executable run as the children's "python" (it gets `-m watchdog daemon ...` and ignores them)."""
+    """An executable run as the children's "python" (it gets `-m ppo_watchdog daemon ...` and ignores them)."""
     exe = tmp_path / "stand_in"
     exe.write_text(f"#!{sys.executable}\n{body}\n")
     exe.chmod(0o755)
@@ -277,17 +277,17 @@ def test_two_shards_decide_every_run_once_each_run_held_by_the_process_of_its_sh
     assert _holder_pid(tmp_path / "state" / locks.STATE_LOCK) == pids[0]
     # A second daemon on the state is refused as today; a second shard 1 is refused naming the holder.
     cfg = str(tmp_path / "daemon.yaml")
-    second = subprocess.run([sys.executable, "-m", "watchdog", "daemon", "--config", cfg], capture_output=True,
+    second = subprocess.run([sys.executable, "-m", "ppo_watchdog", "daemon", "--config", cfg], capture_output=True,
                             text=True, timeout=60)
     assert second.returncode == 2 and f"pid {pids[0]}" in second.stdout + second.stderr, second
     # A shard 1 started by hand is refused before it takes anything; one started as a supervisor starts it
     # (its parent named in its environment), by the shard's lock, naming the holder.
-    by_hand = subprocess.run([sys.executable, "-m", "watchdog", "daemon", "--config", cfg, "--shard", "1"],
+    by_hand = subprocess.run([sys.executable, "-m", "ppo_watchdog", "daemon", "--config", cfg, "--shard", "1"],
                              capture_output=True, text=True, timeout=60)
     out = " ".join((by_hand.stdout + by_hand.stderr).split())
     assert by_hand.returncode == 2 and "--shard 1: a sharded daemon's processes 1 .. shards-1 are started by its " \
         "shard 0" in out and "Traceback" not in out, out
-    again = subprocess.run([sys.executable, "-m", "watchdog", "daemon", "--config", cfg, "--shard", "1"],
+    again = subprocess.run([sys.executable, "-m", "ppo_watchdog", "daemon", "--config", cfg, "--shard", "1"],
                            capture_output=True, text=True, timeout=60,
                            env={**os.environ, SUPERVISOR_ENV: str(os.getpid())})
     out = again.stdout + again.stderr

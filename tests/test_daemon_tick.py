@@ -20,11 +20,11 @@ import pytest
 import yaml
 from test_reliability import NAN_RULE
 
-from watchdog.control import daemon
-from watchdog.control.daemon import load_daemon_config, prepare_daemon
-from watchdog.control.store import Store
-from watchdog.protocol import rundir
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.control import daemon
+from ppo_watchdog.control.daemon import load_daemon_config, prepare_daemon
+from ppo_watchdog.control.store import Store
+from ppo_watchdog.protocol import rundir
+from ppo_watchdog.protocol.runinfo import RunInfo
 
 
 class _CountingDb:
@@ -181,7 +181,7 @@ def test_a_tick_whose_commit_fails_leaves_each_run_as_its_store_says_and_says_a_
 def test_a_confirmation_read_in_a_tick_whose_commit_fails_is_counted_once_when_read_again(tmp_path: Path) -> None:
     # The trainer's ``applied`` event closes a sent live set and counts it on /metrics; a tick whose commit
     # then fails reads it again next tick, and /metrics must count it once (it counted it twice).
-    from watchdog.observe.telemetry import WatchdogMetrics
+    from ppo_watchdog.observe.telemetry import WatchdogMetrics
 
     runs = _runs(tmp_path, 1)
     wd = _daemon(tmp_path, runs)

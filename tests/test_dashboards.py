@@ -10,11 +10,11 @@ import pytest
 from promserver import get_json, prometheus_server, wait_for
 from typer.testing import CliRunner
 
-from watchdog.cli.dashboards import dashboards_app
-from watchdog.observe import dashboards, telemetry
-from watchdog.protocol import catalog
-from watchdog.protocol.exporter import MetricsExporter
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.cli.dashboards import dashboards_app
+from ppo_watchdog.observe import dashboards, telemetry
+from ppo_watchdog.protocol import catalog
+from ppo_watchdog.protocol.exporter import MetricsExporter
+from ppo_watchdog.protocol.runinfo import RunInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "dashboards"
@@ -143,7 +143,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus_scraping_a_re
     import time
     import urllib.parse
 
-    from watchdog.protocol.exporter import free_port
+    from ppo_watchdog.protocol.exporter import free_port
 
     # The watchdog side: its real metrics object, served, fed like the controller feeds it.
     wd = telemetry.WatchdogMetrics()

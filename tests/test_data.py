@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from trainer import data as data_mod
+from ppo_watchdog.trainer import data as data_mod
 
 
 def _digest(path: Path) -> str:

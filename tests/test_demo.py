@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from watchdog.control.store import Store
+from ppo_watchdog.control.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import yaml
 
-from watchdog.observe import dashboards, telemetry
-from watchdog.protocol import catalog
-from watchdog.protocol.exporter import MetricsExporter
+from ppo_watchdog.observe import dashboards, telemetry
+from ppo_watchdog.protocol import catalog
+from ppo_watchdog.protocol.exporter import MetricsExporter
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -218,7 +218,7 @@ def test_compose_has_the_whole_stack_with_existing_files_and_loopback_servers() 
 
 
 def test_daemon_config_is_valid_and_serves_metrics_where_prometheus_scrapes_the_watchdog() -> None:
-    from watchdog.control.daemon import load_daemon_config
+    from ppo_watchdog.control.daemon import load_daemon_config
 
     daemon = load_daemon_config(DEPLOY / "watchdog" / "daemon.yaml")  # the daemon's own parser
     cfg = load(PROM / "prometheus.yml")
@@ -231,7 +231,7 @@ def test_daemon_config_is_valid_and_serves_metrics_where_prometheus_scrapes_the_
 
 
 def test_k8s_daemon_config_is_valid_and_matches_the_service_port(tmp_path: Path) -> None:
-    from watchdog.control.daemon import load_daemon_config
+    from ppo_watchdog.control.daemon import load_daemon_config
 
     cm = next(d for d in k8s_docs() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "ppo-watchdog-config")
     (tmp_path / "daemon.yaml").write_text(cm["data"]["daemon.yaml"])
@@ -341,7 +341,7 @@ def test_ray_job_example_builds_the_trainer_entrypoint() -> None:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     cmd = mod.entrypoint("/srv/runs/a b", 9400, ["algorithm.kl_ctrl.kl_coef=0.001"])
-    assert cmd == ("python -m trainer 'trainer.run_dir=/srv/runs/a b' trainer.metrics_port=9400 "
+    assert cmd == ("python -m ppo_watchdog.trainer 'trainer.run_dir=/srv/runs/a b' trainer.metrics_port=9400 "
                    "trainer.progress=false algorithm.kl_ctrl.kl_coef=0.001")
     with pytest.raises(SystemExit) as exc:
         mod.main(["--help"])

@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from watchdog.core.actions import NotifyAction, PauseAction
-from watchdog.core.engine import FIRING, PENDING, Decision, EngineState, evaluate, run_series
-from watchdog.core.rulefile import RuleSet, parse_rules
-from watchdog.core.series import Window
+from ppo_watchdog.core.actions import NotifyAction, PauseAction
+from ppo_watchdog.core.engine import FIRING, PENDING, Decision, EngineState, evaluate, run_series
+from ppo_watchdog.core.rulefile import RuleSet, parse_rules
+from ppo_watchdog.core.series import Window
 
 
 def ruleset(*bodies: str) -> RuleSet:
@@ -254,7 +254,7 @@ def test_default_pack_evaluates_in_well_under_a_millisecond_per_run() -> None:
     import time
     from pathlib import Path
 
-    from watchdog.core.rulefile import load_rules
+    from ppo_watchdog.core.rulefile import load_rules
 
     rules = load_rules([Path(__file__).resolve().parents[1] / "rules" / "default.yaml"])
     windows = []

@@ -12,11 +12,11 @@ import pytest
 from typer.testing import CliRunner
 from verl_logs import LOGS, needs_logs
 
-from watchdog.cli import app
-from watchdog.core.replay import replay
-from watchdog.core.rulefile import load_rules, parse_rules
-from watchdog.judge import evaluation as ev
-from watchdog.protocol import rundir
+from ppo_watchdog.cli import app
+from ppo_watchdog.core.replay import replay
+from ppo_watchdog.core.rulefile import load_rules, parse_rules
+from ppo_watchdog.judge import evaluation as ev
+from ppo_watchdog.protocol import rundir
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELS = LOGS / "labels.yaml"
@@ -274,13 +274,13 @@ def test_the_blind_rules_warning_is_printed_once_naming_the_verl_setting(tmp_pat
 
 
 def test_the_live_controller_warns_about_blind_rules_once(tmp_path: Path, caplog) -> None:
-    from watchdog.control.daemon import build_watchdog
+    from ppo_watchdog.control.daemon import build_watchdog
 
     run = tmp_path / "run"
     run.mkdir()
     wd = build_watchdog(tmp_path / "state", [ROOT / "rules" / "default.yaml"])
     ctl = wd.add_run(run, managed=False)
-    with caplog.at_level(logging.WARNING, logger="watchdog.control.controller"):
+    with caplog.at_level(logging.WARNING, logger="ppo_watchdog.control.controller"):
         for s in range(1, 12):
             rundir.append_metrics(run, s, {"critic/score/mean": 0.5, "actor/entropy": 0.3})
             ctl.tick()
@@ -342,7 +342,7 @@ def test_every_real_verl_run_is_labelled_in_both_of_verls_formats_and_both_read_
     the same label, and the watchdog reads the same steps and numbers from both."""
     import yaml
 
-    from watchdog.sources.ingest import read_records
+    from ppo_watchdog.sources.ingest import read_records
 
     logs = yaml.safe_load(VERL_CORPUS.read_text())["logs"]
     by_run: dict[str, dict[str, dict]] = {}

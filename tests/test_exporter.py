@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from watchdog.protocol import catalog
-from watchdog.protocol.exporter import (
+from ppo_watchdog.protocol import catalog
+from ppo_watchdog.protocol.exporter import (
     EPHEMERAL,
     EVENTS_METRIC,
     LAST_UPDATE_METRIC,

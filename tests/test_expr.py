@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from watchdog.core import expr as E
-from watchdog.core.expr import ExprError, compile_expr, parse, unparse
-from watchdog.core.series import MissingDataError, Window, window_steps
+from ppo_watchdog.core import expr as E
+from ppo_watchdog.core.expr import ExprError, compile_expr, parse, unparse
+from ppo_watchdog.core.series import MissingDataError, Window, window_steps
 
 
 def window(**series: list[float | None]) -> Window:
@@ -239,7 +239,7 @@ def test_a_rewritten_step_forgets_that_it_was_non_finite() -> None:
     st.one_of(st.floats(allow_nan=False), st.booleans(), st.text(max_size=3)),
 ))
 def test_the_kl_signal_is_the_best_ranked_key_the_record_carries(data: dict) -> None:
-    from watchdog.protocol import catalog
+    from ppo_watchdog.protocol import catalog
 
     sources: dict[str, str] = {}
     out = catalog.to_short(data, sources)

@@ -15,8 +15,8 @@ import math
 import random
 from typing import Any
 
-from watchdog.core.expr import compile_expr
-from watchdog.core.series import Window
+from ppo_watchdog.core.expr import compile_expr
+from ppo_watchdog.core.series import Window
 
 FNS = ("median(kl, {n}, {lag})", "min(kl, {n}, {lag})", "max(kl, {n}, {lag})")
 

@@ -29,11 +29,11 @@ from pathlib import Path
 import pytest
 from test_watchdog_run import KL_RULE, NAN_RULE, OOM_RULE, _events, _history, _rules, _watchdog
 
-from watchdog.control.actuator import CRASH_POINTS
-from watchdog.control.daemon import build_watchdog
-from watchdog.control.store import Store, StoreError
-from watchdog.protocol import checkpoint as ck
-from watchdog.protocol import rundir
+from ppo_watchdog.control.actuator import CRASH_POINTS
+from ppo_watchdog.control.daemon import build_watchdog
+from ppo_watchdog.control.store import Store, StoreError
+from ppo_watchdog.protocol import checkpoint as ck
+from ppo_watchdog.protocol import rundir
 
 FULL_MATRIX = os.environ.get("WATCHDOG_FAULT_MATRIX") == "1"
 

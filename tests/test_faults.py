@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from trainer.faults import FIRED_FILE, KINDS, Fault, FaultSchedule, MemoryBudget
+from ppo_watchdog.trainer.faults import FIRED_FILE, KINDS, Fault, FaultSchedule, MemoryBudget
 
 SPEC = "kl_collapse@20,lr_spike@30:x20,nan@45,oom@60,hang@80:30,crash@90"
 

@@ -25,14 +25,14 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from watchdog.control.daemon import DaemonConfigError, load_daemon_config
-from watchdog.core.expr import BOOL, FUNCTIONS, NUM, ExprError, compile_expr
-from watchdog.core.rulefile import RuleFileError, load_rules, parse_rules
-from watchdog.protocol import rundir
-from watchdog.protocol.control import ControlError, parse_control
-from watchdog.protocol.events import Event, EventError
-from watchdog.protocol.runinfo import RunInfo, RunInfoError
-from watchdog.sources import ingest
+from ppo_watchdog.control.daemon import DaemonConfigError, load_daemon_config
+from ppo_watchdog.core.expr import BOOL, FUNCTIONS, NUM, ExprError, compile_expr
+from ppo_watchdog.core.rulefile import RuleFileError, load_rules, parse_rules
+from ppo_watchdog.protocol import rundir
+from ppo_watchdog.protocol.control import ControlError, parse_control
+from ppo_watchdog.protocol.events import Event, EventError
+from ppo_watchdog.protocol.runinfo import RunInfo, RunInfoError
+from ppo_watchdog.sources import ingest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = int(os.environ.get("WATCHDOG_FUZZ_EXAMPLES", "150"))
@@ -221,7 +221,7 @@ def test_control_json_is_read_or_refused_naming_the_file(text: str) -> None:
 
 # -- run.json ---------------------------------------------------------------------------------
 
-VALID_RUN = json.dumps(RunInfo(id="exp", command=["python", "-m", "trainer"], pid=123, started=1.7e9,
+VALID_RUN = json.dumps(RunInfo(id="exp", command=["python", "-m", "ppo_watchdog.trainer"], pid=123, started=1.7e9,
                                config={"trainer": {"total_training_steps": 80}}, world_size=1,
                                total_steps=80, exit_codes={"oom": 3}).to_json(), indent=1)
 
@@ -330,7 +330,7 @@ def test_metrics_lines_are_read_or_skipped_naming_file_and_line(lines: list[str]
 # -- daemon configs ---------------------------------------------------------------------------
 
 VALID_DAEMON = yaml.safe_dump({
-    "runs": [{"run_dir": "/runs/a", "restart_command": ["python", "-m", "trainer"], "on_escalate": "stop"},
+    "runs": [{"run_dir": "/runs/a", "restart_command": ["python", "-m", "ppo_watchdog.trainer"], "on_escalate": "stop"},
              "/runs/b"],
     "tick_s": 5.0, "metrics_port": 0, "source": "files", "state_dir": "/tmp/state",
     "controller": {"restart_budget": 3}, "actuator": {"live_timeout_s": 60.0},
@@ -398,7 +398,7 @@ def test_a_tailed_run_steps_only_go_forward_unless_an_event_explains_the_rewind(
 @given(st.lists(st.one_of(mutated(VALID_RUN), json_values.map(_dumps), st.binary(max_size=40).map(
     lambda b: b.decode("latin-1"))), min_size=1, max_size=3))
 def test_a_daemon_watches_its_healthy_run_whatever_the_other_runs_files_hold(texts: list[str]) -> None:
-    from watchdog.control.daemon import prepare_daemon
+    from ppo_watchdog.control.daemon import prepare_daemon
 
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from watchdog.cli.dashboards import dashboards_app
-from watchdog.observe import dashboards, grafana
+from ppo_watchdog.cli.dashboards import dashboards_app
+from ppo_watchdog.observe import dashboards, grafana
 
 TOKEN = "glsa_test-token-5f0c1e"  # never a real one; we check it leaks nowhere
 
@@ -303,7 +303,7 @@ def test_background_annotator_posts_queued_actions_in_order(fake_grafana: FakeGr
 
 def test_annotator_hooks_onto_the_actuators_on_action_signature(fake_grafana: FakeGrafana) -> None:
     # Actuator(on_action=...) calls on_action(run, rule, kind, outcome)
-    from watchdog.control.actuator import Actuator
+    from ppo_watchdog.control.actuator import Actuator
 
     annotate = grafana.annotator_from_env(fake_grafana.url, env={"GRAFANA_TOKEN": TOKEN}, background=False)
     assert annotate is not None
@@ -323,9 +323,9 @@ def test_no_grafana_url_means_no_annotator() -> None:
 def test_the_watchdog_annotates_each_action_on_the_ppo_run_dashboard_without_waiting_for_grafana(
     fake_grafana: FakeGrafana, tmp_path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from watchdog.control.daemon import build_watchdog
-    from watchdog.protocol import rundir
-    from watchdog.protocol.control import ControlApplier
+    from ppo_watchdog.control.daemon import build_watchdog
+    from ppo_watchdog.protocol import rundir
+    from ppo_watchdog.protocol.control import ControlApplier
 
     monkeypatch.setenv(grafana.TOKEN_ENV, TOKEN)
     monkeypatch.delenv(grafana.TOKEN_FILE_ENV, raising=False)
@@ -374,7 +374,7 @@ def test_the_watchdog_annotates_each_action_on_the_ppo_run_dashboard_without_wai
 
 
 def test_a_named_but_unreadable_grafana_token_file_is_a_config_error(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from watchdog.control.daemon import DaemonConfigError, build_watchdog
+    from ppo_watchdog.control.daemon import DaemonConfigError, build_watchdog
 
     monkeypatch.setenv(grafana.TOKEN_FILE_ENV, str(tmp_path / "missing"))
     with pytest.raises(DaemonConfigError, match="missing"):
@@ -387,8 +387,8 @@ def test_the_command_line_imports_the_dashboard_builders_only_to_build_dashboard
     import subprocess
     import sys
 
-    probe = ("import sys, watchdog.cli, watchdog.control.daemon; print('grafana_foundation_sdk' in sys.modules); "
-             "from watchdog.cli.dashboards import export; print('grafana_foundation_sdk' in sys.modules)")
+    probe = ("import sys, ppo_watchdog.cli, ppo_watchdog.control.daemon; print('grafana_foundation_sdk' in sys.modules); "
+             "from ppo_watchdog.cli.dashboards import export; print('grafana_foundation_sdk' in sys.modules)")
     p = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     assert p.stdout.split() == ["False", "False"]

@@ -15,19 +15,19 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from watchdog.backends.local import read_tail
-from watchdog.cli import app
-from watchdog.control.daemon import DaemonConfigError, load_daemon_config, prepare_daemon
-from watchdog.control.store import Phase, RunRecord, Store
-from watchdog.core import actions as act
-from watchdog.core.planner import snap_micro_batch
-from watchdog.core.rulefile import MAX_ALIASES, RuleFileError, load_rules
-from watchdog.core.ruletest import run_rule_tests
-from watchdog.protocol import inputs, rundir
-from watchdog.protocol.events import EventError
-from watchdog.protocol.runinfo import RunInfo, RunInfoError
-from watchdog.sources import ingest
-from watchdog.sources.ingest import RunTailer, record_from_json
+from ppo_watchdog.backends.local import read_tail
+from ppo_watchdog.cli import app
+from ppo_watchdog.control.daemon import DaemonConfigError, load_daemon_config, prepare_daemon
+from ppo_watchdog.control.store import Phase, RunRecord, Store
+from ppo_watchdog.core import actions as act
+from ppo_watchdog.core.planner import snap_micro_batch
+from ppo_watchdog.core.rulefile import MAX_ALIASES, RuleFileError, load_rules
+from ppo_watchdog.core.ruletest import run_rule_tests
+from ppo_watchdog.protocol import inputs, rundir
+from ppo_watchdog.protocol.events import EventError
+from ppo_watchdog.protocol.runinfo import RunInfo, RunInfoError
+from ppo_watchdog.sources import ingest
+from ppo_watchdog.sources.ingest import RunTailer, record_from_json
 
 
 def _within(seconds: float, fn: Callable[[], Any]) -> Any:
@@ -187,7 +187,7 @@ def test_a_run_id_or_path_with_console_markup_is_printed_as_it_is(tmp_path: Path
     assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
     assert "[/red]state" in r.output
     store = Store(state)
-    store.upsert_run(RunRecord("[/x]", str(tmp_path / "run"), ["python", "-m", "trainer"], phase=Phase.PAUSED))
+    store.upsert_run(RunRecord("[/x]", str(tmp_path / "run"), ["python", "-m", "ppo_watchdog.trainer"], phase=Phase.PAUSED))
     store.close()
     r = CliRunner().invoke(app, ["status", "--state-dir", str(state)])
     assert r.exit_code == 0 and "[/x]" in r.output, r.output

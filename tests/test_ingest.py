@@ -12,8 +12,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from verl_logs import HEALTHY, NAN, needs_logs
 
-from watchdog.protocol import rundir
-from watchdog.sources import ingest
+from ppo_watchdog.protocol import rundir
+from ppo_watchdog.sources import ingest
 
 
 @needs_logs

@@ -7,9 +7,9 @@ import copy
 import pytest
 import torch
 
-from trainer import ppo
-from trainer.config import ActorConfig, CriticConfig
-from trainer.model import CharTokenizer, Critic, build_policy
+from ppo_watchdog.trainer import ppo
+from ppo_watchdog.trainer.config import ActorConfig, CriticConfig
+from ppo_watchdog.trainer.model import CharTokenizer, Critic, build_policy
 
 torch.set_num_threads(1)
 
@@ -96,7 +96,7 @@ def test_a_non_finite_loss_skips_the_optimizer_step_and_says_why() -> None:
 
 
 def test_the_micro_batch_hook_sees_every_micro_batch_and_can_raise_a_real_oom() -> None:
-    from trainer.faults import MemoryBudget
+    from ppo_watchdog.trainer.faults import MemoryBudget
 
     policy, critic, ro = _setup()
     seen: list[tuple[int, str]] = []

@@ -18,10 +18,10 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.config import load_config
-from trainer.loop import Trainer, optimizer_steps
-from watchdog.protocol import checkpoint as ckpt
-from watchdog.protocol import rundir
+from ppo_watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.protocol import rundir
+from ppo_watchdog.trainer.config import load_config
+from ppo_watchdog.trainer.loop import Trainer, optimizer_steps
 
 
 def _trainer(tiny_sft: Any, run: Path, *extra: str, steps: int = 4) -> Trainer:

@@ -22,20 +22,20 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from watchdog.cli import app
-from watchdog.control.actuator import Notifier, alert_payload, resolve_webhook_url
-from watchdog.control.daemon import build_watchdog
-from watchdog.control.store import Phase, RunRecord, Store
-from watchdog.protocol import rundir
-from watchdog.protocol.control import Control, ControlApplier, write_control
+from ppo_watchdog.cli import app
+from ppo_watchdog.control.actuator import Notifier, alert_payload, resolve_webhook_url
+from ppo_watchdog.control.daemon import build_watchdog
+from ppo_watchdog.control.store import Phase, RunRecord, Store
+from ppo_watchdog.protocol import rundir
+from ppo_watchdog.protocol.control import Control, ControlApplier, write_control
 
 REPO = Path(__file__).resolve().parents[1]
 KL = "actor/reward_kl_penalty"
-RULE_FOREIGN_CONTROL = "watchdog:foreign_control"  # watchdog.control.controller.RULE_FOREIGN_CONTROL
+RULE_FOREIGN_CONTROL = "watchdog:foreign_control"  # ppo_watchdog.control.controller.RULE_FOREIGN_CONTROL
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "watchdog", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "ppo_watchdog", *args], capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, **(env or {})})
 
 
@@ -88,7 +88,7 @@ def state_with_runs(tmp_path: Path) -> Path:
         run_dir = tmp_path / rid
         run_dir.mkdir()
         _steps(run_dir, [0.01, 0.02])
-        store.upsert_run(RunRecord(rid, str(run_dir), ["python", "-m", "trainer"], phase=phase))
+        store.upsert_run(RunRecord(rid, str(run_dir), ["python", "-m", "ppo_watchdog.trainer"], phase=phase))
     store.close()
     return state
 
@@ -199,7 +199,7 @@ def test_replay_reads_a_jsonl_whose_first_line_is_garbage_and_names_that_line(tm
     r = CliRunner().invoke(app, ["replay", str(log), "--json"])
     assert r.exit_code == 0, r.output
     assert f"{log}:1: not JSON" in r.stderr
-    from watchdog.sources import ingest
+    from ppo_watchdog.sources import ingest
 
     res = ingest.read_run(log)
     assert res.format == "jsonl" and [x["step"] for x in res.records] == [1, 2, 3, 4, 5]
@@ -240,7 +240,7 @@ def test_a_nan_event_past_the_runs_end_and_an_unknown_kind_are_said_and_never_ac
 ENDS_WITH_A_FAR_NAN = textwrap.dedent('''
     """Stands in for a trainer: three steps, then a nan event at step 500 (another run's line), then ends."""
     import json, sys, time
-    from watchdog.protocol import rundir
+    from ppo_watchdog.protocol import rundir
 
     run_dir = sys.argv[1]
     rundir.append_event(run_dir, "started", 0)
@@ -358,7 +358,7 @@ def test_a_webhook_url_with_user_and_password_is_sent_as_basic_auth_never_logged
     (got,) = _Hook.received
     assert got["auth"] == "Basic " + base64.b64encode(b"alice:s3cr@t").decode() and got["path"] == "/pager?x=1"
     assert "s3cr" not in caplog.text + outcome
-    from watchdog.control.actuator import webhook_target
+    from ppo_watchdog.control.actuator import webhook_target
 
     assert webhook_target("https://hooks.example/T0") == ("https://hooks.example/T0",
                                                            {"Content-Type": "application/json"})
@@ -403,7 +403,7 @@ def test_history_and_the_run_summary_show_the_measured_values_before_the_thresho
     text = " ".join(r.output.split())
     assert "kl=0.3125" in text and "reward=0.25" in text, r.output
     assert text.index("kl=0.3125") < text.index("$kl_jump=2"), r.output
-    from watchdog.core.engine import evidence_text
+    from ppo_watchdog.core.engine import evidence_text
 
     assert evidence_text(inputs) == ("kl=0.3125, reward=0.25; thresholds $entropy_rise=2, $kl_floor=0.05, "
                                      "$kl_jump=2, $reward_drop=3")
@@ -413,7 +413,7 @@ def test_history_and_the_run_summary_show_the_measured_values_before_the_thresho
 
 
 def test_the_reports_kl_panel_is_clipped_above_a_spike_that_is_marked(tmp_path: Path) -> None:
-    from watchdog.observe import report
+    from ppo_watchdog.observe import report
 
     run = tmp_path / "run"
     run.mkdir()

@@ -6,12 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from watchdog.core.actions import CheckpointAction, NotifyAction, PauseAction, RollbackAction, SetAction
-from watchdog.core.engine import Decision
-from watchdog.core.planner import PlanContext, current_value, plan_decision, snap_micro_batch
-from watchdog.core.rulefile import load_rules
-from watchdog.protocol import catalog, rundir
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.core.actions import CheckpointAction, NotifyAction, PauseAction, RollbackAction, SetAction
+from ppo_watchdog.core.engine import Decision
+from ppo_watchdog.core.planner import PlanContext, current_value, plan_decision, snap_micro_batch
+from ppo_watchdog.core.rulefile import load_rules
+from ppo_watchdog.protocol import catalog, rundir
+from ppo_watchdog.protocol.runinfo import RunInfo
 
 KL = "algorithm.kl_ctrl.kl_coef"
 LR = "actor_rollout_ref.actor.optim.lr"
@@ -160,10 +160,10 @@ def test_replay_plans_exactly_what_the_live_controller_journals(tmp_path) -> Non
     """The same decisions give the same entries and values. (What replay cannot know, and does not
     model: live, a relaunch or a tuning live set decided while a rollback is still in flight is
     covered by it; the OOM rule here is urgent, as the default pack's, so its live set goes.)"""
-    from watchdog.control.daemon import build_watchdog
-    from watchdog.core.replay import flatten_config, replay
-    from watchdog.core.rulefile import load_rules
-    from watchdog.sources import ingest
+    from ppo_watchdog.control.daemon import build_watchdog
+    from ppo_watchdog.core.replay import flatten_config, replay
+    from ppo_watchdog.core.rulefile import load_rules
+    from ppo_watchdog.sources import ingest
 
     rules = tmp_path / "rules.yaml"
     rules.write_text(SAME_PLAN_RULES)
@@ -202,7 +202,7 @@ def test_replay_plans_exactly_what_the_live_controller_journals(tmp_path) -> Non
 
 
 def test_a_decisions_cost_says_live_deferred_merged_dropped_or_what_the_relaunch_cost() -> None:
-    from watchdog.core.pricing import cost_text
+    from ppo_watchdog.core.pricing import cost_text
 
     live = {"payload": {"cost": {"relaunch": False, "seconds": 0, "steps_lost": 0}}, "status": "done", "result": {}}
     waiting = {"payload": {"cost": {"relaunch": True, "seconds": 240, "steps_lost": 0}, "clock": 3},
@@ -247,8 +247,8 @@ def test_a_lowering_remedy_at_its_floor_escalates_and_a_notify_only_budget_never
 
 
 def test_a_rule_without_a_budget_that_cannot_move_its_key_only_tells_a_human():
-    from watchdog.core.engine import run_series
-    from watchdog.core.rulefile import parse_rules
+    from ppo_watchdog.core.engine import run_series
+    from ppo_watchdog.core.rulefile import parse_rules
 
     rules, errors = parse_rules(
         "version: 1\nrules:\n  - name: up\n    description: raise kl_coef\n    expr: kl > 0.1\n"
@@ -276,7 +276,7 @@ def test_with_an_adaptive_kl_controller_a_tuning_rule_never_sets_kl_coef():
 def test_a_tuning_set_left_out_under_an_adaptive_kl_controller_says_why_in_its_outcome():
     # Found on real verl (bench/verl_e2e.py's adaptive-KL run): the decision read "skipped, no action",
     # the reason only in an INFO log line nobody sees.
-    from watchdog.core.planner import left_out_reason
+    from ppo_watchdog.core.planner import left_out_reason
 
     d = _decision(actions=[SetAction("kl_coef", "scale", 2.0, max=0.05)])
     why = left_out_reason(d, _ctx(latest={"kl_coef": 0.004}, config=ADAPTIVE))
@@ -302,7 +302,7 @@ def test_with_an_adaptive_kl_controller_a_divergence_rollback_sets_the_value_it_
 
 
 def test_a_restart_action_is_a_relaunch_from_the_latest_checkpoint_at_once_and_never_a_rollback():
-    from watchdog.core.actions import RestartAction, StopAction
+    from ppo_watchdog.core.actions import RestartAction, StopAction
 
     d = Decision("rollout_failure", 22, "fire", [RestartAction("rollouts fail"), NotifyAction("x")], {}, "critical",
                  "m", urgent=True)
@@ -320,9 +320,9 @@ def test_a_restart_action_is_a_relaunch_from_the_latest_checkpoint_at_once_and_n
 def test_the_default_pack_restarts_a_run_whose_rollouts_fail_and_stops_it_the_third_time():
     from pathlib import Path
 
-    from watchdog.core.replay import replay
-    from watchdog.core.rulefile import load_rules
-    from watchdog.sources.ingest import read_records
+    from ppo_watchdog.core.replay import replay
+    from ppo_watchdog.core.rulefile import load_rules
+    from ppo_watchdog.sources.ingest import read_records
 
     root = Path(__file__).resolve().parents[1]
     rules = load_rules([root / "rules" / "default.yaml"])

@@ -9,9 +9,9 @@ import pytest
 import torch
 from verl.trainer.ppo import core_algos
 
-from trainer import ppo
-from trainer.config import ActorConfig, AlgorithmConfig
-from trainer.loop import _smaller_micro
+from ppo_watchdog.trainer import ppo
+from ppo_watchdog.trainer.config import ActorConfig, AlgorithmConfig
+from ppo_watchdog.trainer.loop import _smaller_micro
 
 torch.set_num_threads(1)
 

@@ -25,14 +25,14 @@ import pytest
 from promserver import PromServer, prometheus_server, wait_for
 from typer.testing import CliRunner
 
-from watchdog.cli import app
-from watchdog.control.daemon import DaemonConfigError, build_watchdog, load_daemon_config
-from watchdog.control.store import Store
-from watchdog.observe import telemetry
-from watchdog.protocol import catalog, rundir
-from watchdog.protocol.exporter import EPHEMERAL, MetricsExporter, free_port
-from watchdog.protocol.runinfo import RunInfo
-from watchdog.sources.prometheus import (
+from ppo_watchdog.cli import app
+from ppo_watchdog.control.daemon import DaemonConfigError, build_watchdog, load_daemon_config
+from ppo_watchdog.control.store import Store
+from ppo_watchdog.observe import telemetry
+from ppo_watchdog.protocol import catalog, rundir
+from ppo_watchdog.protocol.exporter import EPHEMERAL, MetricsExporter, free_port
+from ppo_watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.sources.prometheus import (
     STEP_METRIC,
     PrometheusClient,
     PrometheusSource,
@@ -198,7 +198,7 @@ def watched_run(tmp_path_factory: pytest.TempPathFactory, tiny_sft, trainer_env)
         sets = [s for s in tiny_sft.overrides(run_dir, STEPS) if not s.startswith("trainer.run_dir=")]
         sets += ["algorithm.kl_ctrl.kl_coef=0.0001", "actor_rollout_ref.actor.optim.lr=0.004"]
         faults = ",".join(["hang@1:3"] + [f"hang@{s}:1.1" for s in range(8, STEPS + 1)])
-        cmd = [sys.executable, "-m", "watchdog", "run", "--source", "prometheus", "--prometheus-url", prom.url,
+        cmd = [sys.executable, "-m", "ppo_watchdog", "run", "--source", "prometheus", "--prometheus-url", prom.url,
                "--file-sd-dir", str(prom.sd_dir), "--rules", str(tmp / "rules.yaml"), "--run-dir", str(run_dir),
                "--state-dir", str(state), "--tick", "0.3", "--metrics-port", str(wd_port), "--no-report",
                "--faults", faults]
@@ -311,7 +311,7 @@ class _Gate:
 def test_an_outage_is_logged_counted_and_caught_up_on_without_losing_steps(
     tmp_path: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    caplog.set_level(logging.INFO, logger="watchdog.sources.prometheus")
+    caplog.set_level(logging.INFO, logger="ppo_watchdog.sources.prometheus")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     exporter = MetricsExporter("outage", port=EPHEMERAL)

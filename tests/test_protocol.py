@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from watchdog.protocol import hydra, rundir
-from watchdog.protocol.events import Event, EventError
-from watchdog.protocol.runinfo import RunInfo, RunInfoError, update
+from ppo_watchdog.protocol import hydra, rundir
+from ppo_watchdog.protocol.events import Event, EventError
+from ppo_watchdog.protocol.runinfo import RunInfo, RunInfoError, update
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -102,11 +102,11 @@ def test_reading_events_skips_invalid_lines_and_says_where(tmp_path: Path, caplo
 
 def test_the_protocol_imports_without_torch_or_the_rest_of_the_project() -> None:
     code = (
-        "import sys, watchdog.protocol.rundir, watchdog.protocol.runinfo, watchdog.protocol.events, "
-        "watchdog.protocol.control, watchdog.protocol.catalog, watchdog.protocol.checkpoint, "
-        "watchdog.protocol.hydra\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'trainer', 'verl') "
-        "or (m.startswith('watchdog.') and not m.startswith('watchdog.protocol')))\n"
+        "import sys, ppo_watchdog.protocol.rundir, ppo_watchdog.protocol.runinfo, ppo_watchdog.protocol.events, "
+        "ppo_watchdog.protocol.control, ppo_watchdog.protocol.catalog, ppo_watchdog.protocol.checkpoint, "
+        "ppo_watchdog.protocol.hydra\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'verl') "
+        "or (m.startswith('ppo_watchdog.') and not m.startswith('ppo_watchdog.protocol')))\n"
         "print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
@@ -156,7 +156,7 @@ def test_a_run_json_rewritten_right_after_a_read_is_read_again(tmp_path: Path) -
 
 def test_an_unchanged_run_json_is_parsed_once_and_each_reader_gets_its_own_copy(tmp_path: Path,
                                                                              monkeypatch) -> None:
-    from watchdog.protocol import runinfo
+    from ppo_watchdog.protocol import runinfo
 
     # A file is remembered once it is older than the file system's timestamp granularity (1 s); a
     # test cannot set a change time back, so the age asked for is lowered instead.

@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from watchdog.backends.dialect import classify_exit
-from watchdog.backends.local import BackendUnavailable, SupervisorError
-from watchdog.backends.ray_jobs import (
+from ppo_watchdog.backends.dialect import classify_exit
+from ppo_watchdog.backends.local import BackendUnavailable, SupervisorError
+from ppo_watchdog.backends.ray_jobs import (
     LOG_HEADER,
     RayJobBackend,
     check_address_env,
@@ -41,9 +41,9 @@ from watchdog.backends.ray_jobs import (
     next_attempt,
     submission_id,
 )
-from watchdog.control.store import Store
-from watchdog.protocol import hydra, rundir
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.control.store import Store
+from ppo_watchdog.protocol import hydra, rundir
+from ppo_watchdog.protocol.runinfo import RunInfo
 
 MICRO = "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
 QUIET_RULE = """version: 1
@@ -126,7 +126,7 @@ def test_submission_ids_number_the_launches_of_a_run():
 def test_entrypoint_is_one_shell_line_that_gives_back_every_argument():
     import shlex
 
-    cmd = [sys.executable, "-m", "trainer", "trainer.run_dir=/srv/runs/a b", "x=$HOME", "y='q'"]
+    cmd = [sys.executable, "-m", "ppo_watchdog.trainer", "trainer.run_dir=/srv/runs/a b", "x=$HOME", "y='q'"]
     assert shlex.split(entrypoint(cmd)) == cmd
     line = entrypoint(cmd, cwd="/srv/my runs")
     assert line.startswith("cd '/srv/my runs' && ") and shlex.split(line.split(" && ", 1)[1]) == cmd
@@ -153,7 +153,7 @@ def test_submitting_to_a_down_job_server_raises_an_error_naming_its_address(monk
 
 
 def test_watchdog_run_against_a_down_head_exits_non_zero_naming_it_and_writes_nothing(tmp_path, monkeypatch):
-    from watchdog import cli
+    from ppo_watchdog import cli
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
@@ -168,8 +168,8 @@ def test_watchdog_run_against_a_down_head_exits_non_zero_naming_it_and_writes_no
 
 
 def test_daemon_run_with_a_ray_address_survives_a_down_job_server_and_keeps_the_launch(tmp_path, monkeypatch):
-    from watchdog.backends.ray_jobs import RayJobBackend as Backend
-    from watchdog.control.daemon import load_daemon_config, prepare_daemon
+    from ppo_watchdog.backends.ray_jobs import RayJobBackend as Backend
+    from ppo_watchdog.control.daemon import load_daemon_config, prepare_daemon
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("RAY_API_SERVER_ADDRESS", raising=False)
@@ -194,7 +194,7 @@ def test_daemon_run_with_a_ray_address_survives_a_down_job_server_and_keeps_the_
 def test_a_version_1_state_database_is_migrated_and_keeps_its_runs(tmp_path):
     import sqlite3
 
-    from watchdog.control import store as store_mod
+    from ppo_watchdog.control import store as store_mod
 
     db = sqlite3.connect(tmp_path / "watchdog.db")
     v2 = (Path(__file__).parent / "data" / "store_schema_v2.sql").read_text()
@@ -412,7 +412,7 @@ def test_the_test_head_has_token_authentication_on_as_todays_ray_starts_by_defau
 
 
 def test_the_token_comes_from_the_named_file_else_from_where_ray_looks_in_rays_order(tmp_path, caplog):
-    from watchdog.backends.ray_jobs import RayAuthError, find_token
+    from ppo_watchdog.backends.ray_jobs import RayAuthError, find_token
 
     named, by_path = tmp_path / "named", tmp_path / "by-path"
     named.write_text("tok-named\n")
@@ -448,7 +448,7 @@ def test_the_token_comes_from_the_named_file_else_from_where_ray_looks_in_rays_o
 
 
 def _run_against(head: RayHead, tmp_path: Path, *extra: str):
-    from watchdog import cli
+    from ppo_watchdog import cli
 
     return CliRunner().invoke(cli.app, [
         "run", "--ray-address", head.address, "--run-dir", str(tmp_path / "run"), "--state-dir",
@@ -487,7 +487,7 @@ def test_watchdog_run_with_a_wrong_token_exits_2_and_never_shows_either_token(ra
 def test_the_token_is_found_where_ray_itself_looks(ray_head, tmp_path, no_ray_token, monkeypatch):
     import ray
 
-    from watchdog.backends.ray_jobs import check_job_server
+    from ppo_watchdog.backends.ray_jobs import check_job_server
 
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(ray_head.token_file))
     assert check_job_server(ray_head.address) == ray.__version__
@@ -500,7 +500,7 @@ def test_the_token_is_found_where_ray_itself_looks(ray_head, tmp_path, no_ray_to
 def test_the_daemon_retries_a_refused_token_each_tick_and_launches_once_the_token_file_is_there(
     ray_head, tmp_path, no_ray_token, caplog,
 ):
-    from watchdog.control.daemon import load_daemon_config, prepare_daemon
+    from ppo_watchdog.control.daemon import load_daemon_config, prepare_daemon
 
     rules = tmp_path / "rules.yaml"
     rules.write_text(QUIET_RULE)
@@ -568,7 +568,7 @@ def test_oom_in_a_ray_job_is_resubmitted_with_a_smaller_micro_batch_and_finishes
     # and a HOME without ~/.ray/auth_token.
     env = {k: v for k, v in trainer_env.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS", *RAY_TOKEN_ENV)}
     env["HOME"] = str(tmp_path)
-    cmd = [sys.executable, "-m", "watchdog", "run", "--ray-address", ray_head.address, "--run-dir", str(run_dir),
+    cmd = [sys.executable, "-m", "ppo_watchdog", "run", "--ray-address", ray_head.address, "--run-dir", str(run_dir),
            "--state-dir", str(state), "--rules", str(rules), "--tick", "0.3", "--stop-grace", "5", "--no-report",
            "--ray-token-file", str(ray_head.token_file), "--verbose", "--", *trainer]
     out, err = tmp_path / "watchdog.out", tmp_path / "watchdog.err"
@@ -625,7 +625,7 @@ def test_oom_in_a_ray_job_is_resubmitted_with_a_smaller_micro_batch_and_finishes
     # The token is a secret: not in the watchdog's console or log, its state, the run directory,
     # `watchdog history`, or what the jobs were given.
     token = ray_head.token().encode()
-    history = subprocess.run([sys.executable, "-m", "watchdog", "history", "--state-dir", str(state), "--json"],
+    history = subprocess.run([sys.executable, "-m", "ppo_watchdog", "history", "--state-dir", str(state), "--json"],
                              capture_output=True, env=env, timeout=60)
     assert history.returncode == 0 and b"watchdog:oom" in history.stdout
     assert token not in history.stdout + history.stderr
@@ -640,7 +640,7 @@ def test_oom_in_a_ray_job_is_resubmitted_with_a_smaller_micro_batch_and_finishes
 
 
 def test_the_log_copy_skips_what_the_file_holds_wherever_the_bytes_come_from(tmp_path):
-    from watchdog.backends.ray_jobs import _copied_so_far, _LogSink
+    from ppo_watchdog.backends.ray_jobs import _copied_so_far, _LogSink
 
     path = tmp_path / "trainer.log"
     path.write_bytes(b"local run output\n")
@@ -733,7 +733,7 @@ def test_the_embedded_trainer_run_as_a_ray_job_records_its_submission_id_in_run_
 def test_the_daemon_adopts_the_running_ray_job_run_json_names_instead_of_submitting_another(
     embedded_job, ray_head, tmp_path, monkeypatch,
 ):
-    from watchdog.control.daemon import load_daemon_config, prepare_daemon
+    from ppo_watchdog.control.daemon import load_daemon_config, prepare_daemon
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     run_dir, command, proc = embedded_job
@@ -763,7 +763,7 @@ def test_the_daemon_adopts_the_running_ray_job_run_json_names_instead_of_submitt
 
 
 def test_the_submission_id_is_read_from_the_job_config_ray_gives_the_entrypoint():
-    from trainer.loop import RAY_JOB_CONFIG_ENV, ray_job_id
+    from ppo_watchdog.trainer.loop import RAY_JOB_CONFIG_ENV, ray_job_id
 
     config = {"runtime_env": {}, "metadata": {"job_submission_id": "exp-3", "app": "ppo-watchdog"}}
     assert ray_job_id({RAY_JOB_CONFIG_ENV: json.dumps(config)}) == "exp-3"

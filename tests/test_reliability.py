@@ -18,16 +18,16 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from watchdog.backends.local import SECRET_ENV, LocalBackend, child_env
-from watchdog.cli import app
-from watchdog.control.actuator import Notifier, alert_payload, resolve_webhook_url
-from watchdog.control.daemon import DaemonConfigError, build_watchdog, load_daemon_config, prepare_daemon
-from watchdog.control.store import Phase, RunRecord, Store, StoreError
-from watchdog.core import replay
-from watchdog.core.rulefile import RuleFileError, load_rules
-from watchdog.protocol import rundir
-from watchdog.protocol.control import Command, Control, ControlApplier, write_control
-from watchdog.sources import ingest
+from ppo_watchdog.backends.local import SECRET_ENV, LocalBackend, child_env
+from ppo_watchdog.cli import app
+from ppo_watchdog.control.actuator import Notifier, alert_payload, resolve_webhook_url
+from ppo_watchdog.control.daemon import DaemonConfigError, build_watchdog, load_daemon_config, prepare_daemon
+from ppo_watchdog.control.store import Phase, RunRecord, Store, StoreError
+from ppo_watchdog.core import replay
+from ppo_watchdog.core.rulefile import RuleFileError, load_rules
+from ppo_watchdog.protocol import rundir
+from ppo_watchdog.protocol.control import Command, Control, ControlApplier, write_control
+from ppo_watchdog.sources import ingest
 
 NAN_RULE = textwrap.dedent("""\
     version: 1
@@ -161,7 +161,7 @@ def test_for_past_any_run_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_trainer_refuses_a_nan_or_negative_override_and_keeps_the_previous_value(tmp_path: Path) -> None:
-    from trainer.config import ConfigError, load_config
+    from ppo_watchdog.trainer.config import ConfigError, load_config
 
     cfg = load_config([f"trainer.run_dir={tmp_path}"])
     for key, bad in (("algorithm.kl_ctrl.kl_coef", float("nan")), ("actor_rollout_ref.actor.clip_ratio", -1.0),
@@ -182,7 +182,7 @@ def test_the_trainer_refuses_a_nan_or_negative_override_and_keeps_the_previous_v
 
 
 def test_a_control_version_the_watchdog_never_wrote_does_not_wedge_live_control(tmp_path: Path) -> None:
-    from watchdog.control.actuator import Actuator, RunHandle
+    from ppo_watchdog.control.actuator import Actuator, RunHandle
 
     run = tmp_path / "run"
     run.mkdir()
@@ -261,7 +261,7 @@ def test_a_corrupt_or_locked_state_is_said_not_a_traceback(tmp_path: Path) -> No
     ({"tick_s": float("nan")}, "tick_s must be a finite number"),
     ({"metrics_port": 99999}, "metrics_port must be 0 (any free port) .. 65535"),
     ({"runs": 5}, "runs must be a list"),
-    ({"runs": [{"run_dir": "/r", "restart_command": "python -m trainer"}]}, "runs[0].restart_command must be a list"),
+    ({"runs": [{"run_dir": "/r", "restart_command": "python -m ppo_watchdog.trainer"}]}, "runs[0].restart_command must be a list"),
     ({"controller": {"restart_budget": "3"}}, "controller.restart_budget must be an integer"),
     ({"actuator": {"stop_grace_s": -1}}, "stop_grace_s must be > 0"),
 ])
@@ -316,7 +316,7 @@ def test_a_corrupt_resume_path_and_a_read_only_run_dir_exit_2_saying_why(tmp_pat
     bad = tmp_path / "ckpt" / "global_step_3"
     bad.mkdir(parents=True)
     (bad / "manifest.json").write_text("{not json")
-    args = [sys.executable, "-m", "trainer", f"trainer.run_dir={tmp_path / 'run'}", "trainer.resume_mode=resume_path",
+    args = [sys.executable, "-m", "ppo_watchdog.trainer", f"trainer.run_dir={tmp_path / 'run'}", "trainer.resume_mode=resume_path",
             f"trainer.resume_from_path={bad}"]
     out = subprocess.run(args, env=trainer_env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "trainer.resume_from_path" in out.stderr and "not JSON" in out.stderr
@@ -327,7 +327,7 @@ def test_a_corrupt_resume_path_and_a_read_only_run_dir_exit_2_saying_why(tmp_pat
     try:
         if os.access(ro, os.W_OK):
             pytest.skip("running as a user who may write anywhere (root)")
-        out = subprocess.run([sys.executable, "-m", "trainer", f"trainer.run_dir={ro}"], env=trainer_env,
+        out = subprocess.run([sys.executable, "-m", "ppo_watchdog.trainer", f"trainer.run_dir={ro}"], env=trainer_env,
                              capture_output=True, text=True, timeout=300)
         assert out.returncode == 2 and "cannot be written" in out.stderr
     finally:
@@ -412,7 +412,7 @@ def test_ctrl_c_stops_the_trainer_and_records_the_run_as_stopped(tmp_path: Path,
         time.sleep(600)
     """)
     (tmp_path / "stubborn.py").write_text(trainer)
-    proc = subprocess.Popen([sys.executable, "-m", "watchdog", "run", "--run-dir", str(run), "--state-dir", str(state),
+    proc = subprocess.Popen([sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run), "--state-dir", str(state),
                              "--stop-grace", "60", "--no-report", "--", sys.executable, str(tmp_path / "stubborn.py")],
                             env=trainer_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log = run / "trainer.log"

@@ -24,13 +24,13 @@ import yaml
 from test_reliability import NAN_RULE  # noqa: E402 - one notify-on-NaN rule for both files
 from typer.testing import CliRunner
 
-from watchdog.backends.local import LocalProcess, not_the_trainer, start_ticks
-from watchdog.cli import app
-from watchdog.control.daemon import build_watchdog, load_daemon_config, prepare_daemon
-from watchdog.control.store import Phase, Store
-from watchdog.protocol import lock as locks
-from watchdog.protocol import rundir
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.backends.local import LocalProcess, not_the_trainer, start_ticks
+from ppo_watchdog.cli import app
+from ppo_watchdog.control.daemon import build_watchdog, load_daemon_config, prepare_daemon
+from ppo_watchdog.control.store import Phase, Store
+from ppo_watchdog.protocol import lock as locks
+from ppo_watchdog.protocol import rundir
+from ppo_watchdog.protocol.runinfo import RunInfo
 
 #: A trainer that says it is up, then trains (sleeps) until stopped; SIGTERM ends it at once.
 SLEEPER = textwrap.dedent("""\
@@ -72,7 +72,7 @@ def _alive(pid: int) -> bool:
 
 
 def _run_cmd(tmp_path: Path, run: Path, state: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "watchdog", "run", "--run-dir", str(run), "--state-dir", str(state), "--no-report",
+    return [sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run), "--state-dir", str(state), "--no-report",
             "--tick", "0.2", *extra, "--", sys.executable, str(_sleeper(tmp_path))]
 
 
@@ -203,7 +203,7 @@ def test_a_daemon_stopped_by_sigterm_says_which_trainers_it_leaves_and_status_sh
     cfg.write_text(yaml.safe_dump({
         "state_dir": str(tmp_path / "state"), "rules": [str(_rules(tmp_path))], "tick_s": 0.2,
         "runs": [{"run_dir": str(run), "restart_command": [sys.executable, str(_sleeper(tmp_path))]}]}))
-    proc = subprocess.Popen([sys.executable, "-m", "watchdog", "daemon", "--config", str(cfg)],
+    proc = subprocess.Popen([sys.executable, "-m", "ppo_watchdog", "daemon", "--config", str(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     pid = None
     try:
@@ -470,7 +470,7 @@ def _file(tmp_path: Path) -> Path:
 
 
 def _state_with_a_run(tmp_path: Path) -> Path:
-    from watchdog.control.store import RunRecord
+    from ppo_watchdog.control.store import RunRecord
 
     run = tmp_path / "r"
     run.mkdir()
@@ -482,8 +482,8 @@ def _state_with_a_run(tmp_path: Path) -> Path:
 
 
 def test_yaml_nested_500_deep_is_a_rule_file_error_not_a_recursion_error(tmp_path: Path) -> None:
-    from watchdog.core.rulefile import RuleFileError, load_rules
-    from watchdog.core.ruletest import run_rule_tests
+    from ppo_watchdog.core.rulefile import RuleFileError, load_rules
+    from ppo_watchdog.core.ruletest import run_rule_tests
 
     path = tmp_path / "deep.yaml"
     path.write_text("version: 1\nrules: " + DEEP + "\n")
@@ -495,7 +495,7 @@ def test_yaml_nested_500_deep_is_a_rule_file_error_not_a_recursion_error(tmp_pat
 
 
 def test_rules_test_bounds_an_input_series(tmp_path: Path) -> None:
-    from watchdog.core.ruletest import SeriesError, parse_series
+    from ppo_watchdog.core.ruletest import SeriesError, parse_series
 
     with pytest.raises(SeriesError, match="'0x999999999999' makes the series longer than 100,000 steps"):
         parse_series("1 2 0x999999999999")
@@ -511,8 +511,8 @@ def test_rules_test_bounds_an_input_series(tmp_path: Path) -> None:
 
 
 def test_deeply_nested_json_in_run_json_control_json_and_jsonl_is_an_error_naming_the_file(tmp_path: Path) -> None:
-    from watchdog.protocol.control import ControlError, read_control
-    from watchdog.protocol.runinfo import RunInfoError
+    from ppo_watchdog.protocol.control import ControlError, read_control
+    from ppo_watchdog.protocol.runinfo import RunInfoError
 
     deep = "[" * 100_000 + "]" * 100_000
     (tmp_path / rundir.RUN_JSON).write_text(deep)

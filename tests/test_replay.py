@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from verl_logs import HEALTHY, NAN, needs_logs
 
-from watchdog.core import replay
-from watchdog.core.rulefile import load_rules
-from watchdog.protocol import rundir
-from watchdog.sources import ingest
+from ppo_watchdog.core import replay
+from ppo_watchdog.core.rulefile import load_rules
+from ppo_watchdog.protocol import rundir
+from ppo_watchdog.sources import ingest
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "rules" / "default.yaml"
@@ -155,7 +155,7 @@ def test_replay_of_a_bad_config_trainer_run_shows_kl_high_after_kl_passes_thresh
 
     from typer.testing import CliRunner
 
-    from watchdog import cli
+    from ppo_watchdog import cli
 
     run = tmp_path / "bad"
     argv = tiny_trainer_args(run, "algorithm.kl_ctrl.kl_coef=0.0001", "actor_rollout_ref.actor.entropy_coeff=1.0",

@@ -8,8 +8,8 @@ import struct
 
 import pytest
 
-from watchdog.observe.report import ReportError, rollback_spans, segments, write_report
-from watchdog.protocol import rundir
+from ppo_watchdog.observe.report import ReportError, rollback_spans, segments, write_report
+from ppo_watchdog.protocol import rundir
 
 
 def _run_dir(tmp_path):
@@ -74,8 +74,8 @@ def test_report_refuses_a_run_without_metrics_and_an_unknown_format(tmp_path):
 def test_report_command_writes_the_report_of_a_run_known_to_the_store(tmp_path):
     from typer.testing import CliRunner
 
-    from watchdog.cli.run import run_app
-    from watchdog.control.store import RunRecord, Store
+    from ppo_watchdog.cli.run import run_app
+    from ppo_watchdog.control.store import RunRecord, Store
 
     run = _run_dir(tmp_path)
     store = Store(tmp_path / "state")

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from watchdog.core import actions as act
-from watchdog.core.rulefile import RuleError, RuleFileError, load_rules, parse_rules
-from watchdog.protocol import catalog
+from ppo_watchdog.core import actions as act
+from ppo_watchdog.core.rulefile import RuleError, RuleFileError, load_rules, parse_rules
+from ppo_watchdog.protocol import catalog
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD = ROOT / "tests" / "data" / "bad_rules"

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from watchdog.core.ruletest import SeriesError, format_results, parse_series, run_rule_tests
+from ppo_watchdog.core.ruletest import SeriesError, format_results, parse_series, run_rule_tests
 
 RULES = """version: 1
 rules:

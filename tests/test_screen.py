@@ -1,4 +1,4 @@
-"""The columnar screen (watchdog.core.screen) only ever says "surely false" where the closure says false, "surely
+"""The columnar screen (ppo_watchdog.core.screen) only ever says "surely false" where the closure says false, "surely
 true" where it says true, and "surely raises" where the closure raises that very MissingDataError.
 
 The engine calls no closure for a condition the screen is sure of, so a wrong "surely false" would be a missed
@@ -20,16 +20,16 @@ import pytest
 import yaml
 from test_engine_equivalence import load_bench
 
-from watchdog.control import controller
-from watchdog.control.controller import SCREEN_MIN_RUNS, EngineRules
-from watchdog.control.daemon import load_daemon_config, prepare_daemon
-from watchdog.core import engine
-from watchdog.core.engine import SURELY_TRUE
-from watchdog.core.expr import ExprError, compile_expr
-from watchdog.core.rulefile import load_rules
-from watchdog.core.screen import Screen, screen_for
-from watchdog.core.series import MissingDataError, Window, window_steps
-from watchdog.sources import ingest
+from ppo_watchdog.control import controller
+from ppo_watchdog.control.controller import SCREEN_MIN_RUNS, EngineRules
+from ppo_watchdog.control.daemon import load_daemon_config, prepare_daemon
+from ppo_watchdog.core import engine
+from ppo_watchdog.core.engine import SURELY_TRUE
+from ppo_watchdog.core.expr import ExprError, compile_expr
+from ppo_watchdog.core.rulefile import load_rules
+from ppo_watchdog.core.screen import Screen, screen_for
+from ppo_watchdog.core.series import MissingDataError, Window, window_steps
+from ppo_watchdog.sources import ingest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -306,6 +306,6 @@ def test_a_screen_that_fails_costs_its_time_never_a_decision(
 
 
 def _replayed(records: list[dict[str, Any]]) -> list[Any]:
-    """The fires and escalations of ``watchdog.core.engine.run_series`` over a run's records."""
+    """The fires and escalations of ``ppo_watchdog.core.engine.run_series`` over a run's records."""
     rules = load_rules([ROOT / "rules" / "default.yaml"])
     return [d for r in engine.run_series(rules, records) for d in r.decisions if d.kind != "resolve"]

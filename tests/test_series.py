@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from watchdog.core import engine
-from watchdog.core.rulefile import load_rules
-from watchdog.core.series import MAX_EVENTS, MAX_WINDOW_STEPS, MissingDataError, Window, window_steps
+from ppo_watchdog.core import engine
+from ppo_watchdog.core.rulefile import load_rules
+from ppo_watchdog.core.series import MAX_EVENTS, MAX_WINDOW_STEPS, MissingDataError, Window, window_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from watchdog.control import store as store_module
-from watchdog.control.store import SCHEMA_VERSION, WRITER_GATE, RunRecord, Store, StoreError
+from ppo_watchdog.control import store as store_module
+from ppo_watchdog.control.store import SCHEMA_VERSION, WRITER_GATE, RunRecord, Store, StoreError
 
 
 def test_store_uses_wal_and_records_its_schema_version(tmp_path):
@@ -47,12 +47,12 @@ def test_store_refuses_a_database_of_another_schema_version(tmp_path):
 
 def test_run_survives_reopening_with_its_overrides_and_measured_startup(tmp_path):
     store = Store(tmp_path)
-    store.upsert_run(RunRecord("r1", str(tmp_path / "r1"), ["python", "-m", "trainer"]))
+    store.upsert_run(RunRecord("r1", str(tmp_path / "r1"), ["python", "-m", "ppo_watchdog.trainer"]))
     store.update_run("r1", overrides={"algorithm.kl_ctrl.kl_coef": 0.0012}, control_version=3, startup_s=12.5)
     store.close()
     run = Store(tmp_path).require_run("r1")
     assert run.overrides == {"algorithm.kl_ctrl.kl_coef": 0.0012}
-    assert (run.control_version, run.startup_s, run.command[-1]) == (3, 12.5, "trainer")
+    assert (run.control_version, run.startup_s, run.command[-1]) == (3, 12.5, "ppo_watchdog.trainer")
 
 
 def test_unknown_run_error_names_the_database_and_the_known_runs(tmp_path):

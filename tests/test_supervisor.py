@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from watchdog.backends.local import LocalBackend, SupervisorError
+from ppo_watchdog.backends.local import LocalBackend, SupervisorError
 
 
 def _wait_for(path, timeout=10.0):

@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from watchdog.observe import telemetry
-from watchdog.observe.telemetry import WatchdogMetrics
+from ppo_watchdog.observe import telemetry
+from ppo_watchdog.observe.telemetry import WatchdogMetrics
 
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool not installed (make test installs Debian's prometheus)")
@@ -178,8 +178,8 @@ def test_file_sd_announces_and_withdraws_a_run(tmp_path) -> None:
 def test_the_real_daemon_feeds_these_metrics_and_its_exposition_passes_promtool(tmp_path) -> None:
     # A cross-check of the controller's calls against this module: a real Watchdog ticking
     # once over a real run directory (three healthy steps written through the run-dir protocol).
-    from watchdog.control.daemon import build_watchdog
-    from watchdog.protocol import rundir
+    from ppo_watchdog.control.daemon import build_watchdog
+    from ppo_watchdog.protocol import rundir
 
     run_dir = tmp_path / "run-ok"
     run_dir.mkdir()

@@ -1,4 +1,4 @@
-"""``python -m trainer`` against the run-directory protocol, as real subprocesses on the tiny model.
+"""``python -m ppo_watchdog.trainer`` against the run-directory protocol, as real subprocesses on the tiny model.
 
 Each test launches the trainer (a few seconds each, most of it imports) and checks only
 what the watchdog can see: exit codes, metrics.jsonl, events.jsonl, checkpoints/, /metrics.
@@ -20,10 +20,10 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from watchdog.protocol import catalog, rundir
-from watchdog.protocol import checkpoint as ck
-from watchdog.protocol.control import Command, Control, write_control
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.protocol import catalog, rundir
+from ppo_watchdog.protocol import checkpoint as ck
+from ppo_watchdog.protocol.control import Command, Control, write_control
+from ppo_watchdog.protocol.runinfo import RunInfo
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +133,7 @@ def test_resume_skip_batches_moves_the_data_past_the_batches_after_the_checkpoin
     tmp_path: Path, tiny_trainer_args: Callable[..., list[str]], trainer_env: dict[str, str]
 ) -> None:
     """A rollback by restart that skips the batches which led to a spike (trainer.resume_skip_batches)."""
-    from trainer.data import BatchSampler
+    from ppo_watchdog.trainer.data import BatchSampler
 
     first, skipped = tmp_path / "first", tmp_path / "skipped"
     a = _run(tiny_trainer_args(first, "trainer.save_freq=2", steps=2), trainer_env)

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer import data as data_mod
-from trainer.config import load_config
-from trainer.loop import Trainer
-from watchdog.protocol import catalog, rundir
-from watchdog.protocol import checkpoint as ckpt
-from watchdog.protocol.control import Command, Control, write_control
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.protocol import catalog, rundir
+from ppo_watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.protocol.control import Command, Control, write_control
+from ppo_watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.trainer import data as data_mod
+from ppo_watchdog.trainer.config import load_config
+from ppo_watchdog.trainer.loop import Trainer
 
 torch.set_num_threads(1)
 
@@ -175,7 +175,7 @@ def test_cli_exits_75_after_an_oom_with_state_saved_and_a_rerun_finishes(tiny_tr
 def test_cli_rejects_an_unknown_key_with_exit_2_naming_the_closest(trainer_env, tmp_path: Path) -> None:
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "trainer", "algorithm.kl_ctrl.klcoef=0.1"], env=trainer_env,
+    proc = subprocess.run([sys.executable, "-m", "ppo_watchdog.trainer", "algorithm.kl_ctrl.klcoef=0.1"], env=trainer_env,
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2
     assert "algorithm.kl_ctrl.klcoef" in proc.stderr and "algorithm.kl_ctrl.kl_coef" in proc.stderr

@@ -3,7 +3,7 @@
 Most tests run the glue in this process (``runner.launch``: one TRL import for the file, about a
 second a run); a test that needs a change at a chosen step adds a TrainerCallback that writes
 control.json at the end of that step, so nothing waits on a clock. The ``slow`` tests run
-``watchdog run -- python -m trainer.trl_glue`` as processes.
+``watchdog run -- python -m ppo_watchdog.trainer.trl_glue`` as processes.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ pytest.importorskip("trl", reason="the [trl] extra (TRL needs Python >= 3.11)")
 
 from transformers import TrainerCallback  # noqa: E402
 
-from trainer.trl_glue import assets  # noqa: E402
-from trainer.trl_glue.config import KL_COEF, KL_LOSS_COEF, TRLConfigError, parse_args  # noqa: E402
-from trainer.trl_glue.runner import launch  # noqa: E402
-from watchdog.core.replay import replay  # noqa: E402
-from watchdog.core.rulefile import load_rules  # noqa: E402
-from watchdog.protocol import catalog, rundir  # noqa: E402
-from watchdog.protocol import checkpoint as ckpt  # noqa: E402
-from watchdog.protocol.control import Command, Control, write_control  # noqa: E402
-from watchdog.protocol.runinfo import RunInfo  # noqa: E402
+from ppo_watchdog.core.replay import replay  # noqa: E402
+from ppo_watchdog.core.rulefile import load_rules  # noqa: E402
+from ppo_watchdog.protocol import catalog, rundir  # noqa: E402
+from ppo_watchdog.protocol import checkpoint as ckpt  # noqa: E402
+from ppo_watchdog.protocol.control import Command, Control, write_control  # noqa: E402
+from ppo_watchdog.protocol.runinfo import RunInfo  # noqa: E402
+from ppo_watchdog.trainer.trl_glue import assets  # noqa: E402
+from ppo_watchdog.trainer.trl_glue.config import KL_COEF, KL_LOSS_COEF, TRLConfigError, parse_args  # noqa: E402
+from ppo_watchdog.trainer.trl_glue.runner import launch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PACK = REPO / "rules" / "default.yaml"
@@ -292,15 +292,15 @@ def test_the_default_pack_judges_a_healthy_trl_run_without_a_rollback(tiny_model
 def _watchdog(tmp_path: Path, model: Path, *extra: str, steps: int, rules: Path | None = None
               ) -> subprocess.CompletedProcess[str]:
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "watchdog", "run", "--run-dir", str(run_dir), "--state-dir", str(tmp_path / "state"),
+    cmd = [sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run_dir), "--state-dir", str(tmp_path / "state"),
            "--tick", "0.3", "--no-report", *(["--rules", str(rules)] if rules else []), "--", sys.executable, "-m",
-           "trainer.trl_glue", "--run-dir", str(run_dir), *_args(model, *extra, steps=steps)]
+           "ppo_watchdog.trainer.trl_glue", "--run-dir", str(run_dir), *_args(model, *extra, steps=steps)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=170, env={**os.environ, "TRAINER_LOG_LEVEL": "WARNING"})
 
 
 def _history(tmp_path: Path) -> list[dict[str, Any]]:
     return json.loads(subprocess.run(
-        [sys.executable, "-m", "watchdog", "history", "run", "--json", "--state-dir", str(tmp_path / "state")],
+        [sys.executable, "-m", "ppo_watchdog", "history", "run", "--json", "--state-dir", str(tmp_path / "state")],
         capture_output=True, text=True, timeout=60, check=True).stdout)
 
 

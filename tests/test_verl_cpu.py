@@ -41,7 +41,7 @@ print(json.dumps({
 
 
 def test_the_plugin_loaded_by_verl_registers_the_cpu_platform_the_hf_rollout_and_every_fix() -> None:
-    from trainer.verl_cpu import overrides
+    from ppo_watchdog.trainer.verl_cpu import overrides
 
     env = overrides.verl_env()
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300,
@@ -50,13 +50,13 @@ def test_the_plugin_loaded_by_verl_registers_the_cpu_platform_the_hf_rollout_and
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["device"] == "cpu" and got["backend"] == "gloo" and got["resource"] == "GPU"
     assert got["rollout"] == "HFServerAdapter" and got["replica"] == "HFReplica"
-    plugin = "trainer.verl_cpu.plugin"
+    plugin = "ppo_watchdog.trainer.verl_cpu.plugin"
     assert got["valuehead"] == got["trl_check"] == got["offload"] == plugin
     assert got["injection"] and got["empty_cache"] and got["aborted_output"]
 
 
 def test_a_verl_without_what_a_fix_patches_is_refused_naming_the_file_and_the_version() -> None:
-    from trainer.verl_cpu import plugin
+    from ppo_watchdog.trainer.verl_cpu import plugin
 
     for patch, where in ((plugin._patch_valuehead, "verl/utils/model.py"),
                          (plugin._patch_offload_policy, "transformer_impl.py"),
@@ -69,7 +69,7 @@ def test_a_verl_without_what_a_fix_patches_is_refused_naming_the_file_and_the_ve
 
 
 def test_the_oom_budget_and_one_shot_faults_read_their_environment(tmp_path: Path, monkeypatch) -> None:
-    from trainer.verl_cpu import plugin
+    from ppo_watchdog.trainer.verl_cpu import plugin
 
     monkeypatch.setenv(plugin.INJECT_OOM_ENV, "8:1")
     assert plugin.oom_budget() == (8, 1)
@@ -81,7 +81,7 @@ def test_the_oom_budget_and_one_shot_faults_read_their_environment(tmp_path: Pat
 
 
 def test_injected_aborted_rollouts_are_an_exact_even_share_from_their_step_on(monkeypatch) -> None:
-    from trainer.verl_cpu import plugin
+    from ppo_watchdog.trainer.verl_cpu import plugin
 
     monkeypatch.setenv(plugin.INJECT_ABORT_ENV, "15:0.6")
     assert plugin.abort_schedule() == (15, 0.6)

@@ -24,14 +24,14 @@ from torch.utils.data import SequentialSampler  # noqa: E402
 from torchdata.stateful_dataloader import StatefulDataLoader  # noqa: E402
 from torchdata.stateful_dataloader.sampler import RandomSampler  # noqa: E402
 
-from watchdog.backends import zero_patch as verl_mode  # noqa: E402
-from watchdog.backends.verl_data_patch import (  # noqa: E402
+from ppo_watchdog.backends import zero_patch as verl_mode  # noqa: E402
+from ppo_watchdog.backends.verl_data_patch import (  # noqa: E402
     SkipRefused,
     epoch_batches,
     patch_skip_copy,
     read_record,
 )
-from watchdog.protocol import checkpoint as ckpt  # noqa: E402
+from ppo_watchdog.protocol import checkpoint as ckpt  # noqa: E402
 
 ROWS, BATCH = 40, 4  # 10 batches an epoch
 

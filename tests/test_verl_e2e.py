@@ -3,7 +3,7 @@
 One supervised zero-patch run (``watchdog run --mode verl``: ``make run-verl``'s run with the test
 overlay tests/data/verl_e2e_rules.yaml) is shared by every assertion: verl's v1 sync trainer, FSDP2
 workers on gloo, TransferQueue, its checkpoint manager and resume, PPO with GAE, a critic and the KL
-in the reward, through :mod:`trainer.verl_cpu` (no file of verl edited). Injected: a NaN actor loss
+in the reward, through :mod:`ppo_watchdog.trainer.verl_cpu` (no file of verl edited). Injected: a NaN actor loss
 at step 5 and a memory budget from step 8; one tuning relaunch carries lr x0.5, kl_coef x2 and
 clip_ratio x0.5; verl prunes its checkpoints to one; the rollback skips one batch (the dataloader
 state in the resume copy's data.pt). About 7 minutes on 2 cores. The checks are bench/verl_e2e.py's rows (the bench

@@ -40,22 +40,22 @@ from verl.workers.config import ActorConfig
 from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.losses import ppo_loss
 
-from trainer.verl_glue import apply
-from trainer.verl_glue.apply import LiveSettingError
-from trainer.verl_glue.boundary import (
+from ppo_watchdog.protocol import rundir
+from ppo_watchdog.protocol.control import Command, Control, write_control
+from ppo_watchdog.protocol.exporter import MetricsExporter
+from ppo_watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.trainer.verl_glue import apply
+from ppo_watchdog.trainer.verl_glue.apply import LiveSettingError
+from ppo_watchdog.trainer.verl_glue.boundary import (
     ControlBoundary,
     LiveSettings,
     RunRecorder,
     StopRequested,
     VerlTargets,
 )
-from trainer.verl_glue.runner import app, build_config, glue_overrides
-from trainer.verl_glue.trainer import TRAINER_MODE, WatchdogPPOTrainer
-from trainer.verl_glue.workers import WatchdogActorRolloutRefWorker, WatchdogTrainingWorker
-from watchdog.protocol import rundir
-from watchdog.protocol.control import Command, Control, write_control
-from watchdog.protocol.exporter import MetricsExporter
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.trainer.verl_glue.runner import app, build_config, glue_overrides
+from ppo_watchdog.trainer.verl_glue.trainer import TRAINER_MODE, WatchdogPPOTrainer
+from ppo_watchdog.trainer.verl_glue.workers import WatchdogActorRolloutRefWorker, WatchdogTrainingWorker
 
 REPO = Path(__file__).resolve().parent.parent
 BASE_OVERRIDES = [
@@ -359,7 +359,7 @@ def test_trainer_is_registered_and_behaves_as_verls_sync_trainer(config: Any) ->
     from verl.trainer.ppo.v1 import PPOTrainerSync, get_trainer_cls
     from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
 
-    from trainer.verl_glue.taskrunner import TaskRunnerV1Class, WatchdogTaskRunner
+    from ppo_watchdog.trainer.verl_glue.taskrunner import TaskRunnerV1Class, WatchdogTaskRunner
 
     assert config.trainer.v1.trainer_mode == TRAINER_MODE
     cls = get_trainer_cls(TRAINER_MODE)
@@ -527,7 +527,7 @@ def test_cli_prints_the_config_and_rejects_a_bad_override(tmp_path: Path) -> Non
 
 
 def test_importing_trainer_never_loads_verl() -> None:
-    code = ("import sys, trainer, trainer.verl_glue, trainer.verl_glue.apply, trainer.verl_glue.runner; "
+    code = ("import sys, trainer, ppo_watchdog.trainer.verl_glue, ppo_watchdog.trainer.verl_glue.apply, ppo_watchdog.trainer.verl_glue.runner; "
             "bad = [m for m in ('verl', 'ray', 'vllm') if m in sys.modules]; print(bad); sys.exit(1 if bad else 0)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -565,8 +565,8 @@ def test_gpu_smoke_checker_passes_a_conforming_run_and_catches_an_lr_that_snappe
 
 
 def test_manifest_makes_a_verl_save_a_verified_checkpoint_and_catches_tampering(tmp_path: Path) -> None:
-    from trainer.verl_glue.manifest import write_manifest
-    from watchdog.protocol import checkpoint as ckpt
+    from ppo_watchdog.protocol import checkpoint as ckpt
+    from ppo_watchdog.trainer.verl_glue.manifest import write_manifest
 
     step_dir = tmp_path / "global_step_3"
     (step_dir / "actor").mkdir(parents=True)

@@ -31,14 +31,14 @@ from pathlib import Path
 import pytest
 from verl_logs import HEALTHY, needs_logs
 
-from watchdog.backends import local, verl_exits
-from watchdog.backends import zero_patch as verl_mode
-from watchdog.backends.verl_lr_patch import LrPatchRefused, checkpoint_lrs, patch_lr_copy, wanted_changes
-from watchdog.control.actuator import choose_known_good
-from watchdog.control.store import BadSpan, Store
-from watchdog.protocol import checkpoint as ckpt
-from watchdog.protocol import hydra, rundir
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.backends import local, verl_exits
+from ppo_watchdog.backends import zero_patch as verl_mode
+from ppo_watchdog.backends.verl_lr_patch import LrPatchRefused, checkpoint_lrs, patch_lr_copy, wanted_changes
+from ppo_watchdog.control.actuator import choose_known_good
+from ppo_watchdog.control.store import BadSpan, Store
+from ppo_watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.protocol import hydra, rundir
+from ppo_watchdog.protocol.runinfo import RunInfo
 
 ROOT = Path(__file__).resolve().parents[1]
 ACTOR_LR = "actor_rollout_ref.actor.optim.lr"
@@ -390,7 +390,7 @@ def _args(cmd: list[str]) -> dict[str, str]:
 
 
 def test_the_relaunch_of_a_verl_command_adds_logger_env_resume_and_carries_kl(tmp_path: Path) -> None:
-    from watchdog.control.actuator import restart_command
+    from ppo_watchdog.control.actuator import restart_command
 
     run = tmp_path / "run"
     info = verl_mode.init_run(run, SEED_COMMAND)
@@ -430,7 +430,7 @@ def test_a_stopped_attempts_steps_and_saves_past_the_relaunch_checkpoint_are_set
     # Found on real verl on CPU: verl's driver trains on while Ray shuts down, so an attempt stopped for a
     # relaunch from global_step_4 logged steps 5-6 and saved global_step_6 after the decision; relayed as
     # the run's own, its NaN at step 5 rolled the healthy relaunch back to step 2.
-    from watchdog.control.actuator import restart_command
+    from ppo_watchdog.control.actuator import restart_command
 
     run = tmp_path / "run"
     verl_mode.init_run(run, SEED_COMMAND)
@@ -502,7 +502,7 @@ def test_a_user_checkpoint_dir_is_kept_and_searched(tmp_path: Path) -> None:
     assert verl_mode.run_world_size(["python", "stand_in.py"]) is None
     assert verl_mode.merge_logger(None) == ["console", "file"]
     assert verl_mode.merge_logger("wandb") == ["wandb", "console", "file"]
-    assert verl_mode.resolve_mode("auto", ["python", "-m", "trainer"]) == "embedded"
+    assert verl_mode.resolve_mode("auto", ["python", "-m", "ppo_watchdog.trainer"]) == "embedded"
     with pytest.raises(verl_mode.VerlModeError):
         verl_mode.resolve_mode("megatron", cmd)
 
@@ -510,9 +510,9 @@ def test_a_user_checkpoint_dir_is_kept_and_searched(tmp_path: Path) -> None:
 def test_live_actions_become_restarts_and_pause_stops_verl(tmp_path: Path) -> None:
     import time
 
-    from watchdog.backends.local import LocalBackend
-    from watchdog.control.actuator import Actuator, RunHandle
-    from watchdog.control.store import RunRecord, Store
+    from ppo_watchdog.backends.local import LocalBackend
+    from ppo_watchdog.control.actuator import Actuator, RunHandle
+    from ppo_watchdog.control.store import RunRecord, Store
 
     run = tmp_path / "run"
     cmd = [sys.executable, "-c", "import time; time.sleep(120)", "trainer.n_gpus_per_node=1"]
@@ -596,8 +596,8 @@ def test_the_watchdog_serves_a_verl_runs_metrics_under_catalog_names(tmp_path: P
 def test_replay_of_verls_file_logger_output_matches_its_console_log(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from watchdog import cli
-    from watchdog.sources import ingest
+    from ppo_watchdog import cli
+    from ppo_watchdog.sources import ingest
 
     records = ingest.read_records(HEALTHY)
     assert "critic/kl" in records[-1]["data"] and "critic/kl_coeff" in records[-1]["data"]
@@ -623,7 +623,7 @@ RECORDED_VERL = textwrap.dedent('''
     import sys
     import yaml
     from verl.utils.tracking import Tracking
-    from watchdog.sources.ingest import read_records
+    from ppo_watchdog.sources.ingest import read_records
 
     args = dict(a.split("=", 1) for a in sys.argv[2:] if "=" in a)
     start = 0
@@ -640,7 +640,7 @@ RECORDED_VERL = textwrap.dedent('''
 @needs_logs
 @pytest.mark.slow
 def test_watchdog_run_reads_the_older_critic_kl_keys_and_restarts_with_the_new_kl_coef(tmp_path: Path) -> None:
-    from watchdog.sources import ingest
+    from ppo_watchdog.sources import ingest
 
     script = tmp_path / "recorded_verl.py"
     script.write_text(RECORDED_VERL)
@@ -658,18 +658,17 @@ def test_watchdog_run_reads_the_older_critic_kl_keys_and_restarts_with_the_new_k
             urgent: true  # the recorded run saves no checkpoint a tuning relaunch would wait for
     """))
     run = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
-        [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--rules", str(rules), "--run-dir", str(run),
+        [sys.executable, "-m", "ppo_watchdog", "run", "--mode", "verl", "--rules", str(rules), "--run-dir", str(run),
          "--state-dir", str(tmp_path / "state"), "--tick", "0.3", "--no-report", "--",
          sys.executable, str(script), str(HEALTHY), "trainer.n_gpus_per_node=1"],
-        capture_output=True, text=True, timeout=240, env=env)
+        capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     records = ingest.read_records(HEALTHY)
     first = next(r for r in records if r["data"]["critic/kl"] > 0.1)
     history = json.loads(subprocess.run(
-        [sys.executable, "-m", "watchdog", "history", "run", "--json", "--state-dir", str(tmp_path / "state")],
-        capture_output=True, text=True, timeout=60, check=True, env=env).stdout)
+        [sys.executable, "-m", "ppo_watchdog", "history", "run", "--json", "--state-dir", str(tmp_path / "state")],
+        capture_output=True, text=True, timeout=60, check=True).stdout)
     (fire,) = [d for d in history if d["rule"] == "kl_high"]
     assert fire["step"] == first["step"] and fire["inputs"]["kl"] == pytest.approx(first["data"]["critic/kl"])
     launches = RunInfo.read(run).launches
@@ -723,7 +722,7 @@ def test_zero_patch_run_restarts_an_oom_smaller_and_a_kl_fire_with_the_new_coef(
                                 "trainer.faults='hang@3:5,oom@6'", "actor_rollout_ref.actor.entropy_coeff=1.0",
                                 "actor_rollout_ref.actor.optim.lr=0.003", "algorithm.kl_ctrl.kl_coef=0.1", steps=9)
     proc = subprocess.run(
-        [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--rules", str(rules), "--run-dir", str(run),
+        [sys.executable, "-m", "ppo_watchdog", "run", "--mode", "verl", "--rules", str(rules), "--run-dir", str(run),
          "--state-dir", str(tmp_path / "state"), "--tick", "0.3", "--stop-grace", "5", "--no-report",
          "--tuning-relaunch-every", "0", "--",  # the tuning set waits for a checkpoint only (save_freq=2)
          *trainer],
@@ -753,7 +752,7 @@ def test_zero_patch_run_restarts_an_oom_smaller_and_a_kl_fire_with_the_new_coef(
     assert {e.get("source") for e in rundir.iter_events(run)} == {"watchdog:verl"}
     assert all(math.isfinite(v) for v in logged[9].values() if isinstance(v, float))
     # Every relaunch's cost, stop to its first new step, measured and kept for the cost model.
-    from watchdog.control.store import Store
+    from ppo_watchdog.control.store import Store
 
     store = Store(tmp_path / "state")
     (run_id,) = store.run_ids()
@@ -790,7 +789,7 @@ def test_zero_patch_tuning_waits_for_the_next_checkpoint_and_a_divergence_does_n
     trainer = tiny_trainer_args(run, "trainer.run_dir_protocol=false", "trainer.save_freq=4",
                                 "trainer.faults='hang@3:2,hang@7:3'", "algorithm.kl_ctrl.kl_coef=0.1", steps=10)
     proc = subprocess.run(
-        [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--rules", str(rules), "--run-dir", str(run),
+        [sys.executable, "-m", "ppo_watchdog", "run", "--mode", "verl", "--rules", str(rules), "--run-dir", str(run),
          "--state-dir", str(state), "--tick", "0.3", "--stop-grace", "5", "--no-report",
          "--tuning-relaunch-every", "0", "--", *trainer],
         capture_output=True, text=True, timeout=300, env=trainer_env)
@@ -876,7 +875,7 @@ def _daemon_yaml(path: Path, state: Path, runs: list[dict], rules: Path | None =
 
 
 def test_the_daemon_examples_verl_run_gets_the_glue_with_verls_own_world_size(tmp_path: Path) -> None:
-    from watchdog.control.daemon import load_daemon_config, prepare_daemon
+    from ppo_watchdog.control.daemon import load_daemon_config, prepare_daemon
 
     example = _example_verl_run()
     assert example["mode"] == "verl" and verl_mode.is_verl_command(example["restart_command"])
@@ -898,7 +897,7 @@ def test_the_daemon_examples_verl_run_gets_the_glue_with_verls_own_world_size(tm
 def test_the_daemon_launches_a_verl_run_with_the_glue_and_re_attaches_after_its_own_restart(tmp_path: Path) -> None:
     import time
 
-    from watchdog.control.daemon import load_daemon_config, prepare_daemon
+    from ppo_watchdog.control.daemon import load_daemon_config, prepare_daemon
 
     (tmp_path / "stand_in.py").write_text(STAND_IN)
     (tmp_path / "rules.yaml").write_text(QUIET_RULES)
@@ -962,7 +961,7 @@ def test_the_daemon_launches_a_verl_run_with_the_glue_and_re_attaches_after_its_
     ({"mode": "megatron", "restart_command": ["python3", "-m", "verl.trainer.main_ppo"]},
      "runs[0].mode must be one of auto, embedded, verl, got 'megatron'"),
     ({"mode": "verl"}, "runs[0].mode: verl needs a restart_command"),
-    ({"run_metrics_port": 9500, "restart_command": ["python3", "-m", "trainer"]},
+    ({"run_metrics_port": 9500, "restart_command": ["python3", "-m", "ppo_watchdog.trainer"]},
      "runs[0].run_metrics_port is for mode verl"),
 ])
 def test_a_bad_mode_in_the_daemon_config_is_an_error_naming_the_file_and_key(
@@ -970,8 +969,8 @@ def test_a_bad_mode_in_the_daemon_config_is_an_error_naming_the_file_and_key(
 ) -> None:
     from typer.testing import CliRunner
 
-    from watchdog.cli.run import run_app
-    from watchdog.control.daemon import DaemonConfigError, load_daemon_config
+    from ppo_watchdog.cli.run import run_app
+    from ppo_watchdog.control.daemon import DaemonConfigError, load_daemon_config
 
     cfg_file = _daemon_yaml(tmp_path / "daemon.yaml", tmp_path / "state", [{"run_dir": str(tmp_path / "r"), **entry}])
     with pytest.raises(DaemonConfigError) as err:
@@ -988,7 +987,7 @@ def test_the_daemon_restarts_a_zero_patch_run_with_the_kl_rules_new_coef(
 ) -> None:
     import time
 
-    from watchdog.control.daemon import load_daemon_config, prepare_daemon
+    from ppo_watchdog.control.daemon import load_daemon_config, prepare_daemon
 
     rules = tmp_path / "rules.yaml"
     rules.write_text("version: 1\nrules:\n" + KL_ANY_RULE)
@@ -999,7 +998,7 @@ def test_the_daemon_restarts_a_zero_patch_run_with_the_kl_rules_new_coef(
     trainer = tiny_trainer_args(run, "trainer.run_dir_protocol=false", "trainer.save_freq=1",
                                 "trainer.faults=hang@3:5", "actor_rollout_ref.actor.entropy_coeff=1.0",
                                 "actor_rollout_ref.actor.optim.lr=0.003", f"{KL}=0.1", steps=5)
-    for key in ("PPO_WATCHDOG_CACHE", "OMP_NUM_THREADS", "TRAINER_LOG_LEVEL", "PYTHONPATH"):
+    for key in ("PPO_WATCHDOG_CACHE", "OMP_NUM_THREADS", "TRAINER_LOG_LEVEL"):
         monkeypatch.setenv(key, trainer_env[key])  # the daemon's children inherit its environment
     cfg_file = _daemon_yaml(tmp_path / "daemon.yaml", tmp_path / "state",
                             [{"run_dir": str(run), "mode": "verl", "restart_command": trainer}], rules)

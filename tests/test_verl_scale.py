@@ -20,14 +20,14 @@ from typing import Any
 
 import pytest
 
-from watchdog.backends import verl_exits, zero_patch
-from watchdog.backends import verl_lr_patch as lr_patch
-from watchdog.control.actuator import Actuator, RunHandle, launch_clip_bounds, restart_command
-from watchdog.control.store import RunRecord, Store
-from watchdog.core.actions import TUNABLE_KEYS
-from watchdog.core.planner import micro_batch_share, oom_remedy, snap_sets
-from watchdog.protocol import catalog, hydra, rundir
-from watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.backends import verl_exits, zero_patch
+from ppo_watchdog.backends import verl_lr_patch as lr_patch
+from ppo_watchdog.control.actuator import Actuator, RunHandle, launch_clip_bounds, restart_command
+from ppo_watchdog.control.store import RunRecord, Store
+from ppo_watchdog.core.actions import TUNABLE_KEYS
+from ppo_watchdog.core.planner import micro_batch_share, oom_remedy, snap_sets
+from ppo_watchdog.protocol import catalog, hydra, rundir
+from ppo_watchdog.protocol import checkpoint as ckpt
 
 REPO = Path(__file__).resolve().parents[1]
 ACTOR_LR = "actor_rollout_ref.actor.optim.lr"
@@ -176,7 +176,7 @@ def test_finding12_in_process_clip_ratio_keeps_an_asymmetric_clip_higher() -> No
     from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla  # noqa: F401  (the loss that reads them)
     from verl.workers.config import FSDPActorConfig
 
-    from trainer.verl_glue import apply
+    from ppo_watchdog.trainer.verl_glue import apply
 
     cfg = FSDPActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=0.2,
                           clip_ratio_low=0.2, clip_ratio_high=0.28)
@@ -309,8 +309,8 @@ def test_finding4_grad_clip_keys_are_verls_optim_clip_grad() -> None:
 
 
 def test_finding4_the_embedded_trainer_clips_with_optim_clip_grad_when_given() -> None:
-    from trainer.config import ActorConfig, CriticConfig, OptimConfig
-    from trainer.ppo import clip_norm
+    from ppo_watchdog.trainer.config import ActorConfig, CriticConfig, OptimConfig
+    from ppo_watchdog.trainer.ppo import clip_norm
 
     assert clip_norm(ActorConfig(grad_clip=1.0)) == 1.0  # the older key still works alone
     assert clip_norm(ActorConfig(grad_clip=1.0, optim=OptimConfig(lr=1e-4, clip_grad=0.3))) == 0.3
@@ -335,8 +335,8 @@ DTENSOR_SAVE = textwrap.dedent("""
 PATCH_IN_FRESH_PROCESS = textwrap.dedent("""
     import sys
     from pathlib import Path
-    from watchdog.backends import verl_lr_patch as lp
-    from watchdog.protocol import checkpoint as ckpt
+    from ppo_watchdog.backends import verl_lr_patch as lp
+    from ppo_watchdog.protocol import checkpoint as ckpt
     assert "torch.distributed.tensor" not in sys.modules  # nothing of the watchdog imported it before
     src = Path(sys.argv[1])
     dst = lp.patch_lr_copy(src, Path(sys.argv[2]), {"actor_rollout_ref.actor.optim.lr": 5e-7})
@@ -348,19 +348,18 @@ PATCH_IN_FRESH_PROCESS = textwrap.dedent("""
 def test_finding5_an_fsdp2_dtensor_optimizer_state_gets_an_lr_patch_with_weights_only(tmp_path: Path) -> None:
     import torch
 
-    from watchdog.protocol.exporter import free_port
+    from ppo_watchdog.protocol.exporter import free_port
 
     d = ckpt.step_dir(tmp_path / "ck", 10)
     (d / "actor").mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     saved = subprocess.run([sys.executable, "-c", DTENSOR_SAVE, str(ckpt.verl_file(d / "actor", "optim", 1, 0)),
-                            str(free_port())], capture_output=True, text=True, timeout=300, env=env)
+                            str(free_port())], capture_output=True, text=True, timeout=300)
     assert saved.returncode == 0, saved.stderr[-2000:]
     torch.save(_extra_state(1e-6), ckpt.verl_file(d / "actor", "extra_state", 1, 0))
     torch.save({"w": torch.zeros(2)}, ckpt.verl_file(d / "actor", "model", 1, 0))
     torch.save({}, d / "data.pt")
     out = subprocess.run([sys.executable, "-c", PATCH_IN_FRESH_PROCESS, str(d), str(tmp_path / "resume")],
-                         capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+                         capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
     kind, lr, total = out.stdout.split()
     assert (kind, float(lr), float(total)) == ("DTensor", pytest.approx(5e-7 * 0.5 / 0.5), 66.0)
@@ -525,8 +524,8 @@ def test_finding9_verls_max_actor_ckpt_to_keep_cannot_prune_the_last_known_good_
     import torch
     from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
 
-    from watchdog.control.actuator import choose_known_good
-    from watchdog.control.controller import EngineRules, RunController
+    from ppo_watchdog.control.actuator import choose_known_good
+    from ppo_watchdog.control.controller import EngineRules, RunController
 
     run, root = tmp_path / "run", tmp_path / "ckpts"
     command = [*VERL_CMD, "algorithm.adv_estimator=grpo", "trainer.n_gpus_per_node=1",
@@ -610,7 +609,7 @@ LEADER_WITH_SLOW_WORKER = textwrap.dedent("""
 
 
 def _pid_gone(pid: int) -> bool:
-    from watchdog.backends.local import _pid_alive
+    from ppo_watchdog.backends.local import _pid_alive
 
     return not _pid_alive(pid)
 
@@ -619,7 +618,7 @@ def _pid_gone(pid: int) -> bool:
 def test_finding7_stop_returns_only_once_the_leaders_whole_process_group_has_ended(tmp_path: Path, how: str) -> None:
     import time
 
-    from watchdog.backends.local import LocalBackend
+    from ppo_watchdog.backends.local import LocalBackend
 
     (tmp_path / "leader.py").write_text(LEADER_WITH_SLOW_WORKER)
     store = Store(tmp_path / "state")
@@ -663,7 +662,7 @@ def _host_oom() -> BaseException:
 def test_finding12_is_oom_knows_a_host_oom_that_reaches_the_driver_as_an_actor_died_error() -> None:
     from ray.exceptions import RayTaskError
 
-    from trainer.verl_glue import runner
+    from ppo_watchdog.trainer.verl_glue import runner
 
     host = _host_oom()
     assert "OutOfMemoryError" not in f"{type(host).__name__}: {host}"  # what the old check looked for
@@ -680,8 +679,8 @@ def test_finding12_an_in_process_oom_writes_one_oom_event_and_no_error(tmp_path:
     import verl.trainer.main_ppo as main_ppo
     from omegaconf import OmegaConf
 
-    from trainer.verl_glue import runner
-    from trainer.verl_glue.taskrunner import TaskRunnerV1Class, WatchdogTaskRunner
+    from ppo_watchdog.trainer.verl_glue import runner
+    from ppo_watchdog.trainer.verl_glue.taskrunner import TaskRunnerV1Class, WatchdogTaskRunner
 
     run = tmp_path / "run"
     cfg = OmegaConf.create({"watchdog": {"run_dir": str(run), "run_id": "r", "metrics_port": 0},
@@ -774,7 +773,7 @@ def test_finding8_the_boundarys_time_is_not_counted_in_verls_step_timer() -> Non
 
     from verl.utils.debug import marked_timer  # what trainer_base.fit times the step with
 
-    from trainer.verl_glue.trainer import WatchdogPPOTrainer
+    from ppo_watchdog.trainer.verl_glue.trainer import WatchdogPPOTrainer
 
     class SlowBoundary:  # a pause for a human, or a boundary save: 0.3 s
         def at_boundary(self, step: int) -> None:
@@ -804,7 +803,7 @@ def _verl_step_dir(root: Path, step: int, world: int) -> Path:
 def test_finding8_manifests_are_hashed_in_the_background_several_files_at_once(tmp_path: Path, monkeypatch) -> None:
     import threading
 
-    from trainer.verl_glue import manifest
+    from ppo_watchdog.trainer.verl_glue import manifest
 
     d = _verl_step_dir(tmp_path, 4, world=4)
     release, threads = threading.Event(), set()
@@ -828,7 +827,7 @@ def test_finding8_manifests_are_hashed_in_the_background_several_files_at_once(t
 
 
 def test_finding8_a_multi_node_save_with_node_local_disks_gets_no_manifest_and_says_why(tmp_path: Path) -> None:
-    from trainer.verl_glue import manifest
+    from ppo_watchdog.trainer.verl_glue import manifest
 
     d = _verl_step_dir(tmp_path, 4, world=16)
     for rank in range(8, 16):  # the second node's shards are on its own disk
@@ -846,8 +845,8 @@ def test_rl_insight_series_verl_sends_map_onto_the_catalog_and_the_source_reads_
                                                                                        monkeypatch) -> None:
     from verl.utils.tracking import RLInsightLogger
 
-    from watchdog.protocol.runinfo import RunInfo
-    from watchdog.sources.prometheus import PrometheusSource, make_source, source_config
+    from ppo_watchdog.protocol.runinfo import RunInfo
+    from ppo_watchdog.sources.prometheus import PrometheusSource, make_source, source_config
 
     sent: dict[str, float] = {}
 

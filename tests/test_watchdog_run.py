@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from watchdog.control.store import Store
-from watchdog.protocol import rundir
-from watchdog.protocol.control import read_control
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.control.store import Store
+from ppo_watchdog.protocol import rundir
+from ppo_watchdog.protocol.control import read_control
+from ppo_watchdog.protocol.runinfo import RunInfo
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,7 @@ def _rules(tmp_path: Path, *bodies: str) -> Path:
 
 def _watchdog(tmp_path: Path, rules: Path, steps: int, faults: str = "", extra: list[str] = (),
               env: dict[str, str] | None = None, timeout: float = 150) -> subprocess.CompletedProcess[str]:
-    cmd = [sys.executable, "-m", "watchdog", "run", "--rules", str(rules), "--run-dir", str(tmp_path / "run"),
+    cmd = [sys.executable, "-m", "ppo_watchdog", "run", "--rules", str(rules), "--run-dir", str(tmp_path / "run"),
            "--state-dir", str(tmp_path / "state"), "--tick", "0.3", "--no-report", *extra]
     for s in [*TINY, f"trainer.total_training_steps={steps}"]:
         cmd += ["--set", s]
@@ -85,7 +85,7 @@ def _events(tmp_path: Path, kind: str) -> list[dict]:
 
 
 def _history(tmp_path: Path) -> list[dict]:
-    out = subprocess.run([sys.executable, "-m", "watchdog", "history", "run", "--json", "--state-dir",
+    out = subprocess.run([sys.executable, "-m", "ppo_watchdog", "history", "run", "--json", "--state-dir",
                           str(tmp_path / "state")], capture_output=True, text=True, timeout=60, check=True)
     return json.loads(out.stdout)
 

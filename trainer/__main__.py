@@ -1,4 +1,4 @@
-"""``python -m trainer``: the embedded PPO trainer (see trainer/loop.py).
+"""``python -m ppo_watchdog.trainer``: the embedded PPO trainer (see trainer/loop.py).
 
 The config is parsed before torch and verl are imported, so a bad key fails in a
 fraction of a second with exit code 2.
@@ -9,7 +9,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from trainer.config import USAGE, ConfigError, load_config, split_cli
+from ppo_watchdog.trainer.config import USAGE, ConfigError, load_config, split_cli
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.write(f"config error: {exc}\n")
         return 2
     try:
-        from trainer.loop import run_cli
+        from ppo_watchdog.trainer.loop import run_cli
     except ImportError as exc:  # a core install (pip install ppo-watchdog) has no torch or verl
         sys.stderr.write(f"the embedded trainer needs torch and verl ({exc}): pip install 'ppo-watchdog[trainer]'\n")
         return 2

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from watchdog.protocol import hydra
+from ppo_watchdog.protocol import hydra
 
 
 class ConfigError(ValueError):
@@ -407,7 +407,7 @@ class Config:
         if t.faults:
             # Checked here, before torch loads: a bad schedule is a configuration the trainer refuses
             # (exit 2, the supervisor gives up), not a crash in the loop that a restart would repeat.
-            from trainer.faults import FaultSchedule
+            from ppo_watchdog.trainer.faults import FaultSchedule
 
             try:
                 FaultSchedule.parse(t.faults)
@@ -621,7 +621,7 @@ def from_dict(doc: Mapping[str, Any]) -> Config:
     return _finish(cfg, apply_mapping(cfg, doc))
 
 
-USAGE = """usage: python -m trainer [--config FILE.yaml] [key=value ...]
+USAGE = """usage: python -m ppo_watchdog.trainer [--config FILE.yaml] [key=value ...]
 
 The embedded PPO trainer. Keys are verl's Hydra keys (algorithm.kl_ctrl.kl_coef,
 actor_rollout_ref.actor.optim.lr, trainer.run_dir, ...); a leading '+' is accepted.

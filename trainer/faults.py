@@ -1,4 +1,4 @@
-"""Fault injection (``trainer.faults``) and the CPU memory budget that raises a real OOM.
+"""Fault injection (``ppo_watchdog.trainer.faults``) and the CPU memory budget that raises a real OOM.
 
 Spec: comma-separated ``kind@step[:arg]`` items, e.g.::
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from watchdog.protocol import rundir
+from ppo_watchdog.protocol import rundir
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ class FaultSchedule:
 
     @classmethod
     def parse(cls, spec: str | None, run_dir: Path | str | None = None) -> FaultSchedule:
-        """Parse a ``trainer.faults`` spec; ValueError names the bad item and why."""
+        """Parse a ``ppo_watchdog.trainer.faults`` spec; ValueError names the bad item and why."""
         faults: list[Fault] = []
         seen: set[str] = set()
         items = [] if spec is None else [s.strip() for s in str(spec).split(",")]

@@ -1,4 +1,4 @@
-"""The training loop and its run directory: ``python -m trainer [key=value ...]``.
+"""The training loop and its run directory: ``python -m ppo_watchdog.trainer [key=value ...]``.
 
 One step reads top to bottom: control boundary (control.json, pause, stop, rollback),
 faults, rollout, score, log-probs and values, KL penalty and GAE, actor and critic
@@ -25,17 +25,17 @@ from typing import Any, NoReturn
 
 import torch
 
-from trainer import data as data_mod
-from trainer import ppo, verl_like
-from trainer.config import Config, ConfigError
-from trainer.faults import Fault, FaultSchedule, MemoryBudget
-from trainer.model import Critic
-from trainer.sft import SFTSettings, cache_root, ensure_sft, load_sft
-from watchdog.protocol import catalog, rundir
-from watchdog.protocol import checkpoint as ckpt
-from watchdog.protocol.control import ControlApplier, StepBoundary
-from watchdog.protocol.exporter import MetricsExporter
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.protocol import catalog, rundir
+from ppo_watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.protocol.control import ControlApplier, StepBoundary
+from ppo_watchdog.protocol.exporter import MetricsExporter
+from ppo_watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.trainer import data as data_mod
+from ppo_watchdog.trainer import ppo, verl_like
+from ppo_watchdog.trainer.config import Config, ConfigError
+from ppo_watchdog.trainer.faults import Fault, FaultSchedule, MemoryBudget
+from ppo_watchdog.trainer.model import Critic
+from ppo_watchdog.trainer.sft import SFTSettings, cache_root, ensure_sft, load_sft
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +125,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, argv: Sequence[str] | None = None) -> None:
         self.cfg = cfg
-        self.argv = list(argv) if argv is not None else [sys.executable, "-m", "trainer", *sys.argv[1:]]
+        self.argv = list(argv) if argv is not None else [sys.executable, "-m", "ppo_watchdog.trainer", *sys.argv[1:]]
         t = cfg.trainer
         torch.set_num_threads(max(1, t.num_threads))
         self.run_dir = Path(t.run_dir)
@@ -394,7 +394,7 @@ class Trainer:
                 errors.append(str(exc))
         return applied, errors
 
-    # -- the step boundary: control.json (watchdog.protocol.control.StepBoundary) ----------------
+    # -- the step boundary: control.json (ppo_watchdog.protocol.control.StepBoundary) ----------------
     can_rollback = True
     """This trainer restores checkpoints in process (a ``rollback`` command)."""
 
@@ -595,7 +595,7 @@ class Trainer:
         """Greedy accuracy per data source: ``val-core/<data_source>/reward/mean@1``."""
         if not self.val:
             return {}
-        from trainer.sft import accuracy
+        from ppo_watchdog.trainer.sft import accuracy
 
         out: dict[str, float] = {}
         sources = sorted({e.data_source for e in self.val})
@@ -784,7 +784,7 @@ def print_summary(trainer: Trainer) -> None:
 
 
 def run_cli(cfg: Config, args: Sequence[str]) -> int:
-    """Run a parsed config as ``python -m trainer`` does: train, print the summary, return the exit code."""
+    """Run a parsed config as ``python -m ppo_watchdog.trainer`` does: train, print the summary, return the exit code."""
     logging.basicConfig(level=os.environ.get("TRAINER_LOG_LEVEL", "INFO"),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     run_dir = Path(cfg.trainer.run_dir)
@@ -795,7 +795,7 @@ def run_cli(cfg: Config, args: Sequence[str]) -> int:
     except OSError as exc:
         sys.stderr.write(f"config error: trainer.run_dir {run_dir}: cannot be written ({exc.strerror or exc})\n")
         return rundir.EXIT_USAGE
-    trainer = Trainer(cfg, [sys.executable, "-m", "trainer", *args])
+    trainer = Trainer(cfg, [sys.executable, "-m", "ppo_watchdog.trainer", *args])
     try:
         code = trainer.run()
     except ckpt.CheckpointError as exc:  # trainer.resume_from_path names a checkpoint that cannot be restored

@@ -22,8 +22,8 @@ from verl.trainer.ppo import core_algos
 from verl.utils import torch_functional as verl_F
 from verl.workers.config import ActorConfig as VerlActorConfig
 
-from trainer.config import ActorConfig, AlgorithmConfig, CriticConfig
-from trainer.model import CharTokenizer, Critic, response_logits, response_values
+from ppo_watchdog.trainer.config import ActorConfig, AlgorithmConfig, CriticConfig
+from ppo_watchdog.trainer.model import CharTokenizer, Critic, response_logits, response_values
 
 #: A hook called before every micro batch with (n_tokens, what): the memory budget's check.
 MicroBatchHook = Callable[[int, str], None]

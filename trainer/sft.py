@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from trainer import data as data_mod
-from trainer.model import CharTokenizer, build_policy, load_policy, save_policy
+from ppo_watchdog.trainer import data as data_mod
+from ppo_watchdog.trainer.model import CharTokenizer, build_policy, load_policy, save_policy
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +70,8 @@ def cache_root() -> Path:
 def sft_loss(policy: torch.nn.Module, tokenizer: CharTokenizer, prompts: list[str], targets: list[str],
              s: SFTSettings) -> torch.Tensor:
     """Mean token cross-entropy of the targets (+EOS) given the prompts."""
-    from trainer.model import response_logits
-    from trainer.ppo import encode_prompts, encode_responses, response_mask_of
+    from ppo_watchdog.trainer.model import response_logits
+    from ppo_watchdog.trainer.ppo import encode_prompts, encode_responses, response_mask_of
 
     p_ids, p_mask = encode_prompts(tokenizer, prompts, s.max_prompt_length)
     r_ids = encode_responses(tokenizer, targets, s.max_response_length)
@@ -87,7 +87,7 @@ def sft_loss(policy: torch.nn.Module, tokenizer: CharTokenizer, prompts: list[st
 def accuracy(policy: torch.nn.Module, tokenizer: CharTokenizer, examples: list[data_mod.Example],
              max_prompt_length: int, max_response_length: int, batch: int = 256) -> float:
     """Greedy-decoding accuracy under verl's gsm8k score."""
-    from trainer.ppo import encode_prompts, generate
+    from ppo_watchdog.trainer.ppo import encode_prompts, generate
 
     policy.eval()
     total = 0.0

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.config import ConfigError
-from watchdog.protocol import checkpoint as ckpt
-from watchdog.protocol import rundir
+from ppo_watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.protocol import rundir
+from ppo_watchdog.trainer.config import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -1,8 +1,8 @@
-"""``python -m watchdog``: the same CLI as the ``watchdog`` console script."""
+"""``python -m ppo_watchdog``: the same CLI as the ``watchdog`` console script."""
 
 from __future__ import annotations
 
-from watchdog.cli import main
+from ppo_watchdog.cli import main
 
 if __name__ == "__main__":
     main()

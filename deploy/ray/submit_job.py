@@ -5,7 +5,7 @@ Two ways, both against a Ray cluster whose nodes share the run directory (NFS, a
 1. The watchdog supervises the job itself (restarts, OOM retries, rollbacks by resubmission):
 
        watchdog run --ray-address http://127.0.0.1:8265 --run-dir /srv/runs/demo -- \\
-           python -m trainer trainer.run_dir=/srv/runs/demo trainer.metrics_port=9400
+           python -m ppo_watchdog.trainer trainer.run_dir=/srv/runs/demo trainer.metrics_port=9400
 
 2. This script submits the trainer as a plain Ray Job and a `watchdog daemon` (deploy/watchdog/
    daemon.yaml lists /srv/runs/*) watches its run directory and acts live through control.json:
@@ -30,7 +30,7 @@ log = logging.getLogger("submit_job")
 def entrypoint(run_dir: str, metrics_port: int, overrides: list[str]) -> str:
     """The shell command the Ray Job runs: the embedded trainer with verl's Hydra keys."""
     args = [
-        "python", "-m", "trainer",
+        "python", "-m", "ppo_watchdog.trainer",
         f"trainer.run_dir={run_dir}",
         f"trainer.metrics_port={metrics_port}",
         "trainer.progress=false",
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ray.job_submission import JobSubmissionClient  # heavy; only when submitting
 
-    from watchdog.backends.ray_jobs import find_token
+    from ppo_watchdog.backends.ray_jobs import find_token
 
     client = JobSubmissionClient(args.address, headers=find_token(args.token_file).headers() or None)
     job_id = client.submit_job(

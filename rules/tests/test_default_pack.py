@@ -13,10 +13,10 @@ import pytest
 from verl_logs import HEALTHY
 from verl_logs import NAN as NAN_EXCERPTS
 
-from watchdog.core.engine import blind_rules, run_series
-from watchdog.core.rulefile import load_rules
-from watchdog.core.ruletest import RuleTestResult, _read_test_file, run_rule_tests, run_test
-from watchdog.protocol import catalog
+from ppo_watchdog.core.engine import blind_rules, run_series
+from ppo_watchdog.core.rulefile import load_rules
+from ppo_watchdog.core.ruletest import RuleTestResult, _read_test_file, run_rule_tests, run_test
+from ppo_watchdog.protocol import catalog
 
 HERE = Path(__file__).resolve().parent
 PACK = HERE.parent / "default.yaml"
@@ -58,7 +58,7 @@ def test_every_rule_of_the_default_pack_has_a_test_that_makes_it_act() -> None:
 
 def _records(path: Path) -> list[dict[str, Any]]:
     try:
-        from watchdog.sources.ingest import read_records
+        from ppo_watchdog.sources.ingest import read_records
     except ImportError:  # pragma: no cover - the ingest module is another engineer's; keep a fallback
         return _parse_console(path)
     return read_records(path)

@@ -1,5 +1,5 @@
-"""``python -m trainer.trl_glue``: see :mod:`trainer.trl_glue.runner`."""
+"""``python -m ppo_watchdog.trainer.trl_glue``: see :mod:`ppo_watchdog.trainer.trl_glue.runner`."""
 
-from trainer.trl_glue.runner import app
+from ppo_watchdog.trainer.trl_glue.runner import app
 
-app(prog_name="python -m trainer.trl_glue")
+app(prog_name="python -m ppo_watchdog.trainer.trl_glue")

@@ -1,4 +1,4 @@
-"""Tiny local assets for TRL on CPU, built without the hub (``python -m trainer.trl_glue.assets DIR``).
+"""Tiny local assets for TRL on CPU, built without the hub (``python -m ppo_watchdog.trainer.trl_glue.assets DIR``).
 
 - a randomly initialised ``Qwen2ForCausalLM`` (2 layers, hidden 64, tied embeddings, fp32) with a
   ``GenerationConfig``;
@@ -10,7 +10,7 @@
   transformers 5 rebuilds a qwen2 tokenizer as byte-level BPE anyway; a character vocabulary
   would silently lose its whitespace.
 
-The prompts and the reward live in :mod:`trainer.trl_glue.task`. Deterministic for a seed;
+The prompts and the reward live in :mod:`ppo_watchdog.trainer.trl_glue.task`. Deterministic for a seed;
 :func:`build` skips a directory that holds a complete build (a ``.complete`` stamp).
 """
 
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer.byte_tokenizer import byte_level_tokenizer
+from ppo_watchdog.trainer.byte_tokenizer import byte_level_tokenizer
 
 SPECIALS = ("<|endoftext|>", "<|im_end|>")
 STAMP = ".complete"
@@ -96,6 +96,6 @@ def build(out: Path | str, seed: int = 0, hidden: int = 64, layers: int = 2, sft
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        sys.stderr.write("usage: python -m trainer.trl_glue.assets DIR\n")
+        sys.stderr.write("usage: python -m ppo_watchdog.trainer.trl_glue.assets DIR\n")
         raise SystemExit(2)
     build(sys.argv[1])

@@ -1,13 +1,13 @@
 """The run-directory protocol inside a TRL run: a ``TrainerCallback`` and its live settings.
 
-:class:`WatchdogCallback` is what ``python -m trainer.trl_glue`` hands GRPOTrainer / RLOOTrainer:
+:class:`WatchdogCallback` is what ``python -m ppo_watchdog.trainer.trl_glue`` hands GRPOTrainer / RLOOTrainer:
 
 - ``on_train_begin`` (after transformers restored a checkpoint's optimizer and scheduler):
   the launch lr and the newest control.json overrides are applied again, because a resume
   puts the checkpoint's lr back (transformers' ``_load_optimizer_and_scheduler``); then the
   ``started`` event (``resumed_from``, ``skipped_batches``);
 - ``on_step_begin`` (before the step's generation and loss): the step boundary, through the
-  protocol's one dispatcher (:class:`watchdog.protocol.control.StepBoundary`): overrides, then
+  protocol's one dispatcher (:class:`ppo_watchdog.protocol.control.StepBoundary`): overrides, then
   ``checkpoint`` / ``pause`` / ``resume`` / ``stop``; a ``rollback`` is left unconfirmed (the
   watchdog relaunches from the known-good checkpoint); then injected faults;
 - ``on_optimizer_step``: the lr the step really used (the scheduler's logged lr lags by one);
@@ -39,8 +39,11 @@ from typing import Any, NoReturn
 
 from transformers import TrainerCallback
 
-from trainer.faults import Fault, FaultSchedule
-from trainer.trl_glue.config import (
+from ppo_watchdog.protocol import catalog, rundir
+from ppo_watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.protocol.control import ControlApplier, StepBoundary
+from ppo_watchdog.trainer.faults import Fault, FaultSchedule
+from ppo_watchdog.trainer.trl_glue.config import (
     ACTOR_LR,
     CLIP_RATIO,
     ENTROPY_COEFF,
@@ -48,12 +51,9 @@ from trainer.trl_glue.config import (
     KL_COEF,
     TRLRun,
 )
-from trainer.verl_glue import apply as verl_apply
-from trainer.verl_glue.boundary import RunRecorder
-from trainer.verl_glue.manifest import write_manifest
-from watchdog.protocol import catalog, rundir
-from watchdog.protocol import checkpoint as ckpt
-from watchdog.protocol.control import ControlApplier, StepBoundary
+from ppo_watchdog.trainer.verl_glue import apply as verl_apply
+from ppo_watchdog.trainer.verl_glue.boundary import RunRecorder
+from ppo_watchdog.trainer.verl_glue.manifest import write_manifest
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ class WatchdogCallback(TrainerCallback):
         except ckpt.CheckpointError:
             return None
 
-    # -- the dispatcher's hooks (watchdog.protocol.control.BoundaryTarget) ----------------------
+    # -- the dispatcher's hooks (ppo_watchdog.protocol.control.BoundaryTarget) ----------------------
     def apply(self, overrides: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         return self.settings.apply(overrides)
 

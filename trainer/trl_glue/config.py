@@ -5,7 +5,7 @@ relaunch appends ``trainer.resume_mode=resume_path trainer.resume_from_path=...`
 batch-skip key run.json names. So the entry point takes the same words and maps each onto
 the TRL knob with that meaning (:data:`KEYS`); what has no verl name is ``trl.<field>``, passed
 to ``GRPOConfig`` / ``RLOOConfig`` as it is. Every argument is parsed by Hydra's own grammar
-(:mod:`watchdog.protocol.hydra`); an unknown key or a bad value is a :class:`TRLConfigError`
+(:mod:`ppo_watchdog.protocol.hydra`); an unknown key or a bad value is a :class:`TRLConfigError`
 naming it (the entry point exits 2).
 
 Two meanings differ from verl's and are said here once:
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from watchdog.protocol import hydra
+from ppo_watchdog.protocol import hydra
 
 GRPO, RLOO = "grpo", "rloo"
 ALGORITHMS = (GRPO, RLOO)
@@ -103,7 +103,7 @@ class TRLRun:
     resume_skip_batches: int = 0
     """``trainer.resume_skip_batches``: steps' worth of prompts to skip after a resume_path checkpoint."""
     faults: str = ""
-    """``trainer.faults``: injected faults, ``kind@step[:arg]`` (trainer/faults.py; TRL: lr_spike,
+    """``ppo_watchdog.trainer.faults``: injected faults, ``kind@step[:arg]`` (trainer/faults.py; TRL: lr_spike,
     nan_weights, oom, hang, crash)."""
     metrics_port: int = 0
     """``trainer.metrics_port``: serve /metrics on 127.0.0.1 (0 off, -1 any free port)."""
@@ -304,6 +304,6 @@ def parse_args(args: Sequence[str]) -> TRLRun:
 
 def checkpoint_root(run_dir: Path | str) -> Path:
     """Where the run's protocol checkpoints go: ``run_dir/checkpoints``."""
-    from watchdog.protocol import rundir
+    from ppo_watchdog.protocol import rundir
 
     return Path(run_dir) / rundir.CHECKPOINTS

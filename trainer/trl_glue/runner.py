@@ -1,8 +1,8 @@
-"""``python -m trainer.trl_glue --run-dir DIR KEY=VALUE ...``: a TRL GRPO or RLOO run that obeys the protocol.
+"""``python -m ppo_watchdog.trainer.trl_glue --run-dir DIR KEY=VALUE ...``: a TRL GRPO or RLOO run that obeys the protocol.
 
 This process is the one the watchdog starts, signals and stops. It writes run.json (its pid,
 the command, the config under verl's keys, the live keys, the one-shot commands it does in
-process: all but ``rollback``), builds the TRL trainer with :class:`~trainer.trl_glue.callback.WatchdogCallback`
+process: all but ``rollback``), builds the TRL trainer with :class:`~ppo_watchdog.trainer.trl_glue.callback.WatchdogCallback`
 and trains. CPU defaults a careless TRL run gets wrong are set here: ``bf16=False``,
 ``gradient_checkpointing=False`` (35x slower on CPU), ``logging_steps=1``,
 ``logging_nan_inf_filter=False`` (TRL would log a NaN loss as the running mean), no
@@ -14,7 +14,7 @@ relaunch by the watchdog; checkpoints newer than it on the abandoned timeline ar
 ``resume_from_checkpoint=True`` (the highest ``checkpoint-N``: possibly the abandoned branch).
 ``trainer.resume_skip_batches=N`` skips N steps' worth of prompts after it (a rollback's skip).
 
-Exit codes, those the watchdog already reads (:mod:`watchdog.protocol.rundir`): 0 finished or
+Exit codes, those the watchdog already reads (:mod:`ppo_watchdog.protocol.rundir`): 0 finished or
 stopped by command/SIGTERM after saving; 2 a configuration it cannot run; 75 out of memory (an
 ``oom`` event first); 1 anything else, after a ``nan`` event (non-finite weights: TRL's sampler
 raises "probability tensor contains either inf, nan or element < 0" before any metric is
@@ -37,11 +37,11 @@ from typing import Annotated, Any
 
 import typer
 
-from trainer.trl_glue.config import GRPO, SKIP_KEY, TRLConfigError, TRLRun, parse_args
-from watchdog.protocol import checkpoint as ckpt
-from watchdog.protocol import oom, rundir
-from watchdog.protocol.control import COMMAND_KINDS
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.protocol import oom, rundir
+from ppo_watchdog.protocol.control import COMMAND_KINDS
+from ppo_watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.trainer.trl_glue.config import GRPO, SKIP_KEY, TRLConfigError, TRLRun, parse_args
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +151,7 @@ def dataset(run: TRLRun) -> Any:
     """The prompts: data.train_files (JSONL) or the built-in arithmetic task."""
     from datasets import Dataset
 
-    from trainer.trl_glue import task
+    from ppo_watchdog.trainer.trl_glue import task
 
     try:
         rows = task.load_prompts(run.train_files) if run.train_files else task.prompts(256, run.seed)
@@ -213,11 +213,11 @@ def launch(run: TRLRun, run_dir: Path, command: list[str], callbacks: Sequence[A
     import torch
     from transformers import AutoTokenizer
 
-    from trainer.faults import FaultSchedule
-    from trainer.trl_glue.callback import FAULT_KINDS, StopRequested, WatchdogCallback, live_keys
-    from trainer.trl_glue.task import digits_reward
-    from trainer.verl_glue.boundary import RunRecorder
-    from watchdog.protocol.exporter import MetricsExporter
+    from ppo_watchdog.protocol.exporter import MetricsExporter
+    from ppo_watchdog.trainer.faults import FaultSchedule
+    from ppo_watchdog.trainer.trl_glue.callback import FAULT_KINDS, StopRequested, WatchdogCallback, live_keys
+    from ppo_watchdog.trainer.trl_glue.task import digits_reward
+    from ppo_watchdog.trainer.verl_glue.boundary import RunRecorder
 
     torch.set_num_threads(max(1, run.num_threads))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -326,4 +326,4 @@ def main(
     except OSError as exc:
         typer.echo(f"config error: --run-dir {run_dir}: {exc.strerror or exc}", err=True)
         raise typer.Exit(rundir.EXIT_USAGE) from None
-    raise typer.Exit(launch(run, run_dir.resolve(), [sys.executable, "-m", "trainer.trl_glue", *sys.argv[1:]]))
+    raise typer.Exit(launch(run, run_dir.resolve(), [sys.executable, "-m", "ppo_watchdog.trainer.trl_glue", *sys.argv[1:]]))

@@ -1,4 +1,4 @@
-"""Tiny local assets for real verl on CPU, built without the hub (``python -m trainer.verl_cpu.assets DIR``).
+"""Tiny local assets for real verl on CPU, built without the hub (``python -m ppo_watchdog.trainer.verl_cpu.assets DIR``).
 
 - ``model/``: a randomly initialised ``Qwen2ForCausalLM`` (2 layers, hidden 32, about 27k
   parameters, tied embeddings) with a ``GenerationConfig``, and its tokenizer;
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainer.byte_tokenizer import byte_level_tokenizer
+from ppo_watchdog.trainer.byte_tokenizer import byte_level_tokenizer
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHATML = (
@@ -36,7 +36,7 @@ CHATML = (
 DATA_SOURCE = "openai/gsm8k"
 SUFFIX = ' Let\'s think step by step and output the final answer after "####".'  # verl's gsm8k prompt suffix
 
-REWARD_PY = '''"""Dense reward for the tiny verl CPU run (built by trainer.verl_cpu.assets): the share of the
+REWARD_PY = '''"""Dense reward for the tiny verl CPU run (built by ppo_watchdog.trainer.verl_cpu.assets): the share of the
 response that is digits, plus 1 for the right answer. A random model gets a spread of scores, so
 PPO's advantages and gradients are not zero."""
 
@@ -120,7 +120,7 @@ def build_model(out: Path, seed: int = 0, sft_steps: int = 0) -> None:
     cfg = Qwen2Config(**settings)
     model = Qwen2ForCausalLM(cfg)
     if sft_steps > 0:
-        from trainer.trl_glue.assets import sft
+        from ppo_watchdog.trainer.trl_glue.assets import sft
 
         torch.set_num_threads(1)  # a tiny model: more threads only contend
         sft(model, tok, sft_steps, seed, text=chat_answer(tok))
@@ -163,8 +163,8 @@ def build(root: Path | str, seed: int = 0, sft_steps: int = 0) -> Assets:
     return a
 
 
-if __name__ == "__main__":  # python -m trainer.verl_cpu.assets DIR
+if __name__ == "__main__":  # python -m ppo_watchdog.trainer.verl_cpu.assets DIR
     if len(sys.argv) != 2:
-        sys.stderr.write("usage: python -m trainer.verl_cpu.assets DIR\n")
+        sys.stderr.write("usage: python -m ppo_watchdog.trainer.verl_cpu.assets DIR\n")
         raise SystemExit(2)
     build(sys.argv[1])

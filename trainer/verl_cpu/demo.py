@@ -1,10 +1,10 @@
 """``make run-verl``: ``watchdog run`` over an unmodified ``python -m verl.trainer.main_ppo`` on CPU.
 
-``python -m trainer.verl_cpu.demo [--run-dir DIR] [--assets DIR] [-- WATCHDOG_OPTIONS]`` builds the
+``python -m ppo_watchdog.trainer.verl_cpu.demo [--run-dir DIR] [--assets DIR] [-- WATCHDOG_OPTIONS]`` builds the
 tiny assets, puts the plugin and the fault injection in the environment and replaces itself with
-``python -m watchdog run --mode verl ... -- python -m verl.trainer.main_ppo <overrides>``: PPO
+``python -m ppo_watchdog run --mode verl ... -- python -m verl.trainer.main_ppo <overrides>``: PPO
 with GAE, a critic and the KL in the reward, 12 steps, a checkpoint every 2. Injected faults (see
-:mod:`trainer.verl_cpu.plugin`) give the default pack its work:
+:mod:`ppo_watchdog.trainer.verl_cpu.plugin`) give the default pack its work:
 
 - a NaN actor loss at step 5: ``nan_or_inf`` rolls back to the last known-good checkpoint (step 2:
   the step-4 one is within the rule's margin) with the lr halved;
@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.verl_cpu import assets, overrides
+from ppo_watchdog.trainer.verl_cpu import assets, overrides
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_RULES = REPO / "rules" / "demo" / "verl_cpu.yaml"
@@ -44,13 +44,13 @@ def demo_inject(run_dir: Path) -> dict[str, str]:
 
 
 def watchdog_argv(run_dir: Path, a: assets.Assets, extra: list[str]) -> list[str]:
-    """``python -m watchdog run ... -- python -m verl.trainer.main_ppo ...`` for the demo."""
+    """``python -m ppo_watchdog run ... -- python -m verl.trainer.main_ppo ...`` for the demo."""
     verl = overrides.verl_command(sys.executable, [*overrides.ppo_overrides(a, steps=STEPS, save_freq=SAVE_FREQ,
                                                                             micro_batch=MICRO),
                                                    f"actor_rollout_ref.actor.optim.clip_grad={CLIP_GRAD}",
                                                    # Hydra's outputs/ under the run, not in the caller's directory.
                                                    f"hydra.run.dir={run_dir / 'verl' / 'hydra'}"])
-    return [sys.executable, "-m", "watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir),
+    return [sys.executable, "-m", "ppo_watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir),
             "--rules", str(REPO / "rules" / "default.yaml"), "--rules", str(DEMO_RULES),
             "--on-escalate", "stop", "--tuning-relaunch-every", "2", "--startup-s", "60",
             "--startup-timeout", "300", *extra, "--", *verl]
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in args:
         at = args.index("--")
         args, extra = args[:at], args[at + 1:]
-    p = argparse.ArgumentParser(prog="python -m trainer.verl_cpu.demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ppo_watchdog.trainer.verl_cpu.demo", description=__doc__.splitlines()[0])
     p.add_argument("--run-dir", default=f"runs/verl-cpu-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--assets", default=os.environ.get("VERL_CPU_ASSETS", ".verl_cpu_assets"))
     ns = p.parse_args(args)

@@ -2,7 +2,7 @@
 
 :func:`ppo_overrides` returns the Hydra overrides of a tiny PPO run (GAE, a critic, the KL to a
 reference model in the reward with a fixed controller, the ``hf`` rollout), and :func:`verl_env`
-the environment that loads :mod:`trainer.verl_cpu.plugin` in every process verl starts. Why each
+the environment that loads :mod:`ppo_watchdog.trainer.verl_cpu.plugin` in every process verl starts. Why each
 setting (measured on a 2-core machine, see ARCHITECTURE.md and ../shared/design/verl-on-cpu.md):
 
 - ``ray_kwargs.ray_init.num_gpus``: one logical Ray GPU per rank, since verl's resource pool counts
@@ -22,12 +22,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
-from trainer.verl_cpu.assets import Assets
+from ppo_watchdog.trainer.verl_cpu.assets import Assets
 
-PLUGIN = "trainer.verl_cpu.plugin"
-REPO = Path(__file__).resolve().parents[2]
+PLUGIN = "ppo_watchdog.trainer.verl_cpu.plugin"
 VERL_MAIN = ("-m", "verl.trainer.main_ppo")
 
 
@@ -104,8 +102,8 @@ def verl_command(python: str, overrides: list[str]) -> list[str]:
 
 
 def verl_env(base: Mapping[str, str] | None = None, inject: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment verl must start with on CPU: the plugin in every process, this repo importable,
-    one thread per process; ``inject`` adds fault-injection variables (``VERL_CPU_INJECT_*``)."""
+    """The environment verl must start with on CPU: the plugin in every process (``ppo_watchdog`` is
+    installed, so every process verl starts imports it), one thread per process; ``inject`` adds fault-injection variables (``VERL_CPU_INJECT_*``)."""
     env = dict(os.environ if base is None else base)
     env.update({
         "VERL_USE_EXTERNAL_MODULES": PLUGIN,
@@ -113,7 +111,6 @@ def verl_env(base: Mapping[str, str] | None = None, inject: Mapping[str, str] | 
         # verl registers its FSDP engines for cuda/npu only (transformer_impl.py:1143, :1594); this is
         # verl's own override of the device it looks the engine up by (workers/engine/base.py:405-406).
         "VERL_ENGINE_DEVICE": "cuda",
-        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p),
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",

@@ -3,7 +3,7 @@
 verl 0.9.1's ``verl/__init__.py`` imports the modules named in ``VERL_USE_EXTERNAL_MODULES``
 and picks its platform from ``VERL_PLATFORM``; with ``VERL_PLATFORM=cpu`` this module is all an
 unmodified ``python -m verl.trainer.main_ppo`` needs on a GPU-less machine (with the overrides of
-:mod:`trainer.verl_cpu.overrides`). No file of verl is edited. What it does, each against the
+:mod:`ppo_watchdog.trainer.verl_cpu.overrides`). No file of verl is edited. What it does, each against the
 verl 0.9.1 file and line it works around:
 
 1. a ``cpu`` platform on gloo (platform_manager.py:114-117 falls back to ``nvidia``);
@@ -16,7 +16,7 @@ verl 0.9.1 file and line it works around:
 5. verl's monkey patch imports trl's value-head class whenever trl is installed
    (models/transformers/monkey_patch.py:352-360); trl 1.16 has none: the guard asks for the class;
 6. an ``hf`` async rollout (workers/rollout/base.py:89-92 and replica.py:388-390 register only
-   vLLM/SGLang/TRT-LLM): :mod:`trainer.verl_cpu.rollout`;
+   vLLM/SGLang/TRT-LLM): :mod:`ppo_watchdog.trainer.verl_cpu.rollout`;
 7. an aborted response (no tokens) fails its whole prompt group in the v1 trainer
    (experimental/agent_loop/agent_loop.py:147 indexes its last token for the reward) and never
    reaches ``response/aborted_ratio``: it is kept, with no reward token.
@@ -92,7 +92,7 @@ def verl_version() -> str:
 def require(cond: bool, where: str, what: str) -> None:
     """Fail loudly when verl no longer has what a fix works around."""
     if not cond:
-        raise VerlPatchError(f"trainer.verl_cpu (tested with verl {TESTED_VERL}) cannot patch verl "
+        raise VerlPatchError(f"ppo_watchdog.trainer.verl_cpu (tested with verl {TESTED_VERL}) cannot patch verl "
                              f"{verl_version()}: {where}: {what}. Update trainer/verl_cpu for this verl.")
 
 
@@ -137,7 +137,7 @@ class _CpuDevice(types.ModuleType):
     """``torch.cpu`` plus the ``torch.cuda`` calls verl makes on its device module (no-ops on CPU)."""
 
     def __init__(self) -> None:
-        super().__init__("trainer.verl_cpu.device")
+        super().__init__("ppo_watchdog.trainer.verl_cpu.device")
 
     def __getattr__(self, name: str) -> Any:
         import torch
@@ -393,7 +393,7 @@ def _register_rollout(mod: Any) -> None:
     reg: Any = getattr(mod, "_ROLLOUT_REGISTRY", None)
     require(isinstance(reg, dict) and ("vllm", "async") in reg, "verl/workers/rollout/base.py:89-92",
             "_ROLLOUT_REGISTRY keyed by (name, mode)")
-    reg[("hf", "async")] = "trainer.verl_cpu.rollout.HFServerAdapter"
+    reg[("hf", "async")] = "ppo_watchdog.trainer.verl_cpu.rollout.HFServerAdapter"
 
 
 def _register_replica(mod: Any) -> None:
@@ -402,7 +402,7 @@ def _register_replica(mod: Any) -> None:
             "RolloutReplicaRegistry.register")
 
     def load() -> type:
-        from trainer.verl_cpu.rollout import HFReplica
+        from ppo_watchdog.trainer.verl_cpu.rollout import HFReplica
 
         return HFReplica
 
@@ -457,7 +457,7 @@ def _patch_injection(mod: Any) -> None:
                 import torch
 
                 raise torch.OutOfMemoryError(
-                    f"CUDA out of memory. Tried to allocate 2.00 GiB (injected by trainer.verl_cpu: "
+                    f"CUDA out of memory. Tried to allocate 2.00 GiB (injected by ppo_watchdog.trainer.verl_cpu: "
                     f"{INJECT_OOM_ENV} allows ppo_micro_batch_size_per_gpu <= {budget[1]}, got {micro} at step {step})")
         nan_at = _step_env(INJECT_NAN_ENV)
         if nan_at is not None and step == nan_at and _once(f"nan.step{nan_at}.rank{os.environ.get('RANK', '0')}"):

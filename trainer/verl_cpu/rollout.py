@@ -3,7 +3,7 @@
 verl 0.9.x registers only vLLM, SGLang and TRT-LLM rollouts (workers/rollout/base.py:89-92,
 replica.py:388-390); its ``hf_rollout.py`` / ``naive_rollout.py`` are dead code (old constructor,
 removed sync API; ``rollout.mode=sync`` is refused at workers/config/rollout.py:281-284). Three
-pieces, registered as ``("hf", "async")`` by :mod:`trainer.verl_cpu.plugin`:
+pieces, registered as ``("hf", "async")`` by :mod:`ppo_watchdog.trainer.verl_cpu.plugin`:
 
 - :class:`HFServer`, a Ray actor holding an fp32 copy of the policy that answers verl's agent loop
   (``generate(prompt_ids, sampling_params, request_id) -> TokenOutput``: temperature, top_p, top_k,
@@ -27,7 +27,7 @@ import torch
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 
-from trainer.verl_cpu import plugin
+from ppo_watchdog.trainer.verl_cpu import plugin
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class HFServer:
         """verl's token-in-token-out call (the vLLM server's signature, multimodal inputs ignored)."""
         step = (self.global_steps or 0) + 1
         if plugin.rollout_should_fail(step):
-            raise RuntimeError(f"rollout failed (injected by trainer.verl_cpu: {plugin.INJECT_ROLLOUT_ENV}={step})")
+            raise RuntimeError(f"rollout failed (injected by ppo_watchdog.trainer.verl_cpu: {plugin.INJECT_ROLLOUT_ENV}={step})")
         n, self.requests = self.requests, self.requests + 1
         want_logprobs = bool(sampling_params.get("logprobs", False)) or sampling_params.get("logprobs") == 0
         if plugin.rollout_should_abort(step, n):

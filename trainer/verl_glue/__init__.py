@@ -1,6 +1,6 @@
 """In-process mode: a real verl v1 run that obeys the run-directory protocol.
 
-``python -m trainer.verl_glue --run-dir DIR KEY=VALUE ...`` runs verl's PPO with
+``python -m ppo_watchdog.trainer.verl_glue --run-dir DIR KEY=VALUE ...`` runs verl's PPO with
 ``trainer.v1.trainer_mode=watchdog_sync``: verl's own synchronous trainer plus metrics
 (metrics.jsonl, /metrics), events (started, applied, error, checkpoint, finished, ...)
 and control.json applied at step boundaries. Modules, from the pure core out:
@@ -15,6 +15,6 @@ and control.json applied at step boundaries. Modules, from the pure core out:
 - :mod:`.taskrunner`: our ``TaskRunnerV1`` for ``run_ppo``.
 - :mod:`.runner`: config composition and the launcher (``__main__``).
 
-Nothing is imported here: ``import trainer`` and ``import trainer.verl_glue`` never load
+Nothing is imported here: ``import ppo_watchdog.trainer`` and ``import ppo_watchdog.trainer.verl_glue`` never load
 verl, Ray or CUDA.
 """

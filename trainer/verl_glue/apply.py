@@ -18,7 +18,7 @@ Each function takes the real object verl trains with and changes it so that the
   the supported path is a new config (``dataclasses.replace``) in a new partial handed to
   the worker's ``set_loss_fn``, which is what :func:`apply_loss_coefs` builds.
 
-Nothing here imports verl at module level, so ``import trainer`` never needs it; errors
+Nothing here imports verl at module level, so ``import ppo_watchdog.trainer`` never needs it; errors
 are :class:`LiveSettingError` naming the key and the value.
 """
 
@@ -30,7 +30,7 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from watchdog.protocol.catalog import moved_clip_bounds
+from ppo_watchdog.protocol.catalog import moved_clip_bounds
 
 KL_COEF = "algorithm.kl_ctrl.kl_coef"
 ACTOR_LR = "actor_rollout_ref.actor.optim.lr"

@@ -1,13 +1,13 @@
 """The step boundary of an in-process verl run: control.json in, events and metrics out.
 
-The v1 trainer subclass (:mod:`trainer.verl_glue.trainer`) calls :class:`ControlBoundary`
+The v1 trainer subclass (:mod:`ppo_watchdog.trainer.verl_glue.trainer`) calls :class:`ControlBoundary`
 before each step and :class:`RunRecorder` after it; everything verl-specific comes in as
 :class:`VerlTargets` (the driver's config, its KL controller, and two callables that
 reach the workers through their worker groups). So the handler runs, and is tested, on
 verl's real objects without a fit loop, Ray or a GPU.
 
 control.json semantics are the embedded trainer's, through the same dispatcher
-(:class:`watchdog.protocol.control.StepBoundary`): a version not newer than the last applied one is
+(:class:`ppo_watchdog.protocol.control.StepBoundary`): a version not newer than the last applied one is
 a no-op, a garbled file is one ``error`` event per bad content, a version that names a key
 this run cannot change live is refused whole (the watchdog then restarts with it), and
 one ``applied`` event confirms each version. One-shot commands: ``checkpoint`` (verl's
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from trainer.verl_glue import apply
-from watchdog.protocol import catalog, rundir
-from watchdog.protocol.control import Changes, ControlApplier, StepBoundary
-from watchdog.protocol.exporter import MetricsExporter
+from ppo_watchdog.protocol import catalog, rundir
+from ppo_watchdog.protocol.control import Changes, ControlApplier, StepBoundary
+from ppo_watchdog.protocol.exporter import MetricsExporter
+from ppo_watchdog.trainer.verl_glue import apply
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +183,7 @@ class RunRecorder:
 
 class ControlBoundary:
     """control.json at verl's step boundaries: this run's hooks for the protocol's
-    :class:`~watchdog.protocol.control.StepBoundary` (the embedded trainer's dispatcher too)."""
+    :class:`~ppo_watchdog.protocol.control.StepBoundary` (the embedded trainer's dispatcher too)."""
 
     can_rollback = False
     """verl's rollout replicas would need new weights mid-run: rollback goes by restart."""

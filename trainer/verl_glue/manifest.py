@@ -1,7 +1,7 @@
 """A manifest for verl's own ``global_step_N`` directories, so they count as protocol checkpoints.
 
 The watchdog trusts a checkpoint only when its ``manifest.json`` says complete and every
-checksum matches (:func:`watchdog.protocol.checkpoint.verify_checkpoint`); that is what lets it
+checksum matches (:func:`ppo_watchdog.protocol.checkpoint.verify_checkpoint`); that is what lets it
 restart or roll back from ``run_dir/checkpoints``. verl writes no manifest, so after
 verl's save has returned (every rank's files written, its marker updated) the glue hashes
 the directory and writes one, last and atomically, in the embedded trainer's format plus
@@ -15,7 +15,7 @@ once its manifest is written, not before.
 
 Multi-node runs: the glue runs in the TaskRunner, on one node, and sees only the files on
 that node's disks. Before hashing, the directory is checked for every rank's files
-(:func:`watchdog.protocol.checkpoint.verl_checkpoint_info`); a run whose nodes save to local
+(:func:`ppo_watchdog.protocol.checkpoint.verl_checkpoint_info`); a run whose nodes save to local
 disks gets no manifest (an ``error`` event says why) rather than one that vouches for the
 head node's shards alone: put ``trainer.default_local_dir`` on a shared file system.
 """
@@ -30,8 +30,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from watchdog.protocol import checkpoint as ckpt
-from watchdog.protocol import rundir
+from ppo_watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.protocol import rundir
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def _sha256_file(path: Path) -> str:
 def write_manifest(step_dir: Path | str, step: int, epoch: int, world_size: int | None = None,
                    components: tuple[str, ...] = (), workers: int = HASH_WORKERS, layout: str = "verl") -> Path:
     """Hash every file under a finished verl ``global_step_N`` (``workers`` at once) and write its
-    manifest.json (``layout`` names whose folder it is: verl's, or TRL's for trainer.trl_glue). With
+    manifest.json (``layout`` names whose folder it is: verl's, or TRL's for ppo_watchdog.trainer.trl_glue). With
     ``world_size``, first check that every rank's files of ``components``
     (actor always) are there: on a multi-node run with node-local disks they are not."""
     step_dir = Path(step_dir)

@@ -1,10 +1,10 @@
-"""``python -m trainer.verl_glue [OPTIONS] KEY=VALUE ...``: verl's main with our TaskRunner.
+"""``python -m ppo_watchdog.trainer.verl_glue [OPTIONS] KEY=VALUE ...``: verl's main with our TaskRunner.
 
 This is ``verl.trainer.main_ppo.main`` with three differences: the config gets
-``trainer.v1.trainer_mode=watchdog_sync`` (:mod:`trainer.verl_glue.trainer`), a
+``trainer.v1.trainer_mode=watchdog_sync`` (:mod:`ppo_watchdog.trainer.verl_glue.trainer`), a
 ``watchdog`` node (run directory, metrics port, run id) and, unless the command sets
 one, ``trainer.default_local_dir=RUN_DIR/checkpoints``; and ``run_ppo`` gets
-:class:`trainer.verl_glue.taskrunner.WatchdogTaskRunner`, verl's ``TaskRunnerV1`` that
+:class:`ppo_watchdog.trainer.verl_glue.taskrunner.WatchdogTaskRunner`, verl's ``TaskRunnerV1`` that
 imports the glue (so the trainer is registered inside the Ray actor) and ends the run
 with the protocol's last event.
 
@@ -15,7 +15,7 @@ boundary anyway) and leaves SIGTERM to Ray's driver handler. Exit codes: 0 finis
 stopped by command, 2 a config verl rejects (relaunching cannot help), 75
 (``rundir.EXIT_OOM``) an out-of-memory error, 1 anything else.
 
-verl is imported only inside functions: ``import trainer`` never needs it.
+verl is imported only inside functions: ``import ppo_watchdog.trainer`` never needs it.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from typing import Annotated, Any
 
 import typer
 
-from watchdog.protocol import oom, rundir
-from watchdog.protocol.control import COMMAND_KINDS
-from watchdog.protocol.runinfo import MODE_VERL_INPROCESS, RunInfo
+from ppo_watchdog.protocol import oom, rundir
+from ppo_watchdog.protocol.control import COMMAND_KINDS
+from ppo_watchdog.protocol.runinfo import MODE_VERL_INPROCESS, RunInfo
 
 log = logging.getLogger(__name__)
 
-TRAINER_MODE = "watchdog_sync"  # trainer.verl_glue.trainer.TRAINER_MODE, without importing verl here
+TRAINER_MODE = "watchdog_sync"  # ppo_watchdog.trainer.verl_glue.trainer.TRAINER_MODE, without importing verl here
 MODE_KEY = "trainer.v1.trainer_mode"
 LOCAL_DIR_KEY = "trainer.default_local_dir"
 USE_V1_KEY = "trainer.use_v1"
@@ -107,7 +107,7 @@ def validate(cfg: Any) -> None:
 def oom_of(exc: BaseException) -> tuple[str, str | None, str] | None:
     """``(memory, site, evidence)`` when ``exc`` is an out-of-memory error as it reaches the driver
     or the TaskRunner, else None. Read from the whole formatted chain with the watchdog's own rules
-    (:mod:`watchdog.protocol.oom`): a CUDA OOM wrapped in Ray's ``RayTaskError`` twice, and a host
+    (:mod:`ppo_watchdog.protocol.oom`): a CUDA OOM wrapped in Ray's ``RayTaskError`` twice, and a host
     OOM, which Ray reports as an ``ActorDiedError`` (exit type ``NODE_OUT_OF_MEMORY``) that names no
     ``OutOfMemoryError`` at all."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -134,7 +134,7 @@ def _oom_recorded_since(run_dir: Path, since: float) -> bool:
 
 
 def _write_launch_json(run_dir: Path, cfg: Any, command: list[str]) -> None:
-    from trainer.verl_glue.apply import live_keys_for
+    from ppo_watchdog.trainer.verl_glue.apply import live_keys_for
 
     info = RunInfo.read(run_dir).replace(
         id=str(cfg.watchdog.run_id), command=command, pid=os.getpid(), cwd=os.getcwd(),
@@ -150,7 +150,7 @@ def launch(cfg: Any, command: list[str]) -> int:
     """Run verl's PPO with the glue; returns the exit code."""
     from verl.trainer.main_ppo import run_ppo
 
-    from trainer.verl_glue.taskrunner import WatchdogTaskRunner
+    from ppo_watchdog.trainer.verl_glue.taskrunner import WatchdogTaskRunner
 
     run_dir = Path(str(cfg.watchdog.run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -212,4 +212,4 @@ def main(
     except Exception as exc:  # Hydra override/compose errors, verl's validation (assertions included)
         typer.echo(f"config error: {type(exc).__name__}: {exc}", err=True)
         raise typer.Exit(rundir.EXIT_USAGE) from exc
-    raise typer.Exit(launch(cfg, [sys.executable, "-m", "trainer.verl_glue", *sys.argv[1:]]))
+    raise typer.Exit(launch(cfg, [sys.executable, "-m", "ppo_watchdog.trainer.verl_glue", *sys.argv[1:]]))

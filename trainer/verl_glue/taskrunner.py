@@ -1,7 +1,7 @@
 """Our TaskRunner: verl's ``TaskRunnerV1`` that runs the glue's trainer and ends the run's record.
 
 ``run_ppo(config, task_runner_class=WatchdogTaskRunner)`` creates it as a Ray actor. Its
-module imports :mod:`trainer.verl_glue.trainer`, so ``watchdog_sync`` is registered in the
+module imports :mod:`ppo_watchdog.trainer.verl_glue.trainer`, so ``watchdog_sync`` is registered in the
 actor's process before verl's ``get_trainer_cls`` looks it up. A ``stop`` command ends
 ``fit`` with :class:`StopRequested` (state saved, ``stopped`` recorded): the runner turns
 that into a normal return, so the launcher exits 0 as the embedded trainer does.
@@ -14,9 +14,9 @@ from typing import Any
 import ray
 from verl.trainer.main_ppo import TaskRunnerV1
 
-from trainer.verl_glue.boundary import StopRequested
-from trainer.verl_glue.runner import oom_fields
-from trainer.verl_glue.trainer import WatchdogPPOTrainer
+from ppo_watchdog.trainer.verl_glue.boundary import StopRequested
+from ppo_watchdog.trainer.verl_glue.runner import oom_fields
+from ppo_watchdog.trainer.verl_glue.trainer import WatchdogPPOTrainer
 
 #: verl's TaskRunnerV1 class, under its ``@ray.remote``.
 TaskRunnerV1Class: type = TaskRunnerV1.__ray_actor_class__  # type: ignore[attr-defined]

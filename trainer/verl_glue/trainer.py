@@ -8,20 +8,20 @@ Registered with verl's ``register_trainer`` as ``watchdog_sync`` and chosen with
   the exporter, ``started``; a resumed run takes its lr from the config, not the
   checkpoint (verl's resume would bring the old lr back); the newest control.json
   overrides are applied before the first step.
-- ``on_step_begin``: the step boundary, :class:`trainer.verl_glue.boundary.ControlBoundary`.
+- ``on_step_begin``: the step boundary, :class:`ppo_watchdog.trainer.verl_glue.boundary.ControlBoundary`.
 - ``_compute_metrics``: after verl computed the step's metrics (validation included),
   one line in metrics.jsonl and the gauges on /metrics.
 - ``_save_checkpoint``: after verl's own save (marker written), a manifest (so the watchdog
-  can restart or roll back from it, :mod:`trainer.verl_glue.manifest`) and a
+  can restart or roll back from it, :mod:`ppo_watchdog.trainer.verl_glue.manifest`) and a
   ``checkpoint`` event.
 
-Worker classes are swapped for :mod:`trainer.verl_glue.workers` so the driver can reach
+Worker classes are swapped for :mod:`ppo_watchdog.trainer.verl_glue.workers` so the driver can reach
 the optimizer, LambdaLR and loss function. Everything else (replay buffer, checkpoint
 layout, resume) behaves as ``trainer_mode=sync``: the base class keys those on the mode
 name, so the subclass reports ``sync`` once its class has been chosen.
 
 SIGUSR1: the trainer runs in a Ray actor, not in the process the watchdog started. The
-launcher (:mod:`trainer.verl_glue.runner`) only makes SIGUSR1 harmless there; the actor
+launcher (:mod:`ppo_watchdog.trainer.verl_glue.runner`) only makes SIGUSR1 harmless there; the actor
 reads control.json at every step boundary anyway and a verl step cannot be interrupted,
 so the signal changes nothing but the latency of a paused run (the pause loop polls
 every second).
@@ -44,12 +44,12 @@ from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-from trainer.verl_glue import apply, workers
-from trainer.verl_glue.boundary import ControlBoundary, LiveSettings, RunRecorder, VerlTargets
-from trainer.verl_glue.manifest import ManifestWriter
-from watchdog.protocol import rundir
-from watchdog.protocol.exporter import MetricsExporter
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.protocol import rundir
+from ppo_watchdog.protocol.exporter import MetricsExporter
+from ppo_watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.trainer.verl_glue import apply, workers
+from ppo_watchdog.trainer.verl_glue.boundary import ControlBoundary, LiveSettings, RunRecorder, VerlTargets
+from ppo_watchdog.trainer.verl_glue.manifest import ManifestWriter
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def glue_settings(config: Any) -> tuple[Path, int, str]:
     if node is None or not node.get("run_dir"):
         raise GlueConfigError(
             f"trainer.v1.trainer_mode={TRAINER_MODE} needs {GLUE_NODE}.run_dir: launch with "
-            "`python -m trainer.verl_glue --run-dir DIR ...` (or pass +watchdog.run_dir=DIR)")
+            "`python -m ppo_watchdog.trainer.verl_glue --run-dir DIR ...` (or pass +watchdog.run_dir=DIR)")
     run_dir = Path(str(node.run_dir))
     return run_dir, int(node.get("metrics_port", 0) or 0), str(node.get("run_id") or run_dir.name)
 

@@ -8,7 +8,7 @@ decorated with ``@register(dispatch_mode=...)`` is bound onto the worker group, 
 own ``set_loss_fn``) and returns one result per rank. The trainer swaps these classes in
 for verl's (``role_worker_mapping``), the way verl's separate-async trainer swaps its own.
 
-The methods only call the pure functions of :mod:`trainer.verl_glue.apply`; they hold no
+The methods only call the pure functions of :mod:`ppo_watchdog.trainer.verl_glue.apply`; they hold no
 state of their own. Imports verl (not torch.cuda): importing this module needs no GPU.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
-from trainer.verl_glue import apply
+from ppo_watchdog.trainer.verl_glue import apply
 
 #: Names of the registered methods (the driver calls them on the worker groups).
 SET_LR = "watchdog_set_lr"

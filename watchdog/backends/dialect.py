@@ -1,10 +1,10 @@
 """How a trainer speaks to the watchdog: one small interface, two dialects.
 
 - :class:`ProtocolDialect`: a trainer that speaks the run-directory protocol itself (the
-  embedded trainer, verl with ``trainer.verl_glue``): it writes its own events and
+  embedded trainer, verl with ``ppo_watchdog.trainer.verl_glue``): it writes its own events and
   manifests, reads control.json at every step boundary (live changes, pause and rollback in
   process), and exits with the protocol's codes.
-- :class:`watchdog.backends.zero_patch.VerlGlue`: an unmodified ``verl.trainer.main_ppo``
+- :class:`ppo_watchdog.backends.zero_patch.VerlGlue`: an unmodified ``verl.trainer.main_ppo``
   that reads no control.json; the watchdog relays its file logger, announces its checkpoints,
   classifies its exits from its log, and turns every change into a relaunch.
 
@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from watchdog.core.planner import config_value
-from watchdog.protocol import checkpoint as ckpt
-from watchdog.protocol import rundir
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.core.planner import config_value
+from ppo_watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.protocol import rundir
+from ppo_watchdog.protocol.runinfo import RunInfo
 
 log = logging.getLogger(__name__)
 

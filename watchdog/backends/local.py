@@ -21,9 +21,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from watchdog.protocol import inputs
-from watchdog.protocol import lock as locks
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.protocol import inputs
+from ppo_watchdog.protocol import lock as locks
+from ppo_watchdog.protocol.runinfo import RunInfo
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def not_the_trainer(pid: int, run_dir: Path | str, proc: Path | str = "/proc",
     """Why ``pid`` is not (or cannot be told to be) the trainer of ``run_dir``; None when it is.
 
     A pid is an identity only with its start time: the trainer lock a watchdog's launch holds
-    (:data:`~watchdog.protocol.lock.TRAINER_LOCK`) names the trainer's pid and start; a trainer
+    (:data:`~ppo_watchdog.protocol.lock.TRAINER_LOCK`) names the trainer's pid and start; a trainer
     started by hand is told by run.json: the process runs run.json's command (argv past the
     interpreter) and started before run.json says it did. A pid run.json names that fits
     neither was reused, or was never the trainer (a stale or hand-edited run.json). ``info``: run.json
@@ -364,7 +364,7 @@ class LocalBackend:
     ) -> LocalProcess:
         """Start ``command`` in its own session; stdout and stderr appended to ``log_path``.
 
-        ``lock_path``: the run's trainer lock (:data:`~watchdog.protocol.lock.TRAINER_LOCK`), taken
+        ``lock_path``: the run's trainer lock (:data:`~ppo_watchdog.protocol.lock.TRAINER_LOCK`), taken
         before the launch and handed to the child (an inherited descriptor), so it is held for as
         long as anything of this trainer lives; refused with :class:`TrainerAlive` while another
         trainer holds it."""

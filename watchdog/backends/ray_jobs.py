@@ -4,7 +4,7 @@ On a cluster the trainer (verl's driver, or the embedded trainer) is not a child
 watchdog: it is a Ray Job's entrypoint, started by the head's job supervisor. This backend
 speaks to the head's job server (:class:`ray.job_submission.JobSubmissionClient`, the
 dashboard address, ``http://HEAD:8265``) and hands out handles with the same protocol as
-:class:`~watchdog.backends.local.LocalProcess`, so the controller and the actuator work unchanged:
+:class:`~ppo_watchdog.backends.local.LocalProcess`, so the controller and the actuator work unchanged:
 
 - ``start`` submits the command as the entrypoint (shell-quoted), with the environment as
   ``runtime_env.env_vars`` and no ``working_dir``: the job runs on the head's filesystem,
@@ -27,7 +27,7 @@ dashboard address, ``http://HEAD:8265``) and hands out handles with the same pro
   watchdog skips what trainer.log already holds; the job's end waits for the stream to reach
   the log's end (or fetches the rest once) before the exit is classified.
 
-A job server that cannot be reached raises :class:`~watchdog.backends.local.BackendUnavailable`
+A job server that cannot be reached raises :class:`~ppo_watchdog.backends.local.BackendUnavailable`
 naming the address: the actuator keeps the action open and tries again at the next tick.
 
 Token authentication (on by default since Ray 2.5x whenever the head finds a token): the job
@@ -57,8 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from watchdog.backends.local import BackendUnavailable, SupervisorError
-from watchdog.protocol import inputs, rundir
+from ppo_watchdog.backends.local import BackendUnavailable, SupervisorError
+from ppo_watchdog.protocol import inputs, rundir
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,8 @@ def exit_code_for(status: str, driver_exit_code: int | None, message: str = "") 
     """The exit code a job status stands for (None while it runs).
 
     SUCCEEDED is 0; FAILED is the entrypoint's exit code when Ray reports one (else 1), or
-    :data:`~watchdog.protocol.rundir.EXIT_OOM` when the failure's log tail shows an out-of-memory error;
-    STOPPED is :data:`~watchdog.protocol.rundir.EXIT_STOPPED`, what the trainer exits with after SIGTERM.
+    :data:`~ppo_watchdog.protocol.rundir.EXIT_OOM` when the failure's log tail shows an out-of-memory error;
+    STOPPED is :data:`~ppo_watchdog.protocol.rundir.EXIT_STOPPED`, what the trainer exits with after SIGTERM.
     """
     if status == "SUCCEEDED":
         return 0
@@ -229,7 +229,7 @@ def find_token(token_file: Path | str | None = None, environ: Mapping[str, str] 
 
 
 class RayJobProcess:
-    """A trainer running as one Ray Job (the protocol of :class:`~watchdog.backends.local.TrainerProcess`)."""
+    """A trainer running as one Ray Job (the protocol of :class:`~ppo_watchdog.backends.local.TrainerProcess`)."""
 
     def __init__(
         self, backend: RayJobBackend, job_id: str, log_path: Path | str | None = None, fresh: bool = False,

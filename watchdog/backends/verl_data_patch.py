@@ -43,8 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from watchdog.protocol import checkpoint as ckpt
-from watchdog.protocol import rundir
+from ppo_watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.protocol import rundir
 
 log = logging.getLogger(__name__)
 

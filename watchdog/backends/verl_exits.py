@@ -27,7 +27,7 @@ crash      anything else (also a SYSTEM_ERROR worker death, whose Ray message on
 Host markers are checked first because ``RayTaskError(OutOfMemoryError)`` also wraps
 Ray's own ``OutOfMemoryError``; the cause line decides. An OOM's ``site`` (which of verl's
 passes ran out: the actor or critic update, a log-prob pass, the rollout) comes from the same
-traceback (:mod:`watchdog.protocol.oom`), so the remedy lowers that pass's own knob. A NaN in a *metric* line of
+traceback (:mod:`ppo_watchdog.protocol.oom`), so the remedy lowers that pass's own knob. A NaN in a *metric* line of
 verl's console logger (``critic/vf_loss:nan``) is not an exit reason: those lines are
 skipped. Pure: text and exit code in, a classification out.
 """
@@ -37,8 +37,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from watchdog.backends.local import TAIL_BYTES
-from watchdog.protocol import oom
+from ppo_watchdog.backends.local import TAIL_BYTES
+from ppo_watchdog.protocol import oom
 
 _NAN = re.compile(
     r"probability tensor contains either `inf`, `nan` or element < 0"
@@ -62,7 +62,7 @@ class ExitClass:
     evidence: str = ""
     """The log line the classification rests on (empty when there is none)."""
     site: str | None = None
-    """For an OOM: the pass that ran out (:data:`watchdog.protocol.oom.SITES`), when the traceback says."""
+    """For an OOM: the pass that ran out (:data:`ppo_watchdog.protocol.oom.SITES`), when the traceback says."""
 
     @property
     def action(self) -> str:

@@ -28,8 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from watchdog.protocol import checkpoint as ckpt
-from watchdog.protocol import rundir
+from ppo_watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.protocol import rundir
 
 log = logging.getLogger(__name__)
 

@@ -13,15 +13,15 @@ one that does, using only what verl already offers:
   (catalog names, older keys such as ``critic/kl`` mapped on the way).
 - **checkpoints**: ``trainer.default_local_dir=run_dir/checkpoints`` unless the user set
   one; a ``global_step_N`` counts when verl's marker and its files say it is complete
-  (:func:`watchdog.protocol.checkpoint.list_verl_checkpoints`; under ``async_save``, where
+  (:func:`ppo_watchdog.protocol.checkpoint.list_verl_checkpoints`; under ``async_save``, where
   verl writes no marker, by its files alone).
 - **events**: the glue appends what it can observe: ``started`` at each launch,
   ``checkpoint`` when a complete ``global_step_N`` appears, and at the end of an attempt
-  ``finished`` / ``oom`` / ``nan`` / ``error`` from the log (:mod:`watchdog.backends.verl_exits`).
+  ``finished`` / ``oom`` / ``nan`` / ``error`` from the log (:mod:`ppo_watchdog.backends.verl_exits`).
 - **changes**: nothing is live (run.json lists no live keys), so every ``set`` is a
   restart with the overrides and ``trainer.resume_mode=resume_path``. Two resume traps
   are handled on the way: the lr comes back from the checkpoint (resume from a patched
-  copy, :mod:`watchdog.backends.verl_lr_patch`, or refuse the change), and the KL controller's
+  copy, :mod:`ppo_watchdog.backends.verl_lr_patch`, or refuse the change), and the KL controller's
   value is not checkpointed (``algorithm.kl_ctrl.kl_coef`` is passed on every restart).
 
 State the glue needs across watchdog restarts lives in ``run_dir/verl/glue.json``.
@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from watchdog.backends.dialect import (
+from ppo_watchdog.backends.dialect import (
     Dialect,
     IsBad,
     ProtocolDialect,
@@ -48,21 +48,21 @@ from watchdog.backends.dialect import (
     pruning_notice,
     verl_pruning,
 )
-from watchdog.backends.local import read_tail
-from watchdog.backends.verl_data_patch import SkipRefused, epoch_batches, patch_skip_copy
-from watchdog.backends.verl_exits import ExitClass, classify
-from watchdog.backends.verl_lr_patch import (
+from ppo_watchdog.backends.local import read_tail
+from ppo_watchdog.backends.verl_data_patch import SkipRefused, epoch_batches, patch_skip_copy
+from ppo_watchdog.backends.verl_exits import ExitClass, classify
+from ppo_watchdog.backends.verl_lr_patch import (
     LR_COMPONENTS,
     LrPatchRefused,
     patch_lr_copy,
     patch_memory_bound,
     wanted_changes,
 )
-from watchdog.core.planner import run_has_critic
-from watchdog.protocol import catalog, hydra, inputs, rundir, runinfo
-from watchdog.protocol import checkpoint as ckpt
-from watchdog.protocol.catalog import RESUME_MODE_KEY, RESUME_PATH_KEY
-from watchdog.protocol.runinfo import MODE_VERL, RunInfo
+from ppo_watchdog.core.planner import run_has_critic
+from ppo_watchdog.protocol import catalog, hydra, inputs, rundir, runinfo
+from ppo_watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.protocol.catalog import RESUME_MODE_KEY, RESUME_PATH_KEY
+from ppo_watchdog.protocol.runinfo import MODE_VERL, RunInfo
 
 log = logging.getLogger(__name__)
 
@@ -326,7 +326,7 @@ class RunSetup:
 
     @property
     def checkpoint_dir(self) -> Path:
-        """Where the run's checkpoints are (:func:`~watchdog.backends.dialect.checkpoint_root`)."""
+        """Where the run's checkpoints are (:func:`~ppo_watchdog.backends.dialect.checkpoint_root`)."""
         return checkpoint_root(self.run_dir, self.info)
 
     def dialect(self, run_id: str) -> Dialect:
@@ -403,7 +403,7 @@ class VerlGlue:
         self.exporter: Any = None
         port = info.run_metrics_port
         if port is not None and port != 0:
-            from watchdog.protocol.exporter import MetricsExporter
+            from ppo_watchdog.protocol.exporter import MetricsExporter
 
             self.exporter = MetricsExporter(run_id, port=port)
             info.replace(metrics_port=self.exporter.port).write(self.run_dir)  # the run.json of this attach
@@ -533,7 +533,7 @@ class VerlGlue:
 
     def _plan_skip(self, payload: dict[str, Any]) -> dict[str, Any]:
         """A rollback's ``skip_batches``: resume from a copy whose ``data.pt`` has verl's dataloader N batches
-        further on (:mod:`watchdog.backends.verl_data_patch`), or ``skip_note`` saying why it was not done."""
+        further on (:mod:`ppo_watchdog.backends.verl_data_patch`), or ``skip_note`` saying why it was not done."""
         p = payload
         n = int(p.get("skip_batches") or 0)
         src = p.get("resume_path")
@@ -589,7 +589,7 @@ class VerlGlue:
 
     def protect(self, is_bad: IsBad) -> list[int]:
         """With ``trainer.max_*_ckpt_to_keep`` set, keep the last known-good checkpoints as hard links
-        verl's pruning cannot reach (:func:`watchdog.backends.dialect.protect_known_good`)."""
+        verl's pruning cannot reach (:func:`ppo_watchdog.backends.dialect.protect_known_good`)."""
         if not self.prunes:
             return []
         return protect_known_good(self.ckpt_dir, self.checkpoints(), is_bad)
@@ -630,7 +630,7 @@ class VerlGlue:
             self._save()
 
     def _relay_record(self, rec: dict[str, Any]) -> None:
-        from watchdog.sources.ingest import record_from_json
+        from ppo_watchdog.sources.ingest import record_from_json
 
         good, reason = record_from_json(rec)
         if good is None:

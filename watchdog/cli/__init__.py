@@ -1,8 +1,8 @@
 """The ``watchdog`` command line (Typer): one group per module, joined here with plain imports.
 
-- :mod:`~watchdog.cli.rules`: ``rules list|check|test|explain|calibrate``, ``replay``, ``eval``;
-- :mod:`~watchdog.cli.run`: ``run``, ``daemon``, ``status``, ``history``, ``resume``, ``report``;
-- :mod:`~watchdog.cli.dashboards`: ``dashboards export|push``.
+- :mod:`~ppo_watchdog.cli.rules`: ``rules list|check|test|explain|calibrate``, ``replay``, ``eval``;
+- :mod:`~ppo_watchdog.cli.run`: ``run``, ``daemon``, ``status``, ``history``, ``resume``, ``report``;
+- :mod:`~ppo_watchdog.cli.dashboards`: ``dashboards export|push``.
 
 Exit codes, one convention for every command (README, "Exit codes"): 0 ok; 1 the thing judged
 failed (a rule test, a labelled run of ``eval``, a supervised run that did not finish); 2 bad input
@@ -20,7 +20,7 @@ from typing import Annotated
 
 import typer
 
-from watchdog.cli import dashboards, rules, run
+from ppo_watchdog.cli import dashboards, rules, run
 
 app = typer.Typer(
     name="watchdog",
@@ -45,5 +45,5 @@ def _root(
 
 
 def main() -> None:
-    """Entry point for ``python -m watchdog``."""
+    """Entry point for ``python -m ppo_watchdog``."""
     app(prog_name="watchdog")

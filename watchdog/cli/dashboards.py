@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from watchdog.observe import grafana
+from ppo_watchdog.observe import grafana
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +21,7 @@ def export(
     directory: Annotated[Path, typer.Argument(help="Directory to write the dashboard JSON files into.")],
 ) -> None:
     """Write every dashboard as JSON (fixed uids) into DIRECTORY."""
-    from watchdog.observe import dashboards
+    from ppo_watchdog.observe import dashboards
 
     try:
         written = dashboards.export(directory)

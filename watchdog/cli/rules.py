@@ -1,6 +1,6 @@
 """`watchdog rules ...`, `watchdog replay` and `watchdog eval`: rule packs and recorded runs.
 
-Exit codes (the convention of every command, see watchdog.cli): 0 success; 1 the thing judged
+Exit codes (the convention of every command, see ppo_watchdog.cli): 0 success; 1 the thing judged
 failed (a rule test, a labelled run of ``eval``); 2 bad input or usage (a missing file, an
 unreadable log, a rule file that does not load, ``rules check`` finding errors). Messages for a
 person go to stderr; ``--json`` output alone goes to stdout.
@@ -21,12 +21,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from watchdog.core.actions import value_problem
-from watchdog.core.rulefile import RULES_ENV, default_rules_paths
-from watchdog.core.vocabulary import DecisionKind
-from watchdog.protocol import catalog, hydra, rundir
-from watchdog.protocol.events import Event
-from watchdog.protocol.runinfo import RunInfo, RunInfoError
+from ppo_watchdog.core.actions import value_problem
+from ppo_watchdog.core.rulefile import RULES_ENV, default_rules_paths
+from ppo_watchdog.core.vocabulary import DecisionKind
+from ppo_watchdog.protocol import catalog, hydra, rundir
+from ppo_watchdog.protocol.events import Event
+from ppo_watchdog.protocol.runinfo import RunInfo, RunInfoError
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ rules_app = typer.Typer(
     no_args_is_help=True,
 )
 commands = typer.Typer()
-"""Top-level commands of this module (replay, eval), joined to the root app by ``watchdog.cli``."""
+"""Top-level commands of this module (replay, eval), joined to the root app by ``ppo_watchdog.cli``."""
 
 
 # -- helpers ------------------------------------------------------------------------------
@@ -71,7 +71,7 @@ def _expand(paths: Sequence[Path]) -> list[Path]:
 
 def _load(paths: Sequence[Path] | None) -> Any:
     """Load a rule set; every error on stderr as file:line:col and exit 2."""
-    from watchdog.core.rulefile import RuleFileError, load_rules
+    from ppo_watchdog.core.rulefile import RuleFileError, load_rules
 
     try:
         files = _expand(paths) if paths else default_rules_paths()
@@ -184,7 +184,7 @@ def rules_check(
     files: Annotated[list[Path], typer.Argument(help="Rule files or directories to validate.")],
 ) -> None:
     """Validate rule files: every error is printed as file:line:col; exit 2 when any (bad input)."""
-    from watchdog.core.rulefile import RuleFileError, load_rules
+    from ppo_watchdog.core.rulefile import RuleFileError, load_rules
 
     paths = _expand(files)
     if not paths:
@@ -209,7 +209,7 @@ def rules_test(
 
     Exit 0 when every test passes, 1 when any fails (each failure is listed).
     """
-    from watchdog.core import ruletest
+    from ppo_watchdog.core import ruletest
 
     for p in paths:
         if not p.exists():
@@ -284,10 +284,10 @@ def rules_calibrate(
     """Propose the baseline-relative thresholds for a family from its healthy runs, as an overlay pack."""
     import tempfile
 
-    from watchdog.core.rulefile import RuleFileError, load_rules
-    from watchdog.judge import calibrate as cal
-    from watchdog.judge import evaluation as ev
-    from watchdog.sources import ingest
+    from ppo_watchdog.core.rulefile import RuleFileError, load_rules
+    from ppo_watchdog.judge import calibrate as cal
+    from ppo_watchdog.judge import evaluation as ev
+    from ppo_watchdog.sources import ingest
 
     ruleset = _load(rules)
     base = [str(p) for p in ruleset.sources]
@@ -386,8 +386,8 @@ def replay_cmd(
     show_resolve: Annotated[bool, typer.Option("--resolve/--no-resolve", help="Show resolve decisions in the table.")] = True,
 ) -> None:
     """Run the rules over a recorded run, step by step, and print what would have fired and what it would set."""
-    from watchdog.core import replay
-    from watchdog.sources import ingest
+    from ppo_watchdog.core import replay
+    from ppo_watchdog.sources import ingest
 
     try:
         res = ingest.read_run(source)
@@ -420,7 +420,7 @@ def replay_cmd(
         out = replay.replay(res.records, ruleset, events=events, config=config)
     except ValueError as exc:
         _fail(f"replay failed: {exc}")
-    from watchdog.core.engine import describe_blind, evidence_text
+    from ppo_watchdog.core.engine import describe_blind, evidence_text
 
     for line in describe_blind(out.blind):
         typer.echo(f"warning: {line}", err=True)
@@ -481,7 +481,7 @@ def eval_cmd(
 
     from rich.progress import Progress
 
-    from watchdog.judge import evaluation as ev
+    from ppo_watchdog.judge import evaluation as ev
 
     try:
         cfg = ev.EvalConfig(mode=mode, save_freq=save_freq, startup_s=startup_s)
@@ -511,7 +511,7 @@ def eval_cmd(
 
 
 def ingest_error() -> type[Exception]:
-    from watchdog.sources.ingest import IngestError
+    from ppo_watchdog.sources.ingest import IngestError
 
     return IngestError
 

@@ -1,4 +1,4 @@
-"""CLI: ``watchdog run | daemon | status | history | resume | report`` (registered by watchdog.cli)."""
+"""CLI: ``watchdog run | daemon | status | history | resume | report`` (registered by ppo_watchdog.cli)."""
 
 from __future__ import annotations
 
@@ -19,22 +19,22 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from watchdog.backends.local import SupervisorError
-from watchdog.control.controller import DONE_PHASES, RULE_CONFIG
-from watchdog.control.daemon import (
+from ppo_watchdog.backends.local import SupervisorError
+from ppo_watchdog.control.controller import DONE_PHASES, RULE_CONFIG
+from ppo_watchdog.control.daemon import (
     DaemonConfigError,
     build_watchdog,
     load_daemon_config,
     run_daemon,
     state_dir_default,
 )
-from watchdog.control.store import NoState, Phase, Store, StoreError
-from watchdog.core.engine import evidence_text
-from watchdog.core.pricing import cost_text
-from watchdog.core.vocabulary import ActionStatus, JournalKind, RuleStatus
-from watchdog.protocol import hydra
-from watchdog.protocol import lock as locks
-from watchdog.sources.prometheus import PROMETHEUS_URL_ENV, source_config
+from ppo_watchdog.control.store import NoState, Phase, Store, StoreError
+from ppo_watchdog.core.engine import evidence_text
+from ppo_watchdog.core.pricing import cost_text
+from ppo_watchdog.core.vocabulary import ActionStatus, JournalKind, RuleStatus
+from ppo_watchdog.protocol import hydra
+from ppo_watchdog.protocol import lock as locks
+from ppo_watchdog.sources.prometheus import PROMETHEUS_URL_ENV, source_config
 
 run_app = typer.Typer(help="Supervise and remediate training runs.", no_args_is_help=True)
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def _crash_hook() -> Any:
 def _check_ray(address: str, token_file: Path | None) -> None:
     """Exit 2 naming the address when its Ray job server does not answer or refuses the token (before
     anything is written)."""
-    from watchdog.backends.ray_jobs import check_job_server
+    from ppo_watchdog.backends.ray_jobs import check_job_server
 
     try:
         version = check_job_server(address, token_file)
@@ -113,7 +113,7 @@ def _checked_overrides(items: list[str], option: str) -> list[str]:
 def _check_mode(mode: str, cmd: list[str]) -> None:
     """Exit 2 on a bad --mode (nothing written yet: zero-patch mode writes run.json for verl, which writes
     none, in Watchdog.add_run, once the run directory is this watchdog's)."""
-    from watchdog.backends import zero_patch as verl_mode
+    from ppo_watchdog.backends import zero_patch as verl_mode
 
     try:
         resolved = verl_mode.resolve_mode(mode, cmd)
@@ -236,7 +236,7 @@ def run_cmd(
     if command:
         cmd = list(command)
     else:
-        cmd = [sys.executable, "-m", "trainer", f"trainer.run_dir={rd}", "trainer.progress=false"]
+        cmd = [sys.executable, "-m", "ppo_watchdog.trainer", f"trainer.run_dir={rd}", "trainer.progress=false"]
         if faults:
             cmd.append(hydra.format_override("trainer.faults", faults))
         cmd += _checked_overrides(sets or [], "--set")
@@ -290,7 +290,7 @@ def run_cmd(
         console.print(f"{refused['message']}", style="red")
     if report:
         try:
-            from watchdog.observe.report import restart_spans, write_report
+            from ppo_watchdog.observe.report import restart_spans, write_report
 
             for suffix in (".html", ".png"):
                 path = write_report(rd, decisions, rd / f"report{suffix}", restart_spans(decisions))
@@ -565,7 +565,7 @@ def report_cmd(
     state_dir: StateDir = "",
 ) -> None:
     """KL, reward, value loss, lr and kl_coef over steps with the watchdog's actions."""
-    from watchdog.observe.report import ReportError, restart_spans, write_report
+    from ppo_watchdog.observe.report import ReportError, restart_spans, write_report
 
     store = _store(state_dir)
     try:

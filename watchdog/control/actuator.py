@@ -37,13 +37,19 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from watchdog.backends.dialect import Dialect, ProtocolDialect
-from watchdog.backends.local import Backend, BackendUnavailable, LocalBackend, TrainerAlive, TrainerProcess
-from watchdog.control.store import UNWATCHED, ActionRecord, BadSpan, Phase, RunRecord, Store
-from watchdog.core.planner import clip_bound_sets, config_value, snap_sets
-from watchdog.core.vocabulary import ActionStatus, JournalKind
-from watchdog.protocol import hydra, inputs
-from watchdog.protocol.catalog import (
+from ppo_watchdog.backends.dialect import Dialect, ProtocolDialect
+from ppo_watchdog.backends.local import (
+    Backend,
+    BackendUnavailable,
+    LocalBackend,
+    TrainerAlive,
+    TrainerProcess,
+)
+from ppo_watchdog.control.store import UNWATCHED, ActionRecord, BadSpan, Phase, RunRecord, Store
+from ppo_watchdog.core.planner import clip_bound_sets, config_value, snap_sets
+from ppo_watchdog.core.vocabulary import ActionStatus, JournalKind
+from ppo_watchdog.protocol import hydra, inputs
+from ppo_watchdog.protocol.catalog import (
     CLIP_HIGH_KEY,
     CLIP_LOW_KEY,
     CLIP_RATIO_KEY,
@@ -51,7 +57,7 @@ from watchdog.protocol.catalog import (
     RESUME_PATH_KEY,
     VERL_CLIP_DEFAULT,
 )
-from watchdog.protocol.control import (
+from ppo_watchdog.protocol.control import (
     MAX_VERSION,
     Command,
     Control,
@@ -60,8 +66,8 @@ from watchdog.protocol.control import (
     read_control,
     write_control,
 )
-from watchdog.protocol.lock import TRAINER_LOCK
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.protocol.lock import TRAINER_LOCK
+from ppo_watchdog.protocol.runinfo import RunInfo
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +240,7 @@ class RunHandle:
     backend: Backend | None = None
     """This run's own backend (a Ray Job backend for its cluster); None: the actuator's."""
     dialect: Dialect = None  # type: ignore[assignment]  # set in __post_init__
-    """How the trainer speaks (:mod:`watchdog.backends.dialect`): the protocol, or the zero-patch glue of
+    """How the trainer speaks (:mod:`ppo_watchdog.backends.dialect`): the protocol, or the zero-patch glue of
     an unmodified verl run."""
     on_live_timeout: Callable[[ActionRecord, str], int | None] = field(default=lambda entry, message: None)
     """A live change the running trainer did not apply in time: the controller's restart instead
@@ -543,7 +549,7 @@ class Actuator:
             if p.get("resume") == "scratch":
                 # Start over from the initial weights: nothing saved on the abandoned timeline (the
                 # stopped trainer's SIGTERM checkpoint included) may be resumed by a later restart.
-                from watchdog.protocol import checkpoint as ckpt
+                from ppo_watchdog.protocol import checkpoint as ckpt
 
                 moved = ckpt.set_aside(h.dialect.checkpoint_root, f"{entry.id}")
                 if moved is not None:
@@ -751,7 +757,7 @@ def run_world_size(run_dir: str | Path) -> int | None:
 def launch_clip_bounds(run_dir: str | Path, overrides: Mapping[str, Any]) -> dict[str, float]:
     """The clip bounds a relaunch passes beside an overridden ``clip_ratio`` (verl reads the bounds,
     not ``clip_ratio``): moved from the run's config by the same factor; verl's 0.2 where a zero-patch
-    run's command does not set them (:func:`watchdog.core.planner.clip_bound_sets`)."""
+    run's command does not set them (:func:`ppo_watchdog.core.planner.clip_bound_sets`)."""
     if CLIP_RATIO_KEY not in overrides:
         return {}
     info = RunInfo.read(run_dir)

@@ -1,10 +1,10 @@
 """One run's control loop: tail -> rules engine -> decisions -> actuator, one tick at a time.
 
 The pure half (:func:`heartbeat_timeout`, :func:`span_start`, and
-:mod:`watchdog.core.planner` and :mod:`watchdog.core.pricing`, shared with replay and eval) takes data
+:mod:`ppo_watchdog.core.planner` and :mod:`ppo_watchdog.core.pricing`, shared with replay and eval) takes data
 and returns data; :class:`RunController` is the thin shell
 that reads the run directory, persists to the store and hands journal entries to the
-:class:`~watchdog.control.actuator.Actuator`.
+:class:`~ppo_watchdog.control.actuator.Actuator`.
 
 Ordering inside a tick is what makes a restarted watchdog lose nothing and double
 nothing: the engine's new state, the decisions, their journal intents and the tail
@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from watchdog.backends.local import (
+from ppo_watchdog.backends.local import (
     Backend,
     LaunchRefused,
     LocalBackend,
@@ -33,7 +33,7 @@ from watchdog.backends.local import (
     not_the_trainer,
     read_tail,
 )
-from watchdog.control.actuator import (
+from ppo_watchdog.control.actuator import (
     Actuator,
     RunHandle,
     alert_payload,
@@ -41,9 +41,9 @@ from watchdog.control.actuator import (
     run_config,
     run_world_size,
 )
-from watchdog.control.store import ActionRecord, Phase, RunRecord, Store
-from watchdog.core.engine import BLIND_AFTER_STEPS, Verdict
-from watchdog.core.planner import (
+from ppo_watchdog.control.store import ActionRecord, Phase, RunRecord, Store
+from ppo_watchdog.core.engine import BLIND_AFTER_STEPS, Verdict
+from ppo_watchdog.core.planner import (
     ON_ESCALATE,
     PlanContext,
     Planned,
@@ -52,14 +52,14 @@ from watchdog.core.planner import (
     oom_remedy,
     plan_decision,
 )
-from watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
-from watchdog.core.vocabulary import OPEN_ACTION_STATUSES, ActionStatus, DecisionKind, JournalKind
-from watchdog.protocol import catalog, rundir
-from watchdog.protocol.events import STEP_SLACK, Event, outside_message, past_the_end
-from watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
+from ppo_watchdog.core.vocabulary import OPEN_ACTION_STATUSES, ActionStatus, DecisionKind, JournalKind
+from ppo_watchdog.protocol import catalog, rundir
+from ppo_watchdog.protocol.events import STEP_SLACK, Event, outside_message, past_the_end
+from ppo_watchdog.protocol.runinfo import RunInfo
 
 if TYPE_CHECKING:
-    from watchdog.backends.zero_patch import RunSetup
+    from ppo_watchdog.backends.zero_patch import RunSetup
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ class ControllerConfig:
     """Allowed time from launch to the first new step (model build, SFT warm start)."""
     window_size: int | None = None
     """Steps of history the rules see (None: what the loaded rules read, their longest window and the
-    current step, at most ``watchdog.core.series.MAX_WINDOW_STEPS``). A daemon holds one window per run."""
+    current step, at most ``ppo_watchdog.core.series.MAX_WINDOW_STEPS``). A daemon holds one window per run."""
     rollback_margin_steps: int = 1
     """Checkpoints this many steps before a divergence rule's condition first held count as bad too:
     the checkpoint at step N holds the weights that produced step N+1's diverged metrics."""
@@ -191,11 +191,11 @@ class RulesEngine(Protocol):
 
 
 class EngineRules:
-    """The real rules engine (watchdog.core.engine) over a loaded rule set."""
+    """The real rules engine (ppo_watchdog.core.engine) over a loaded rule set."""
 
     def __init__(self, paths: Sequence[str | Path]) -> None:
-        from watchdog.core import engine, series
-        from watchdog.core.rulefile import load_rules
+        from ppo_watchdog.core import engine, series
+        from ppo_watchdog.core.rulefile import load_rules
 
         self._engine = engine
         self._series = series
@@ -218,9 +218,9 @@ class EngineRules:
         return self._engine.evaluate(self.ruleset, window, state, step, verdicts)
 
     def screen(self, batch: Sequence[tuple[Any, int, Any]]) -> list[list[Verdict] | None]:
-        """Per (window, step, engine state): what is sure of each rule at that step (``watchdog.core.screen``,
+        """Per (window, step, engine state): what is sure of each rule at that step (``ppo_watchdog.core.screen``,
         imported when first screened: numpy stays out of a command's start-up)."""
-        from watchdog.core.screen import screen_for
+        from ppo_watchdog.core.screen import screen_for
 
         return screen_for(self.ruleset)([(w, step, state.event_seq) for w, step, state in batch])
 
@@ -242,7 +242,7 @@ class EngineRules:
 
 
 class NullTelemetry:
-    """Stands in for :class:`watchdog.observe.telemetry.WatchdogMetrics` when none is given."""
+    """Stands in for :class:`ppo_watchdog.observe.telemetry.WatchdogMetrics` when none is given."""
 
     def __getattr__(self, name: str) -> Callable[..., None]:
         return lambda *a, **k: None
@@ -302,9 +302,9 @@ class RunController:
     ) -> None:
         """``backend``: this run's own (a Ray Job backend for its cluster); default the actuator's.
         ``source``: what the run's metrics and events are read through (``poll()``, ``offsets``, as
-        :class:`~watchdog.sources.ingest.RunTailer`; e.g. a :class:`~watchdog.sources.prometheus.PrometheusSource`);
+        :class:`~ppo_watchdog.sources.ingest.RunTailer`; e.g. a :class:`~ppo_watchdog.sources.prometheus.PrometheusSource`);
         default a RunTailer on the run directory. ``setup``: the run directory as the attach read it
-        (:class:`~watchdog.backends.zero_patch.RunSetup`: run.json read once, the mode, dialect and
+        (:class:`~ppo_watchdog.backends.zero_patch.RunSetup`: run.json read once, the mode, dialect and
         checkpoint directory decided there); default read here."""
         self.store = store
         self.rules = rules
@@ -312,13 +312,13 @@ class RunController:
         self.config = config or ControllerConfig()
         self.telemetry = telemetry or NullTelemetry()
         run = store.require_run(run_id)
-        from watchdog.backends.zero_patch import RunSetup as _RunSetup
+        from ppo_watchdog.backends.zero_patch import RunSetup as _RunSetup
 
         self.setup = setup if setup is not None else _RunSetup.read(run.run_dir)
         """run.json as this attach read it, and the mode, dialect and checkpoint directory that follow."""
         self.h = RunHandle(run, backend=backend, dialect=self.setup.dialect(run_id),
                            on_live_timeout=self._on_live_timeout)
-        from watchdog.sources.ingest import RunTailer
+        from ppo_watchdog.sources.ingest import RunTailer
 
         saved = store.load_engine_state(run_id) or {}
         self.tailer = source if source is not None else RunTailer(run.run_dir)
@@ -419,7 +419,7 @@ class RunController:
                 self.window.append_record(rec)
             self.window.add_events(events)
             return
-        from watchdog.sources.ingest import dedup_records, forward_only, record_from_json, rewind_targets
+        from ppo_watchdog.sources.ingest import dedup_records, forward_only, record_from_json, rewind_targets
 
         run_dir = Path(self.run.run_dir)
         m_off = int(offsets.get("metrics", {}).get("offset", 0))
@@ -828,7 +828,7 @@ class RunController:
     def _warn_blind(self) -> None:
         """Once per run, a few steps in: the rules that read a metric this run does not log, and why."""
         self._blind_warned = True
-        from watchdog.core.engine import blind_rules, describe_blind
+        from ppo_watchdog.core.engine import blind_rules, describe_blind
 
         for line in describe_blind(blind_rules(getattr(self.rules, "ruleset", ()), self.window.sources)):
             log.warning("%s: %s", self.run.run_id, line)

@@ -25,9 +25,16 @@ from typing import Any
 
 import yaml
 
-from watchdog.backends.local import Backend, LocalBackend, SupervisorError, TrainerAlive, not_the_trainer
-from watchdog.backends.zero_patch import MODE_VERL, MODES, RunSetup, VerlModeError, resolve_mode, setup_run
-from watchdog.control.actuator import (
+from ppo_watchdog.backends.local import Backend, LocalBackend, SupervisorError, TrainerAlive, not_the_trainer
+from ppo_watchdog.backends.zero_patch import (
+    MODE_VERL,
+    MODES,
+    RunSetup,
+    VerlModeError,
+    resolve_mode,
+    setup_run,
+)
+from ppo_watchdog.control.actuator import (
     Actuator,
     ActuatorConfig,
     Notifier,
@@ -35,7 +42,7 @@ from watchdog.control.actuator import (
     resolve_webhook_url,
     webhook_target,
 )
-from watchdog.control.controller import (
+from ppo_watchdog.control.controller import (
     ControllerConfig,
     EngineRules,
     RulesEngine,
@@ -43,7 +50,7 @@ from watchdog.control.controller import (
     TickResult,
     read_and_evaluate_all,
 )
-from watchdog.control.shards import (
+from ppo_watchdog.control.shards import (
     MAX_SHARDS,
     NotStartedBySupervisor,
     ShardSupervisor,
@@ -52,13 +59,13 @@ from watchdog.control.shards import (
     supervisor_alive,
     tick_phase,
 )
-from watchdog.control.store import Phase, RunRecord, Store, StoreError
-from watchdog.core.planner import ON_ESCALATE
-from watchdog.core.rulefile import default_rules_paths
-from watchdog.observe.telemetry import WatchdogMetrics
-from watchdog.protocol import inputs
-from watchdog.protocol import lock as locks
-from watchdog.sources.prometheus import SOURCES, SourceConfig, make_source, source_config
+from ppo_watchdog.control.store import Phase, RunRecord, Store, StoreError
+from ppo_watchdog.core.planner import ON_ESCALATE
+from ppo_watchdog.core.rulefile import default_rules_paths
+from ppo_watchdog.observe.telemetry import WatchdogMetrics
+from ppo_watchdog.protocol import inputs
+from ppo_watchdog.protocol import lock as locks
+from ppo_watchdog.sources.prometheus import SOURCES, SourceConfig, make_source, source_config
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +191,7 @@ class DaemonConfig:
     shards: int = 1
     """Daemon processes sharing the runs (1 .. 256), all on the one state database: for more runs than one
     core ticks in time. The process started is shard 0 and starts shards 1..N-1 as its children; each run is
-    watched by the one :func:`~watchdog.control.shards.shard_of` gives it. Shard K serves /metrics on
+    watched by the one :func:`~ppo_watchdog.control.shards.shard_of` gives it. Shard K serves /metrics on
     ``metrics_port`` + K (0: each a free port)."""
 
     def __post_init__(self) -> None:
@@ -372,9 +379,9 @@ class Watchdog:
         state_lock: locks.HolderLock | None = None,
     ) -> None:
         """``annotator``: called like the actuator's on_action for each action outcome (a
-        :class:`~watchdog.observe.grafana.ActionAnnotator`); closed by :meth:`close`.
+        :class:`~ppo_watchdog.observe.grafana.ActionAnnotator`); closed by :meth:`close`.
         ``exclusive``: hold the state directory and every run directory added, refusing (with
-        :class:`~watchdog.protocol.lock.LockHeld`, naming the holder) what another watchdog holds
+        :class:`~ppo_watchdog.protocol.lock.LockHeld`, naming the holder) what another watchdog holds
         (``watchdog run`` and the daemon; a library user building several in one process may not)."""
         self.exclusive = exclusive
         self._locks: list[locks.HolderLock] = [state_lock] if state_lock is not None else []
@@ -419,7 +426,7 @@ class Watchdog:
         ``ray_token_file``: that cluster's auth token (default: where Ray looks).
         ``source``: where its metrics are read from (default: its files).
         ``mode``: auto | embedded | verl: the run directory is set up for it first
-        (:func:`~watchdog.backends.zero_patch.prepare_run`, as ``watchdog run`` does), and the controller
+        (:func:`~ppo_watchdog.backends.zero_patch.prepare_run`, as ``watchdog run`` does), and the controller
         builds the zero-patch glue from that; None: the run directory is taken as it is.
         ``run_metrics_port``: verl mode's /metrics for the run (-1: any free port).
         ``retry_ended``: a run that finished or was given up is launched again (``watchdog run``
@@ -470,7 +477,7 @@ class Watchdog:
             setup = RunSetup.read(run_dir)
         backend: Backend | None = None
         if ray_address:
-            from watchdog.backends.ray_jobs import RayJobBackend
+            from ppo_watchdog.backends.ray_jobs import RayJobBackend
 
             backend = RayJobBackend(ray_address, run_id, stop_wait_s=self.actuator.config.stop_grace_s,
                                     token_file=ray_token_file)
@@ -824,7 +831,7 @@ def build_watchdog(
 
 
 def hold_state(store: Store, shard: int | None = None) -> locks.HolderLock:
-    """Take the state directory for this watchdog; :class:`~watchdog.protocol.lock.LockHeld` names the one
+    """Take the state directory for this watchdog; :class:`~ppo_watchdog.protocol.lock.LockHeld` names the one
     that has it (two watchdogs writing one state would journal every firing twice). ``shard`` K (1..N-1): a
     sharded daemon's child, which takes its shard's lock instead: its supervisor holds the state's."""
     if shard:
@@ -846,8 +853,8 @@ def _annotator(url: str | None) -> Any:
     """The background Grafana annotator when a Grafana URL is configured, else None."""
     if not (url or os.environ.get("GRAFANA_URL")):
         return None  # the dashboard builders (PPO_RUN_UID's module) weigh 3 MiB: imported only when used
-    from watchdog.observe import grafana
-    from watchdog.observe.dashboards import PPO_RUN_UID
+    from ppo_watchdog.observe import grafana
+    from ppo_watchdog.observe.dashboards import PPO_RUN_UID
 
     try:
         annotator = grafana.annotator_from_env(url, dashboard_uid=PPO_RUN_UID, background=True)
@@ -896,7 +903,7 @@ def run_daemon(cfg: DaemonConfig, stop: threading.Event | None = None, config_pa
 
 def run_shard(cfg: DaemonConfig, shard: int, stop: threading.Event | None = None,
               config_path: Path | str | None = None, say: Callable[[str], None] = log.info) -> Watchdog:
-    """One process of a daemon of ``cfg.shards``: the runs :func:`~watchdog.control.shards.shard_of` gives
+    """One process of a daemon of ``cfg.shards``: the runs :func:`~ppo_watchdog.control.shards.shard_of` gives
     ``shard``, on the shared state database. Shard 0 holds the state lock, starts the children from
     ``config_path`` once its own runs are added (the database exists by then), starts each again when it
     exits, and stops them when it stops. A child K holds its shard's lock and stops when its supervisor

@@ -2,9 +2,9 @@
 
 ``watchdog daemon`` with ``shards: N > 1`` runs N processes over one state database. The process that was
 started is shard 0 and the supervisor: it holds the state lock as a daemon of one process does, and starts
-shards 1..N-1 as its children (``python -m watchdog daemon --config F --shard K``). Each process watches
+shards 1..N-1 as its children (``python -m ppo_watchdog daemon --config F --shard K``). Each process watches
 only the runs :func:`shard_of` gives it, so every run has exactly one watcher, and each child holds a lock
-of its own in the state directory (:func:`~watchdog.protocol.lock.shard_lock`). A child dies with its
+of its own in the state directory (:func:`~ppo_watchdog.protocol.lock.shard_lock`). A child dies with its
 supervisor (``PR_SET_PDEATHSIG`` on Linux; everywhere, it stops when its parent is no longer the
 supervisor); a child that exits while the supervisor runs is said and started again after a backoff.
 """
@@ -59,7 +59,7 @@ def tick_phase(shard: int, shards: int, tick_s: float) -> float:
     over the interval, instead of all writing to the one state database at the same instant: a tick shorter
     than its share of the interval waits for no other shard's writes (``bench/results/daemon_shards.md``), but
     for each process's tick at its start. The turns are instants of the wall clock
-    (:func:`~watchdog.control.daemon.tick_trigger`), so a child started again keeps its turn."""
+    (:func:`~ppo_watchdog.control.daemon.tick_trigger`), so a child started again keeps its turn."""
     return tick_s * shard / shards
 
 
@@ -102,7 +102,7 @@ class ShardSupervisor:
     def command(self, shard: int) -> list[str]:
         """A child's command line: nothing but the config path and its shard (secrets stay in files and the
         environment, out of the argv every user of the machine can read)."""
-        return [self.python, "-m", "watchdog", "daemon", "--config", str(self.config), "--shard", str(shard)]
+        return [self.python, "-m", "ppo_watchdog", "daemon", "--config", str(self.config), "--shard", str(shard)]
 
     def pids(self) -> dict[int, int]:
         """The pid of each child that has a process now, by shard."""

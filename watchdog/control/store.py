@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from watchdog.core.vocabulary import (
+from ppo_watchdog.core.vocabulary import (
     ACTION_STATUSES,
     DECISION_STATUSES,
     OPEN_ACTION_STATUSES,

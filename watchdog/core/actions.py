@@ -17,8 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from watchdog.protocol import catalog
-from watchdog.protocol.inputs import short_repr
+from ppo_watchdog.protocol import catalog
+from ppo_watchdog.protocol.inputs import short_repr
 
 
 @dataclass(frozen=True)

@@ -28,11 +28,11 @@ from dataclasses import dataclass, field, replace
 from itertools import repeat
 from typing import Any
 
-from watchdog.core.actions import Action, NotifyAction
-from watchdog.core.rulefile import Rule, RuleSet
-from watchdog.core.series import Window
-from watchdog.core.vocabulary import DecisionKind, RuleStatus
-from watchdog.protocol import catalog
+from ppo_watchdog.core.actions import Action, NotifyAction
+from ppo_watchdog.core.rulefile import Rule, RuleSet
+from ppo_watchdog.core.series import Window
+from ppo_watchdog.core.vocabulary import DecisionKind, RuleStatus
+from ppo_watchdog.protocol import catalog
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class Decision:
     """The verl key each metric the rule read came from (``kl``: ``actor/kl_loss`` in a GRPO run)."""
     escalate: list[Action] = field(default_factory=list)
     """What runs instead when the fire's remedy is exhausted: every ``set`` of it is already at its
-    bound, so sending it would change nothing (:func:`watchdog.core.planner.plan_decision`). The
+    bound, so sending it would change nothing (:func:`ppo_watchdog.core.planner.plan_decision`). The
     rule's budget escalation; a rule without a budget only tells a human."""
 
     def to_json(self) -> dict[str, Any]:
@@ -264,7 +264,7 @@ def evaluate(
 ) -> tuple[list[Decision], EngineState]:
     """Evaluate every enabled rule at ``step``; returns the decisions and the new state.
 
-    ``verdicts`` (:class:`watchdog.core.screen.Screen`'s, over many runs at once), per rule: True where its condition
+    ``verdicts`` (:class:`ppo_watchdog.core.screen.Screen`'s, over many runs at once), per rule: True where its condition
     is known to be false at this step without raising, :data:`SURELY_TRUE` where it is known to be true without
     raising, the text of the MissingDataError it is known to raise (as ``RuleState.last_error`` records it), or
     False. A condition known true or false is not evaluated, nor that of a rule at rest that fails again as it

@@ -10,7 +10,7 @@ Grammar (lowest precedence first)::
     unary    := "-" unary | atom
     atom     := NUMBER | "inf" | "nan" | "step" | METRIC | m("verl/key") | $PARAM | CALL | "(" expr ")"
 
-METRIC is a short name from ``watchdog.protocol.catalog`` (``kl``, ``vf_loss``, ``reward``) or a
+METRIC is a short name from ``ppo_watchdog.protocol.catalog`` (``kl``, ``vf_loss``, ``reward``) or a
 Prometheus name; verl keys contain ``/`` and are written ``m("critic/vf_loss")``. ``step``
 is the evaluated training step. Window functions count training steps: ``avg(kl, 10)``
 reads the steps in (step-10, step]; an optional third argument shifts the window back:
@@ -38,9 +38,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from watchdog.core.series import MissingDataError, Window, _Series
-from watchdog.protocol import catalog
-from watchdog.protocol.events import EVENT_KINDS
+from ppo_watchdog.core.series import MissingDataError, Window, _Series
+from ppo_watchdog.protocol import catalog
+from ppo_watchdog.protocol.events import EVENT_KINDS
 
 MAX_LENGTH = 4000
 MAX_DEPTH = 64

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from watchdog.core.actions import (
+from ppo_watchdog.core.actions import (
     KL_COEF,
     TUNABLE_KEYS,
     CheckpointAction,
@@ -33,9 +33,9 @@ from watchdog.core.actions import (
     resolve_key,
     value_problem,
 )
-from watchdog.core.engine import Decision
-from watchdog.core.vocabulary import DecisionKind
-from watchdog.protocol import catalog
+from ppo_watchdog.core.engine import Decision
+from ppo_watchdog.core.vocabulary import DecisionKind
+from ppo_watchdog.protocol import catalog
 
 log = logging.getLogger(__name__)
 
@@ -220,9 +220,9 @@ def clip_bound_sets(overrides: Mapping[str, Any], config: Mapping[str, Any],
     """The clip bounds a relaunch must pass with an overridden ``clip_ratio`` (empty when none).
 
     verl's ``clip_ratio_low`` / ``clip_ratio_high`` win over ``clip_ratio`` (see
-    :data:`watchdog.protocol.catalog.CLIP_RATIO_KEY`), so a relaunch that passed ``clip_ratio``
+    :data:`ppo_watchdog.protocol.catalog.CLIP_RATIO_KEY`), so a relaunch that passed ``clip_ratio``
     alone would change nothing. Each bound moves by the same factor as ``clip_ratio`` moved from
-    the run's config (:func:`~watchdog.protocol.catalog.moved_clip_bounds`): symmetric bounds
+    the run's config (:func:`~ppo_watchdog.protocol.catalog.moved_clip_bounds`): symmetric bounds
     land on the new value, clip-higher keeps its asymmetry. A bound the overrides set already
     stays; one the config holds as None follows ``clip_ratio`` by itself (the embedded
     trainer). ``defaults``: a bound's value where the config does not hold it (verl's 0.2 for a
@@ -316,7 +316,7 @@ def oom_remedy(site: str | None, config: Mapping[str, Any], overrides: Mapping[s
                world_size: int | None = None, failed_mb: int | None = None) -> dict[str, Any]:
     """What a relaunch after an out-of-memory error sets: the knob of the pass that ran out.
 
-    ``site`` is the pass (:data:`watchdog.protocol.oom.SITES`; None when the traceback did not
+    ``site`` is the pass (:data:`ppo_watchdog.protocol.oom.SITES`; None when the traceback did not
     say). For a verl run (``world_size`` known), verl 0.9.1's knobs:
 
     - the actor update: ``actor.ppo_micro_batch_size_per_gpu`` (snapped to divide each rank's

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from watchdog.core.vocabulary import ActionStatus
+from ppo_watchdog.core.vocabulary import ActionStatus
 
 #: verl's start-up before a run has measured its own (Qwen2-7B on 8 GPUs: about 4 minutes, verl issue 384).
 DEFAULT_STARTUP_S = 240.0

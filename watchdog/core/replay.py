@@ -1,9 +1,9 @@
 """Replay a recorded run through a rule set: what would have fired, and what it would have set.
 
 The engine is the same pure function the daemon runs live; replay only feeds it the
-recorded steps one at a time (a :class:`~watchdog.core.series.Window` grown incrementally,
+recorded steps one at a time (a :class:`~ppo_watchdog.core.series.Window` grown incrementally,
 the engine state carried from step to step) and records every decision. What each
-decision would do comes from :func:`watchdog.core.planner.plan_decision`, the live controller's
+decision would do comes from :func:`ppo_watchdog.core.planner.plan_decision`, the live controller's
 own planner: values a ``set`` starts from are the log's own where verl logs them
 (``kl_coef`` from ``actor/reward_kl_penalty_coeff``, ``lr`` from ``actor/lr``), else what the
 caller passes (``--set KEY=VALUE``, or the run directory's run.json), else verl's default;
@@ -19,11 +19,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from watchdog.core import engine as _engine
-from watchdog.core.actions import resolve_key
-from watchdog.core.planner import PlanContext, Planned, plan_decision
-from watchdog.protocol import catalog
-from watchdog.protocol.events import Event, outside_message, past_the_end
+from ppo_watchdog.core import engine as _engine
+from ppo_watchdog.core.actions import resolve_key
+from ppo_watchdog.core.planner import PlanContext, Planned, plan_decision
+from ppo_watchdog.protocol import catalog
+from ppo_watchdog.protocol.events import Event, outside_message, past_the_end
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class ReplayDecision:
     actions: list[dict[str, Any]]
     """Each action's ``to_json()``; a ``set`` also carries ``from`` and ``to`` when the current value is known."""
     planned: list[Planned] = field(default_factory=list)
-    """What the live controller would journal for it (:func:`watchdog.core.planner.plan_decision`)."""
+    """What the live controller would journal for it (:func:`ppo_watchdog.core.planner.plan_decision`)."""
     signals: dict[str, str] = field(default_factory=dict)
     """The verl key each metric the rule read came from."""
 
@@ -78,7 +78,7 @@ class ReplayResult:
     unhealthy: dict[str, str] = field(default_factory=dict)
     """Rules that could not be evaluated at the last step (a metric the log lacks ...): name -> error."""
     blind: dict[str, list[str]] = field(default_factory=dict)
-    """Metrics some rule reads that the log never has (short name -> rules): ``watchdog.core.engine.describe_blind``."""
+    """Metrics some rule reads that the log never has (short name -> rules): ``ppo_watchdog.core.engine.describe_blind``."""
     ignored: list[str] = field(default_factory=list)
     """Events left out because their step lies past the run's end, one ``file:line: ...`` message each."""
 
@@ -110,9 +110,9 @@ def replay(
 ) -> ReplayResult:
     """Evaluate ``rules`` after every recorded step; returns the decision timeline.
 
-    ``records`` are deduplicated FileLogger records (``watchdog.sources.ingest.read_records``);
+    ``records`` are deduplicated FileLogger records (``ppo_watchdog.sources.ingest.read_records``);
     ``events`` are run events, delivered to the window once their step is reached
-    (:func:`watchdog.core.engine.run_series` drives the engine; the planner adds what each would do);
+    (:func:`ppo_watchdog.core.engine.run_series` drives the engine; the planner adds what each would do);
     ``config`` gives current values for keys the log does not carry; ``live_keys``: what the
     trainer changes in process (empty for a zero-patch verl run: every set is a relaunch).
     """

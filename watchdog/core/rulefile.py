@@ -11,7 +11,7 @@ Format (``version: 1``)::
     rules:
       - name: kl_high                      # [a-z][a-z0-9_]*, unique over all files
         description: why this rule exists  # required: the rationale
-        expr: avg(kl, 3) > 0.1             # condition (see watchdog.core.expr)
+        expr: avg(kl, 3) > 0.1             # condition (see ppo_watchdog.core.expr)
         for: 3                             # consecutive steps the condition must hold (0 = 1 = at once)
         clear: kl < 0.08                   # hysteresis: a firing rule resolves when this holds (default: not expr)
         keep_firing_for: 0                 # steps the clear condition must hold before resolving
@@ -55,9 +55,9 @@ from typing import Any
 
 import yaml
 
-from watchdog.core import actions as act
-from watchdog.core.expr import BOOL, NUM, Compiled, ExprError, compile_expr
-from watchdog.protocol import inputs
+from ppo_watchdog.core import actions as act
+from ppo_watchdog.core.expr import BOOL, NUM, Compiled, ExprError, compile_expr
+from ppo_watchdog.protocol import inputs
 
 RULES_VERSION = 1
 SEVERITIES = ("info", "warning", "critical")

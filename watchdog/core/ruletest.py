@@ -31,8 +31,8 @@ from typing import Any
 
 import yaml
 
-from watchdog.core.engine import STATUSES, Decision, EngineState, evaluate
-from watchdog.core.rulefile import (
+from ppo_watchdog.core.engine import STATUSES, Decision, EngineState, evaluate
+from ppo_watchdog.core.rulefile import (
     MAX_FILE_BYTES,
     RuleError,
     RuleFileError,
@@ -41,9 +41,9 @@ from watchdog.core.rulefile import (
     _show,
     load_rules,
 )
-from watchdog.core.series import Window
-from watchdog.protocol import catalog, inputs
-from watchdog.protocol.events import EVENT_KINDS
+from ppo_watchdog.core.series import Window
+from ppo_watchdog.protocol import catalog, inputs
+from ppo_watchdog.protocol.events import EVENT_KINDS
 
 _ITEM = re.compile(
     r"^(?P<a>_|nan|[-+]?inf|[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)"

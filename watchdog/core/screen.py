@@ -4,9 +4,9 @@ A daemon evaluates one rule pack over hundreds of runs at each new step, and nea
 every run is at rest and false: its condition's first test (``kl > $kl_jump * clamp_min(median(kl, 5, 1),
 ...)``) already fails. :class:`Screen` evaluates the pack's conditions over a batch of runs at once, one
 numpy operation per node of the expression over every run, and answers, per run and rule, whether the
-condition is **surely false** or **surely true**: :func:`watchdog.core.expr.compile_expr`'s closure would
+condition is **surely false** or **surely true**: :func:`ppo_watchdog.core.expr.compile_expr`'s closure would
 return false (or true) at this step, without raising. The engine does not call the closure of those
-(:func:`watchdog.core.engine.evaluate`'s ``verdicts``): a rule at rest and surely false is skipped whole, and
+(:func:`ppo_watchdog.core.engine.evaluate`'s ``verdicts``): a rule at rest and surely false is skipped whole, and
 a rule pending or firing steps on the condition the screen gives (a run in trouble has such rules at every
 step). What the screen cannot be sure of, it leaves to the closures, which stay the one definition of what
 an expression means. So a screened evaluation gives the very decisions and states of an unscreened one
@@ -42,9 +42,9 @@ from typing import Any
 
 import numpy as np
 
-from watchdog.core import expr as ex
-from watchdog.core.engine import SURELY_TRUE, Verdict
-from watchdog.core.series import Window
+from ppo_watchdog.core import expr as ex
+from ppo_watchdog.core.engine import SURELY_TRUE, Verdict
+from ppo_watchdog.core.series import Window
 
 _U = 2.3e-16
 """A little more than twice the unit roundoff of a float64 (2**-53): the error bounds' unit."""
@@ -145,7 +145,7 @@ class Screen:
 
     def __call__(self, batch: Sequence[tuple[Window, int, int]]) -> list[list[Verdict] | None]:
         """Per (window, step, event seq) of the batch, per rule: True where the condition is surely false at
-        that step; :data:`~watchdog.core.engine.SURELY_TRUE` where it is surely true; the text the engine
+        that step; :data:`~ppo_watchdog.core.engine.SURELY_TRUE` where it is surely true; the text the engine
         records of the MissingDataError it surely raises (``"MissingDataError: no data for metric
         'aborted_ratio'"``); False where the closure must tell. None for a run the screen leaves whole to the
         closures."""

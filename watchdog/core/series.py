@@ -1,6 +1,6 @@
 """Per-step series of one run, as the rules engine sees them.
 
-A :class:`Window` holds, for each metric short name (``watchdog.protocol.catalog``), the values of
+A :class:`Window` holds, for each metric short name (``ppo_watchdog.protocol.catalog``), the values of
 the last ``size`` steps, plus the run's events. It is built incrementally (one
 :meth:`Window.append` per step, amortised O(1)) because the daemon keeps one per run and
 evaluates thousands of runs per tick; window functions read contiguous tail slices found
@@ -19,7 +19,7 @@ verl record of ~100 keys, where lists of every catalog metric held 240 KB (``tes
 holds it under 50 KB; ``bench/bench_rules.py`` reports KB per run). Events are two small arrays
 (kind index, step); the last :data:`MAX_EVENTS` are read. Two things serve the engine's hot path:
 ``now``, the newest step's values by name (rules read the step just appended), and ``slides``, the
-sorted values of long ``median``/``min``/``max`` windows carried across steps (``watchdog.core.expr``).
+sorted values of long ``median``/``min``/``max`` windows carried across steps (``ppo_watchdog.core.expr``).
 
 Steps, not seconds: every window is "the last N training steps", the unit a training
 engineer reasons in. A step that arrives at or below the newest one (a resumed or rolled
@@ -28,7 +28,7 @@ newest line for a step wins and a rolled-back branch does not pollute the window
 
 Events (``oom``, ``nan``, ``rollback`` ...) get a sequence number when added; the engine
 remembers the last sequence number it saw, which is what makes ``event("oom")`` mean
-"since the last evaluation" while :func:`watchdog.core.engine.evaluate` stays pure. A daemon
+"since the last evaluation" while :func:`ppo_watchdog.core.engine.evaluate` stays pure. A daemon
 that rebuilds a window after a restart must add the run's events in file order (events.jsonl
 is append-only), so sequence numbers match the ones its persisted engine state remembers.
 The window keeps what rules read of an event, its kind and step; the rest stays in
@@ -44,7 +44,7 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from watchdog.protocol import catalog
+from ppo_watchdog.protocol import catalog
 
 #: Events kept per window; old ones only matter to ``event_count`` over long windows.
 MAX_EVENTS = 512
@@ -132,7 +132,7 @@ class Window:
         """Newest step appended (None before the first)."""
         self.now: dict[str, float] = {}
         """The values of the newest step (``step``) by short name, of the metrics kept: what
-        ``value(name)`` gives at that step, read by rules without a bisection (``watchdog.core.expr``)."""
+        ``value(name)`` gives at that step, read by rules without a bisection (``ppo_watchdog.core.expr``)."""
         self._series: dict[str, _Series] = {}
         self._rows: array[int] = array("q")
         """The window's steps, one row per appended record, ascending."""
@@ -154,12 +154,12 @@ class Window:
         """Steps at which some metric was NaN or inf (``nonfinite()`` without arguments)."""
         self.cache: dict[str, Any] = {}
         """Window-function results at the current data and step ``cache_at``, by the function's text
-        (``watchdog.core.expr``); cleared on every append and event, and when ``cache_at`` moves."""
+        (``ppo_watchdog.core.expr``); cleared on every append and event, and when ``cache_at`` moves."""
         self.cache_at: int | None = None
         """The evaluated step the entries of ``cache`` are for."""
         self.slides: dict[str, list[Any]] = {}
         """Sorted values of the windows ``median``, ``min`` and ``max`` read, carried from one evaluated step
-        to the next and slid by the values that left and entered (``watchdog.core.expr``): by the text of
+        to the next and slid by the values that left and entered (``ppo_watchdog.core.expr``): by the text of
         the window, ``[series, first value number, end value number, sorted non-NaN values, NaN count]``.
         Value numbers (``_Series.base``) survive appends and trims; a rewind clears this."""
         self.sources: dict[str, str] = {}
@@ -412,7 +412,7 @@ class Window:
     def locate(self, name: str, end: int, n: int) -> tuple[_Series | None, int, int]:
         """Where the steps in (end - n, end] of ``name`` lie in its series: (the series, first value index, end
         value index); (None, 0, 0) when it was never logged. The hot path of every window function (``_span``
-        inlined; ``watchdog.core.expr`` caches the answer for the step it evaluates)."""
+        inlined; ``ppo_watchdog.core.expr`` caches the answer for the step it evaluates)."""
         s = self._series.get(name)
         if s is None:
             return None, 0, 0

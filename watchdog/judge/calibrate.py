@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from watchdog.core.rulefile import Param, RuleSet
-from watchdog.core.series import MissingDataError, Window
-from watchdog.sources import ingest
+from ppo_watchdog.core.rulefile import Param, RuleSet
+from ppo_watchdog.core.series import MissingDataError, Window
+from ppo_watchdog.sources import ingest
 
 
 @dataclass

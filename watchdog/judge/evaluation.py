@@ -16,9 +16,9 @@ happens in each recorded run::
         save_freq: 10              # optional: checkpoint every N steps (pricing; default --save-freq)
         startup_s: 240             # optional: a relaunch's start-up (default --startup-s)
 
-Every log is replayed through the same engine (:func:`watchdog.core.engine.run_series`) and the
-same planner (:func:`watchdog.core.planner.plan_decision`) and pricing
-(:mod:`watchdog.core.pricing`) as the live controller. Verdicts:
+Every log is replayed through the same engine (:func:`ppo_watchdog.core.engine.run_series`) and the
+same planner (:func:`ppo_watchdog.core.planner.plan_decision`) and pricing
+(:mod:`ppo_watchdog.core.pricing`) as the live controller. Verdicts:
 
 - healthy: passes when nothing rolls it back or pauses it, and a zero-patch run (every
   ``set`` a relaunch, deferred to the next checkpoint and merged) would pay at most one
@@ -34,7 +34,7 @@ lead time from the first warning (any action, an alert included, at most ``LEAD_
 before it) to the onset, median and worst,
 false rollbacks and pauses per 1,000 healthy steps (healthy runs, and failures before
 ``onset - 2``), zero-patch relaunches per 100 steps of the healthy runs, and sets that would have
-changed nothing (none may be sent: :func:`watchdog.core.planner.plan_decision`).
+changed nothing (none may be sent: :func:`ppo_watchdog.core.planner.plan_decision`).
 """
 
 from __future__ import annotations
@@ -46,12 +46,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from watchdog.core import engine
-from watchdog.core.planner import PlanContext, Planned, plan_decision
-from watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
-from watchdog.core.rulefile import MAX_FILE_BYTES, RuleError, RuleSet, YamlReader
-from watchdog.protocol import catalog, inputs
-from watchdog.sources import ingest
+from ppo_watchdog.core import engine
+from ppo_watchdog.core.planner import PlanContext, Planned, plan_decision
+from ppo_watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
+from ppo_watchdog.core.rulefile import MAX_FILE_BYTES, RuleError, RuleSet, YamlReader
+from ppo_watchdog.protocol import catalog, inputs
+from ppo_watchdog.sources import ingest
 
 LABELS_VERSION = 1
 VERDICTS = ("healthy", "failure", "fragment")

@@ -1,7 +1,7 @@
 """Grafana dashboards as code: "PPO run" and "Watchdog", built with grafana-foundation-sdk.
 
-Every metric name comes from ``watchdog.protocol.catalog`` (the trainer's gauges) or
-``watchdog.observe.telemetry`` (the watchdog's own metrics), so renaming a metric breaks this
+Every metric name comes from ``ppo_watchdog.protocol.catalog`` (the trainer's gauges) or
+``ppo_watchdog.observe.telemetry`` (the watchdog's own metrics), so renaming a metric breaks this
 module's tests, not a dashboard in production. The generated JSON is committed under
 ``dashboards/`` with fixed uids (provisioning and links rely on them); ``watchdog
 dashboards export`` regenerates it and a test checks that regenerating changes nothing.
@@ -29,15 +29,15 @@ from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common as cm
 from grafana_foundation_sdk.models import dashboard as dm
 
-from watchdog.observe import telemetry
-from watchdog.protocol import catalog, exporter
+from ppo_watchdog.observe import telemetry
+from ppo_watchdog.protocol import catalog, exporter
 
 #: Fixed dashboard uids: provisioning, annotations (dashboardUID) and links depend on them.
 PPO_RUN_UID = "ppo-watchdog-run"
 WATCHDOG_UID = "ppo-watchdog-daemon"
 #: Tag on every dashboard, and on every annotation the watchdog posts.
 TAG = "ppo-watchdog"
-#: Tag of the watchdog's action annotations (posted by ``watchdog.observe.grafana``).
+#: Tag of the watchdog's action annotations (posted by ``ppo_watchdog.observe.grafana``).
 ACTION_TAG = "watchdog-action"
 
 #: Name of the datasource template variable; panels use ``${datasource}``.

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from watchdog.protocol import inputs
+from ppo_watchdog.protocol import inputs
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def action_annotation(
         text += f": {message}"
     # The dashboard builders (grafana_foundation_sdk, about 3 MiB) only where used: every command of the CLI,
     # each daemon shard among them, imports this module.
-    from watchdog.observe.dashboards import ACTION_TAG, TAG
+    from ppo_watchdog.observe.dashboards import ACTION_TAG, TAG
 
     tags = (ACTION_TAG, TAG, f"run:{run}", f"rule:{rule}", f"action:{kind}", f"outcome:{outcome}")
     return Annotation(int(round(when * 1000)), text, tags, dashboard_uid=dashboard_uid)
@@ -195,7 +195,7 @@ def push_all(
     grafana: Grafana, folder_uid: str | None = None, names: Sequence[str] | None = None,
 ) -> list[str]:
     """Push the generated dashboards (all, or those whose file names are given); returns their uids."""
-    from watchdog.observe.dashboards import DASHBOARDS
+    from ppo_watchdog.observe.dashboards import DASHBOARDS
 
     uids = []
     for name, build in DASHBOARDS.items():

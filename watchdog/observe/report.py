@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from watchdog.core.pricing import cost_text
-from watchdog.protocol import rundir
+from ppo_watchdog.core.pricing import cost_text
+from ppo_watchdog.protocol import rundir
 
 #: (verl key, panel title) in panel order.
 PANELS: tuple[tuple[str, str], ...] = (

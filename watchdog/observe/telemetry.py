@@ -1,7 +1,7 @@
 """The watchdog's own Prometheus metrics: what it watches, how its rules stand, what it did.
 
 The names here are the second half of the product's metric vocabulary (the first is
-``watchdog.protocol.catalog``): dashboards and alert rules import them rather than typing them, so a
+``ppo_watchdog.protocol.catalog``): dashboards and alert rules import them rather than typing them, so a
 rename breaks the build, not a dashboard. :class:`WatchdogMetrics` takes its registry as
 an argument (a fresh ``CollectorRegistry`` per instance by default) so tests and several
 watchdogs in one process never share state; the controller calls its small methods.
@@ -21,7 +21,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from watchdog.protocol import rundir
+from ppo_watchdog.protocol import rundir
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from watchdog.protocol import inputs, rundir
+from ppo_watchdog.protocol import inputs, rundir
 
 log = logging.getLogger(__name__)
 

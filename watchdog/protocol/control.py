@@ -35,8 +35,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn, Protocol
 
-from watchdog.protocol import catalog, inputs, rundir
-from watchdog.protocol.rundir import CONTROL, PathError, atomic_write_json
+from ppo_watchdog.protocol import catalog, inputs, rundir
+from ppo_watchdog.protocol.rundir import CONTROL, PathError, atomic_write_json
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ integer or null, ``ts`` a finite number. What a line may carry beyond those thre
 event's own (``path`` of a checkpoint, ``micro_batch_size`` of an OOM). A line that fails the
 check is an :class:`EventError` naming the file, line and field; readers skip it and say so.
 
-Pure: no I/O here (:mod:`~watchdog.protocol.rundir` reads and appends the file), so the rules
+Pure: no I/O here (:mod:`~ppo_watchdog.protocol.rundir` reads and appends the file), so the rules
 core imports the event vocabulary without touching a file.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from watchdog.protocol.inputs import short_repr
+from ppo_watchdog.protocol.inputs import short_repr
 
 #: The largest step a metrics line or an event may carry: the largest integer every JSON reader reads exactly
 #: (2**53 - 1), far past any training run, and what a window's 64-bit step arrays hold with room to spare.

@@ -1,6 +1,6 @@
 """Prometheus exposition of a training run: one gauge per catalog metric, labelled ``run``.
 
-Names and HELP text come from :mod:`watchdog.protocol.catalog`, so a renamed metric breaks the
+Names and HELP text come from :mod:`ppo_watchdog.protocol.catalog`, so a renamed metric breaks the
 build, not a dashboard. Besides the per-step gauges the exporter serves:
 
 - ``ppo_events_total{run,kind}``: events the trainer recorded (oom, nan, checkpoint, ...);
@@ -24,7 +24,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest, start_http_server
 
-from watchdog.protocol import catalog
+from ppo_watchdog.protocol import catalog
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from watchdog.protocol.catalog import FORCE_ADD_KEYS
+from ppo_watchdog.protocol.catalog import FORCE_ADD_KEYS
 
 
 class OverrideError(ValueError):
@@ -158,7 +158,7 @@ def _same(a: Any, b: Any) -> bool:
 
 def format_override(key: str, value: Any) -> str:
     """``key=value`` in Hydra's grammar (``++key=value`` for a key verl's config does not declare,
-    :data:`watchdog.protocol.catalog.FORCE_ADD_KEYS`)."""
+    :data:`ppo_watchdog.protocol.catalog.FORCE_ADD_KEYS`)."""
     return f"{'++' if key in FORCE_ADD_KEYS else ''}{key}={format_value(value)}"
 
 

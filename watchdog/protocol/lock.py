@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from watchdog.protocol import inputs
+from ppo_watchdog.protocol import inputs
 
 RUN_LOCK = ".watchdog.lock"
 """A run directory's watchdog lock."""

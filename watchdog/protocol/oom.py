@@ -21,8 +21,8 @@ over ``torch.OutOfMemoryError: CUDA out of memory. Tried to allocate ...``; Ray'
 killing a worker is an ``ActorDiedError`` whose exit type is ``NODE_OUT_OF_MEMORY``, or Ray's own
 ``ray.exceptions.OutOfMemoryError``. Host markers are checked first because
 ``RayTaskError(OutOfMemoryError)`` also wraps Ray's own error. Pure text in, names out; the
-trainer side (:mod:`trainer.verl_glue.runner`) and the watchdog's zero-patch glue
-(:mod:`watchdog.backends.verl_exits`) read OOMs with the same rules.
+trainer side (:mod:`ppo_watchdog.trainer.verl_glue.runner`) and the watchdog's zero-patch glue
+(:mod:`ppo_watchdog.backends.verl_exits`) read OOMs with the same rules.
 """
 
 from __future__ import annotations

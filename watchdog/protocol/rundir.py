@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from watchdog.protocol.events import EVENT_KINDS, Event, EventError
-from watchdog.protocol.inputs import open_regular, read_file, short_repr
+from ppo_watchdog.protocol.events import EVENT_KINDS, Event, EventError
+from ppo_watchdog.protocol.inputs import open_regular, read_file, short_repr
 
 try:  # optional: a trainer's environment may lack it (verl's has it); the standard decoder stands in
     import orjson as _orjson
@@ -204,7 +204,7 @@ def read_jsonl(path: Path | str, offset: int = 0, first_line: int = 1, until: in
 
 def _read_bytes(path: str, offset: int, until: int | None) -> bytes:
     """The bytes of ``path`` from ``offset`` to ``until`` (or the end): one pread where the end is known. A path
-    that is not a regular file (a FIFO) raises :class:`~watchdog.protocol.inputs.NotRegularFileError`."""
+    that is not a regular file (a FIFO) raises :class:`~ppo_watchdog.protocol.inputs.NotRegularFileError`."""
     if until is None:
         return read_file(path, offset=offset)
     want = max(0, until - offset)

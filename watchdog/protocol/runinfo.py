@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from watchdog.protocol import inputs, rundir
+from ppo_watchdog.protocol import inputs, rundir
 
 MODE_VERL = "verl"
 """``mode`` of a run an unmodified verl trains, watched through the watchdog's zero-patch glue."""
 MODE_VERL_INPROCESS = "verl_inprocess"
-"""``mode`` of a verl run through the in-process glue (``trainer.verl_glue``): it speaks the protocol."""
+"""``mode`` of a verl run through the in-process glue (``ppo_watchdog.trainer.verl_glue``): it speaks the protocol."""
 
 
 #: A run.json this many seconds old when read is parsed once per version (see :meth:`RunInfo.read`).

@@ -1,3 +1,3 @@
-"""Where a run's metrics and events are read from: its files (:mod:`~watchdog.sources.ingest`:
+"""Where a run's metrics and events are read from: its files (:mod:`~ppo_watchdog.sources.ingest`:
 metrics.jsonl, verl's FileLogger output and console logs, events.jsonl) or Prometheus
-(:mod:`~watchdog.sources.prometheus`). Imports the protocol and the core, never control."""
+(:mod:`~ppo_watchdog.sources.prometheus`). Imports the protocol and the core, never control."""

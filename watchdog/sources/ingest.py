@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from watchdog.protocol import inputs, rundir
-from watchdog.protocol.events import MAX_STEP, Event
+from ppo_watchdog.protocol import inputs, rundir
+from ppo_watchdog.protocol.events import MAX_STEP, Event
 
 try:  # a dependency (pyproject): decodes and type-checks a metrics line in one C pass; an install without
     # it still reads every line, through orjson (tested)

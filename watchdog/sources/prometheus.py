@@ -3,7 +3,7 @@
 In production the trainer's numbers already flow into Prometheus (the trainer, or the verl
 glue, serves the catalog gauges labelled ``run``); reading them back from there lets the
 same rules run where the run directory's ``metrics.jsonl`` is out of reach or absent.
-:class:`PrometheusSource` keeps :class:`~watchdog.sources.ingest.RunTailer`'s contract
+:class:`PrometheusSource` keeps :class:`~ppo_watchdog.sources.ingest.RunTailer`'s contract
 (``poll() -> (records, events)``, persisted ``offsets``), so the controller does not care
 which one it holds.
 
@@ -49,10 +49,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from watchdog.protocol import catalog, rundir
-from watchdog.protocol.events import Event
-from watchdog.protocol.runinfo import RunInfo
-from watchdog.sources.ingest import RunTailer
+from ppo_watchdog.protocol import catalog, rundir
+from ppo_watchdog.protocol.events import Event
+from ppo_watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.sources.ingest import RunTailer
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 PROMETHEUS_URL_ENV = "WATCHDOG_PROMETHEUS_URL"
 #: Metric sources the watchdog can read a run from: the run directory, Prometheus holding the
 #: catalog's gauges (the trainer's or the glue's exporter), or Prometheus holding verl's own
-#: RL-Insight series (no second exporter; :data:`watchdog.protocol.catalog.BY_RL_INSIGHT`).
+#: RL-Insight series (no second exporter; :data:`ppo_watchdog.protocol.catalog.BY_RL_INSIGHT`).
 SOURCES = ("files", "prometheus", "rl_insight")
 #: The sources read through Prometheus.
 PROMETHEUS_SOURCES = ("prometheus", "rl_insight")
@@ -484,7 +484,7 @@ class PrometheusSource:
         """Point Prometheus's file_sd at the trainer's /metrics (run.json's metrics_port)."""
         if self.file_sd_dir is None:
             return
-        from watchdog.observe.telemetry import write_file_sd
+        from ppo_watchdog.observe.telemetry import write_file_sd
 
         info = RunInfo.read(self.run_dir)
         port, run = info.metrics_port, info.id
@@ -503,7 +503,7 @@ class PrometheusSource:
     def _withdraw(self) -> None:
         if self.file_sd_dir is None or self._target is None:
             return
-        from watchdog.observe.telemetry import remove_file_sd
+        from ppo_watchdog.observe.telemetry import remove_file_sd
 
         run = RunInfo.read(self.run_dir).id or self.run_id
         remove_file_sd(self.file_sd_dir, str(run))
