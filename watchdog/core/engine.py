@@ -12,6 +12,12 @@ is rewound (a rollback or resume re-trains earlier step numbers). So cooldowns, 
 and ``for`` count steps actually trained, and fires recorded before a rollback still
 count against the budget afterwards, which is how repeated rollbacks escalate.
 
+A run that logs every few steps (TRL's ``logging_steps``, 10 by default) gives one record, one look
+at the run, per logging window: ``for: 5`` spans 5 steps in 2 such records, and two looks are no
+more evidence there than two steps of a run that logs every step. So ``for: N`` also needs the
+condition seen on ``min(N, MIN_LOOKS)`` records in a row (:data:`MIN_LOOKS`): a run that logs every
+step meets it with its N steps, a sparse run waits for its third look.
+
 A fire over budget (more than ``budget.max`` fires within ``budget.window`` steps)
 becomes an ``escalate`` decision whose actions are the budget's escalation (default:
 pause + notify) instead of the rule's own. A rule whose expression fails (a metric the
@@ -37,6 +43,12 @@ from ppo_watchdog.protocol import catalog
 log = logging.getLogger(__name__)
 
 ENGINE_STATE_VERSION = 1
+
+#: The records in a row a condition must be seen true on before its ``for`` is met, where ``for`` is at
+#: least this many steps (fewer: that many records). Three: a healthy noisy run shows a condition
+#: on one record by chance, on two now and then (a 1-in-10 look twice is 1 in 100), three in a row
+#: about never (1 in 1,000), while a failure stays failed and is seen on every look.
+MIN_LOOKS = 3
 INACTIVE, PENDING, FIRING, RESOLVED = RuleStatus.INACTIVE, RuleStatus.PENDING, RuleStatus.FIRING, RuleStatus.RESOLVED
 STATUSES = tuple(s.value for s in RuleStatus)
 DECISION_KINDS = tuple(k.value for k in DecisionKind)
@@ -108,6 +120,8 @@ class RuleState:
     """inactive | pending | firing | resolved."""
     since: int | None = None
     """Clock at which the condition started holding (pending or firing)."""
+    looks: int = 0
+    """Evaluations in a row at which the condition held, counted up to :data:`MIN_LOOKS`."""
     clear_since: int | None = None
     """Clock at which the clear condition started holding while firing."""
     last_fire: int | None = None
@@ -131,7 +145,7 @@ class RuleState:
         if self is _INITIAL or self == _INITIAL:  # (identity first: most rules of most runs are the one object)
             return {}
         full = {
-            "status": self.status, "since": self.since, "clear_since": self.clear_since,
+            "status": self.status, "since": self.since, "looks": self.looks, "clear_since": self.clear_since,
             "last_fire": self.last_fire, "last_fire_step": self.last_fire_step, "fires": list(self.fires),
             "fire_count": self.fire_count, "escalated_at": self.escalated_at,
             "health": self.health, "last_error": self.last_error,
@@ -223,7 +237,7 @@ class EngineState:
 
 _INITIAL = RuleState()
 _INITIAL_JSON: dict[str, Any] = {
-    "status": _INITIAL.status, "since": None, "clear_since": None, "last_fire": None, "last_fire_step": None,
+    "status": _INITIAL.status, "since": None, "looks": 0, "clear_since": None, "last_fire": None, "last_fire_step": None,
     "fires": [], "fire_count": 0, "escalated_at": None, "health": _INITIAL.health, "last_error": None,
 }
 
@@ -374,38 +388,46 @@ def _transition(
     out: list[Decision],
 ) -> RuleState:
     status = rs.status
+    looks = min(rs.looks + 1, MIN_LOOKS) if cond else 0
     if status == FIRING:
         if clearing:
             since = rs.clear_since if rs.clear_since is not None else clock
             if clock - since >= rule.keep_firing_for:
                 out.append(_decision(rule, DecisionKind.RESOLVE, step, w, seq, (), resolve=True))
-                return replace(rs, status=RESOLVED, since=None, clear_since=None)
+                return replace(rs, status=RESOLVED, since=None, looks=0, clear_since=None)
             held_since = rs.since if cond else None
-            if rs.clear_since == since and rs.since == held_since:
+            if rs.clear_since == since and rs.since == held_since and rs.looks == looks:
                 return rs
-            return replace(rs, clear_since=since, since=held_since)
+            return replace(rs, clear_since=since, since=held_since, looks=looks)
         # ``since`` tracks the current unbroken run of true steps, so a repeat fire also
         # needs the condition to have held ``for`` steps (not just one step after a dip).
         run_since = (rs.since if rs.since is not None else clock) if cond else None
-        if rs.clear_since is not None or rs.since != run_since:
-            rs = replace(rs, clear_since=None, since=run_since)
+        if rs.clear_since is not None or rs.since != run_since or rs.looks != looks:
+            rs = replace(rs, clear_since=None, since=run_since, looks=looks)
         if (
             cond and rule.repeat and rs.last_fire is not None
             and clock > rs.last_fire and clock - rs.last_fire >= rule.cooldown
-            and run_since is not None and clock - run_since + 1 >= max(rule.for_, 1)
+            and run_since is not None and _held(rule, clock - run_since + 1, looks)
         ):
             return _fire(rule, rs, w, step, clock, seq, out)
         return rs
 
     if not cond:
-        return rs if status == INACTIVE and rs.since is None else replace(rs, status=INACTIVE, since=None)
+        return rs if status == INACTIVE and rs.since is None else replace(rs, status=INACTIVE, since=None, looks=0)
     if status != PENDING:
-        rs = replace(rs, status=PENDING, since=clock)
-    held = clock - rs.since + 1  # type: ignore[operator]
+        rs = replace(rs, status=PENDING, since=clock, looks=looks)
+    elif rs.looks != looks:
+        rs = replace(rs, looks=looks)
     cooled = rs.last_fire is None or clock - rs.last_fire >= rule.cooldown
-    if held >= max(rule.for_, 1) and cooled:
+    if _held(rule, clock - rs.since + 1, looks) and cooled:  # type: ignore[operator]
         return _fire(rule, rs, w, step, clock, seq, out)
     return rs
+
+
+def _held(rule: Rule, steps: int, looks: int) -> bool:
+    """Whether a condition true for ``steps`` steps, on ``looks`` records in a row, meets the rule's ``for``."""
+    need = max(rule.for_, 1)
+    return steps >= need and looks >= min(need, MIN_LOOKS)
 
 
 def _fire(rule: Rule, rs: RuleState, w: Window, step: int, clock: int, seq: int, out: list[Decision]) -> RuleState:
