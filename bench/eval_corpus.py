@@ -4,11 +4,13 @@
     .venv/bin/python bench/eval_corpus.py --rules OLD.yaml --tag before
 
 Writes ``bench/results/eval_<corpus>[_<tag>].json`` (the whole ``watchdog eval --json``) and
-``.md`` (the headline figures, then one row per log) for the real verl logs of
+``.md`` (the headline figures, each rule's fires on healthy steps, then one row per log) for the real verl logs of
 ``../shared/testdata/verl-logs`` (priced as zero-patch verl), the embedded trainer's own runs of
 ``bench/corpus``, the synthetic fault injection of ``bench/corpus_injected``, the TRL glue's runs
 of ``bench/corpus_trl`` (priced as embedded: live sets are free) and the real verl trainer's plain
-runs of ``bench/corpus_verl`` (console and FileLogger formats, priced as zero-patch verl).
+runs of ``bench/corpus_verl`` (console and FileLogger formats, priced as zero-patch verl), and
+``eval_by_corpus[_<tag>].md``: every corpus's headline figures side by side, and each rule's fires
+on healthy steps per 1,000, split by corpus.
 """
 
 from __future__ import annotations
@@ -77,11 +79,65 @@ def headline(doc: dict) -> str:
             f"{h['noop_sets']} |\n\n")
 
 
+def _kinds(actions: dict[str, int]) -> str:
+    """What a rule's healthy-step fires became: ``notify`` alone, or ``relaunch 2, notify 1``."""
+    if len(actions) == 1:
+        return next(iter(actions)).replace("_", " ")
+    return ", ".join(f"{k.replace('_', ' ')} {n}" for k, n in actions.items())
+
+
+def rule_rates(doc: dict) -> str:
+    """Each rule that fired on a healthy step of a corpus: fires, per 1,000 healthy steps, what they became."""
+    rr = doc.get("rule_rates")
+    if not rr:
+        return ""
+    fired = [r for r in rr["rules"] if r["fires"]]
+    if not fired:
+        return f"No rule fired on any of the {rr['healthy_steps']} healthy steps.\n\n"
+    rows = [f"Rules on the {rr['healthy_steps']} healthy steps (healthy runs, and failures before onset - 2); "
+            f"{len(rr['rules']) - len(fired)} other rules never fired there.\n",
+            "| rule | fires on healthy steps | per 1,000 healthy steps | action |", "|---|---|---|---|"]
+    rows += [f"| {r['rule']} | {r['fires']} | {r['per_1000_healthy_steps']:g} | {_kinds(r['actions'])} |" for r in fired]
+    return "\n".join(rows) + "\n\n"
+
+
+def by_corpus(docs: dict[str, dict], shown: dict[str, str]) -> str:
+    """Every corpus's headline figures, then each rule's fires on healthy steps per 1,000, one column a corpus."""
+    names = list(docs)
+    out = ["# The default pack on every labelled corpus\n", "| corpus | command | logs passed | failures detected | "
+           "healthy steps | false rollbacks+pauses per 1,000 healthy steps | zero-patch relaunches per 100 "
+           "healthy-run steps |", "|---|---|---|---|---|---|---|"]
+    for name in names:
+        h = docs[name]["headline"]
+        out.append(f"| {name} | `{shown[name]}` | {docs[name]['summary'].split(':')[0]} | {h['detected']}/{h['failures']} | "
+                   f"{h['healthy_steps']} | {h['false_per_1000_healthy_steps']} ({h['false_actions']}) | "
+                   f"{h['relaunches_per_100_healthy_steps']} |")
+    rates = {n: {r["rule"]: r for r in docs[n].get("rule_rates", {}).get("rules", [])} for n in names}
+    fired = sorted({rule for n in names for rule, r in rates[n].items() if r["fires"]},
+                   key=lambda rule: (-sum(rates[n][rule]["fires"] for n in names if rule in rates[n]), rule))
+    out += ["", "Each rule's fires on healthy steps (healthy runs, and failures before onset - 2), per 1,000 healthy "
+            "steps of the corpus, with the count and what the fires became in the corpus's mode (rollback, restart, "
+            "stop, pause: they interrupt the run; relaunch set: a tuning set that waits for the next checkpoint's "
+            "relaunch, merged or dropped; live set; notify). Rules that never fired on a healthy step of any corpus "
+            "are left out.",
+            "", "| rule | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for rule in fired:
+        cells = []
+        for n in names:
+            r = rates[n].get(rule)
+            cells.append("-" if not r or not r["fires"] else
+                         f"{r['per_1000_healthy_steps']:g} ({r['fires']}: {_kinds(r['actions'])})")
+        out.append(f"| {rule} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rules", action="append", default=None, help="pack (repeatable; default: the default pack)")
     ap.add_argument("--tag", default="", help="suffix for the result files")
     args = ap.parse_args()
+    docs: dict[str, dict] = {}
+    commands: dict[str, str] = {}
     for name, (labels, mode) in CORPORA.items():
         cmd = [sys.executable, "-m", "ppo_watchdog", "eval", str(labels), "--mode", mode, "--json"]
         for r in args.rules or []:
@@ -98,8 +154,12 @@ def main() -> None:
             f"# `{shown}`\n\n{doc['summary']}\n\nPacks: {', '.join(Path(r).name for r in doc['rules'])}; "
             f"checkpoint every {doc['config']['save_freq']} steps, relaunch start-up {doc['config']['startup_s']:.0f} s, "
             f"tuning relaunches at most one per {doc['config']['relaunch_every']} steps.\n\n{headline(doc)}"
-            f"{table(doc)}\n")
+            f"{rule_rates(doc)}{table(doc)}\n")
+        docs[name], commands[name] = doc, shown
         print(f"{name}: {doc['summary']} -> {stem}.md")
+    summary = RESULTS / (f"eval_by_corpus_{args.tag}.md" if args.tag else "eval_by_corpus.md")
+    summary.write_text(by_corpus(docs, commands))
+    print(f"every corpus -> {summary}")
 
 
 if __name__ == "__main__":

@@ -223,6 +223,46 @@ def test_the_headline_counts_detections_lead_time_false_actions_and_changes_that
     assert h["noop_sets"] == 0 and "sets that changed nothing 0" in res.headline_text()
 
 
+def _table_rows(output: str, first_cells: set[str]) -> dict[str, list[str]]:
+    """The rows of a printed rich table whose first cell is one of ``first_cells``, cell by cell."""
+    rows = {}
+    for line in output.splitlines():
+        cells = [c.strip() for c in line.strip().strip("│").split("│")]
+        if cells and cells[0] in first_cells:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_eval_reports_each_rules_fires_on_healthy_steps_per_1000_and_what_they_became(tmp_path: Path) -> None:
+    _log(tmp_path / "tuned.jsonl", {s: 2.0 for s in range(1, 13)}, 40)  # healthy; tune fires at 1, 6, 11
+    _log(tmp_path / "quiet.jsonl", {}, 60)                                # healthy; nothing fires
+    _log(tmp_path / "sick.jsonl", {5: 9.0, 12: -1.0}, 30)                # alarm at 5 (healthy), rollback at 12 (not)
+    labels = tmp_path / "labels.yaml"
+    labels.write_text("version: 1\nlogs:\n  - {file: tuned.jsonl, verdict: healthy}\n"
+                      "  - {file: quiet.jsonl, verdict: healthy}\n"
+                      "  - {file: sick.jsonl, verdict: failure, onset: 10, deadline: 15}\n")
+    pack = str(_pack(tmp_path))
+    doc = json.loads(CliRunner().invoke(app, ["eval", str(labels), "--rules", pack, "--json"]).stdout)
+    # 40 + 60 healthy-run steps and the failure's steps 1-7: the headline's healthy steps, the same 107.
+    assert doc["headline"]["healthy_steps"] == doc["rule_rates"]["healthy_steps"] == 107
+    assert doc["rule_rates"]["rules"] == [
+        {"rule": "tune", "fires": 3, "per_1000_healthy_steps": 28.04, "actions": {"relaunch_set": 3}},
+        {"rule": "alarm", "fires": 1, "per_1000_healthy_steps": 9.35, "actions": {"notify": 1}},
+        {"rule": "drastic", "fires": 0, "per_1000_healthy_steps": 0.0, "actions": {}},
+    ]
+    assert {x["file"]: x["healthy_fires"] for x in doc["logs"]} == {
+        "tuned.jsonl": {"tune": {"relaunch_set": 3}}, "quiet.jsonl": {}, "sick.jsonl": {"alarm": {"notify": 1}}}
+
+    r = CliRunner().invoke(app, ["eval", str(labels), "--rules", pack])
+    assert "rules on the 107 healthy steps" in r.output
+    assert _table_rows(r.output, {"tune", "alarm", "drastic"}) == {"tune": ["3", "28.04", "relaunch set"],
+                                                                   "alarm": ["1", "9.35", "notify"]}
+    assert "1 other rule(s) never fired on a healthy step" in r.output
+    # Embedded, the same lr sets are applied live: no relaunch waits for a checkpoint.
+    r = CliRunner().invoke(app, ["eval", str(labels), "--rules", pack, "--mode", "embedded"])
+    assert _table_rows(r.output, {"tune"}) == {"tune": ["3", "28.04", "live set"]}
+
+
 def test_an_infrastructure_failure_answered_by_a_policy_rollback_fails_its_label(tmp_path: Path) -> None:
     s = _score(tmp_path, "verdict: failure\nonset: 10\ndeadline: 15\nexpect: restart\n", {12: -1.0})
     assert not s.passed and "rollout machinery" in s.reason and s.rollbacks == 1

@@ -503,9 +503,11 @@ def eval_cmd(
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=2))
     else:
-        _console().print(eval_table(result))
+        con = _console()
+        con.print(eval_table(result))
         typer.echo(("PASS: " if result.passed else "FAIL: ") + result.summary())
         typer.echo(result.headline_text())
+        con.print(rule_rates_table(result))
     if not result.passed:
         raise typer.Exit(1)
 
@@ -539,3 +541,27 @@ def eval_table(result: Any) -> Table:
                   f"{zp.relaunches} ({s.relaunch_allowance}): {zp.deferred}, {zp.merged}, {zp.dropped}",
                   f"{pr.relaunches}, {_duration(pr.seconds)}", s.kl_source or "-", ", ".join(sorted(s.blind)) or "-")
     return t
+
+
+def rule_rates_table(result: Any) -> Table:
+    """Each rule that fired on a healthy step: how often, per 1,000 healthy steps, and what it did."""
+    rows = result.rule_rates()
+    fired = [r for r in rows if r["fires"]]
+    t = Table(title=f"rules on the {result.healthy_steps} healthy steps")
+    t.add_column("rule")
+    t.add_column("fires on healthy steps", justify="right")
+    t.add_column("per 1,000 healthy steps", justify="right")
+    t.add_column("action")
+    for r in fired:
+        rate = "-" if r["per_1000_healthy_steps"] is None else f"{r['per_1000_healthy_steps']:g}"
+        t.add_row(r["rule"], str(r["fires"]), rate, _fire_kinds(r["actions"]))
+    quiet = len(rows) - len(fired)
+    t.caption = (f"{quiet} other rule(s) never fired on a healthy step" if fired else "no rule fired on a healthy step")
+    return t
+
+
+def _fire_kinds(kinds: dict[str, int]) -> str:
+    """``relaunch 2, notify 1`` (one kind alone: its name only); live_set shown as "live set"."""
+    if len(kinds) == 1:
+        return next(iter(kinds)).replace("_", " ")
+    return ", ".join(f"{k.replace('_', ' ')} {n}" for k, n in kinds.items())

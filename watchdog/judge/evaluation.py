@@ -34,7 +34,10 @@ lead time from the first warning (any action, an alert included, at most ``LEAD_
 before it) to the onset, median and worst,
 false rollbacks and pauses per 1,000 healthy steps (healthy runs, and failures before
 ``onset - 2``), zero-patch relaunches per 100 steps of the healthy runs, and sets that would have
-changed nothing (none may be sent: :func:`ppo_watchdog.core.planner.plan_decision`).
+changed nothing (none may be sent: :func:`ppo_watchdog.core.planner.plan_decision`). Beside them,
+each rule's fires on those same healthy steps (:meth:`CorpusScore.rule_rates`): how often, per 1,000
+healthy steps, and what each fire became in the evaluated mode (:data:`FIRE_KINDS`), so a rule that
+cries wolf shows even when its cry is only an alert.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ from ppo_watchdog.core import engine
 from ppo_watchdog.core.planner import PlanContext, Planned, plan_decision
 from ppo_watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
 from ppo_watchdog.core.rulefile import MAX_FILE_BYTES, RuleError, RuleSet, YamlReader
+from ppo_watchdog.core.vocabulary import DecisionKind
 from ppo_watchdog.protocol import catalog, inputs
 from ppo_watchdog.sources import ingest
 
@@ -61,6 +65,13 @@ MODES = ("embedded", "verl")
 EARLY_STEPS = 2
 #: How far before the onset an action counts as a warning of it (lead time); earlier ones are about something else.
 LEAD_HORIZON = 30
+#: What a rule's fire became in the evaluated mode, strongest first: a fire that plans several entries
+#: (a pause also notifies, a rollback carries its sets) counts as the strongest of them. The first four
+#: interrupt the run at once (``restart``: a relaunch now, urgent or for a fresh rollout engine);
+#: ``relaunch_set``: a tuning set that waits for the next checkpoint's relaunch (merged with others,
+#: dropped if its rule stops firing: priced by the relaunch budget); ``none``: planned nothing (a set
+#: left to verl's adaptive KL controller).
+FIRE_KINDS = ("rollback", "restart", "stop", "pause", "relaunch_set", "live_set", "notify", "checkpoint", "none")
 _LABEL_KEYS = ("file", "verdict", "onset", "deadline", "expect", "failure", "algorithm", "model", "task",
                "kl_key", "notes", "save_freq", "startup_s")
 
@@ -239,6 +250,8 @@ class LogScore:
     blind: dict[str, list[str]] = field(default_factory=dict)
     """Metrics rules read that the log lacks."""
     acts: list[Act] = field(default_factory=list)
+    healthy_fires: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Rule -> :data:`FIRE_KINDS` kind -> its fires (and escalations) on healthy steps (:meth:`healthy_at`)."""
 
     @property
     def sets_per_100(self) -> float:
@@ -259,12 +272,19 @@ class LogScore:
 
     @property
     def healthy_steps(self) -> int:
-        """Steps of this log judged as healthy: all of a healthy run, a failure's before ``onset - 2``."""
+        """Steps of this log judged as healthy (:meth:`healthy_at`): all of a healthy run, a failure's before
+        ``onset - 2``."""
         if self.label.verdict == "healthy":
             return self.steps
         if self.label.verdict == "failure" and self.label.onset is not None and self.first_step is not None:
             return max(0, min(self.steps, self.label.onset - EARLY_STEPS - self.first_step))
         return 0
+
+    def healthy_at(self, step: int) -> bool:
+        """Whether ``step`` is one of the :attr:`healthy_steps`: an action there is a false one."""
+        if self.label.verdict == "healthy":
+            return True
+        return self.label.verdict == "failure" and self.label.onset is not None and step < self.label.onset - EARLY_STEPS
 
     @property
     def relaunch_allowance(self) -> int:
@@ -284,7 +304,7 @@ class LogScore:
             "set_decisions": self.set_decisions, "sets_per_100_steps": round(self.sets_per_100, 2),
             "zero_patch": self.zero_patch.to_json(), "priced": self.priced.to_json(),
             "relaunch_allowance": self.relaunch_allowance, "kl_source": self.kl_source, "blind": self.blind,
-            "actions": [a.to_json() for a in self.acts],
+            "actions": [a.to_json() for a in self.acts], "healthy_fires": self.healthy_fires,
         }
 
 
@@ -420,7 +440,12 @@ def evaluate_log(label: Label, rules: RuleSet, cfg: EvalConfig) -> LogScore:
             planned = verl.plan(d, ctx)
             _score_actions(score, d, planned)
             verl.book(planned, sr.step, sr.state.clock, firing)
-            own.book(own.plan(d, ctx), sr.step, sr.state.clock, firing)
+            own_planned = own.plan(d, ctx)
+            own.book(own_planned, sr.step, sr.state.clock, firing)
+            if d.kind != DecisionKind.RESOLVE and score.healthy_at(d.step):
+                kinds = score.healthy_fires.setdefault(d.rule, {})
+                kind = fire_kind(own_planned)
+                kinds[kind] = kinds.get(kind, 0) + 1
         verl.after_step(sr.step, sr.state.clock, firing)
         own.after_step(sr.step, sr.state.clock, firing)
         score.kl_source = sr.sources.get("kl", score.kl_source)
@@ -441,6 +466,19 @@ def _same(a: Any, b: Any) -> bool:
 
 def _event_step(e: Mapping[str, Any]) -> int:
     return e["step"] if isinstance(e.get("step"), int) else -1
+
+
+def fire_kind(planned: Sequence[Planned]) -> str:
+    """What one fire became (its strongest planned entry), one of :data:`FIRE_KINDS`."""
+    kinds: set[str] = set()
+    for p in planned:
+        if p.kind == "command":
+            kinds.add(p.payload.get("command", {}).get("kind", "none"))
+        elif p.kind == "restart":
+            kinds.add("relaunch_set" if p.payload.get("urgent") is False else "restart")
+        else:
+            kinds.add(p.kind)
+    return next((k for k in FIRE_KINDS if k in kinds), "none")
 
 
 def _score_actions(score: LogScore, d: engine.Decision, planned: Sequence[Planned]) -> None:
@@ -525,6 +563,8 @@ class CorpusScore:
     rules: tuple[str, ...] = ()
     """Rule files of the pack."""
     config: EvalConfig = field(default_factory=EvalConfig)
+    rule_names: tuple[str, ...] = ()
+    """The pack's rules (each gets a row in :meth:`rule_rates`, fired or not)."""
 
     @property
     def judged(self) -> list[LogScore]:
@@ -541,9 +581,9 @@ class CorpusScore:
         healthy = [s for s in self.judged if s.label.verdict == "healthy"]
         detected = [s for s in fail if s.passed]
         leads = [s.lead for s in fail if s.lead is not None]
-        h_steps = sum(s.healthy_steps for s in self.judged)
+        h_steps = self.healthy_steps
         false = sum(1 for s in self.judged for a in s.acts if a.kind in ("rollback", "pause", "stop", "restart")
-                    and (s.label.verdict == "healthy" or (s.label.onset is not None and a.step < s.label.onset - EARLY_STEPS)))
+                    and s.healthy_at(a.step))
         hl_steps = sum(s.steps for s in healthy)
         return {
             "failures": len(fail), "detected": len(detected),
@@ -556,6 +596,28 @@ class CorpusScore:
                                                       / hl_steps, 2) if hl_steps else None,
             "noop_sets": sum(s.noop_sets for s in self.scores),
         }
+
+    @property
+    def healthy_steps(self) -> int:
+        """Healthy steps of the judged logs: the denominator of every rate per 1,000 healthy steps."""
+        return sum(s.healthy_steps for s in self.judged)
+
+    def rule_rates(self) -> list[dict[str, Any]]:
+        """Each rule's fires on healthy steps, per 1,000 healthy steps, and what they became; most fires first."""
+        total: dict[str, dict[str, int]] = {name: {} for name in self.rule_names}
+        for s in self.judged:
+            for rule, kinds in s.healthy_fires.items():
+                into = total.setdefault(rule, {})
+                for kind, n in kinds.items():
+                    into[kind] = into.get(kind, 0) + n
+        h = self.healthy_steps
+        rows = []
+        for rule, kinds in total.items():
+            fires = sum(kinds.values())
+            rows.append({"rule": rule, "fires": fires,
+                         "per_1000_healthy_steps": round(1000.0 * fires / h, 2) if h else None,
+                         "actions": {k: kinds[k] for k in FIRE_KINDS if k in kinds}})
+        return sorted(rows, key=lambda r: (-r["fires"], r["rule"]))
 
     def headline_text(self) -> str:
         """The headline figures in one line."""
@@ -580,8 +642,9 @@ class CorpusScore:
                 + (f"; {noop} set(s) that would change nothing" if noop else ""))
 
     def to_json(self) -> dict[str, Any]:
-        return {"passed": self.passed, "summary": self.summary(), "headline": self.headline(), "rules": list(self.rules),
-                "config": self.config.__dict__, "logs": [s.to_json() for s in self.scores]}
+        return {"passed": self.passed, "summary": self.summary(), "headline": self.headline(),
+                "rule_rates": {"healthy_steps": self.healthy_steps, "rules": self.rule_rates()},
+                "rules": list(self.rules), "config": self.config.__dict__, "logs": [s.to_json() for s in self.scores]}
 
 
 def evaluate_corpus(labels: Sequence[Label], rules: RuleSet, cfg: EvalConfig,
@@ -592,4 +655,4 @@ def evaluate_corpus(labels: Sequence[Label], rules: RuleSet, cfg: EvalConfig,
         if progress is not None:
             progress(label)
         scores.append(evaluate_log(label, rules, cfg))
-    return CorpusScore(scores, rules.sources, cfg)
+    return CorpusScore(scores, rules.sources, cfg, tuple(rules.names))
