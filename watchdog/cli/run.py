@@ -201,6 +201,10 @@ def run_cmd(
     pause_timeout: Annotated[float | None, typer.Option(
         help="Seconds a pause for a human may last unresumed before the run is stopped with a verdict "
              "(default: wait).")] = None,
+    advise: Annotated[bool, typer.Option(
+        "--advise", help="Advise mode: every decision is made, priced, journaled and announced (console, webhook, "
+                         "Grafana, report, history) as what the watchdog WOULD do, and nothing is carried out: "
+                         "no signal, control.json, stop, relaunch, rollback or pause. The run is never touched.")] = False,
     report: Annotated[bool, typer.Option(help="Write report.html and report.png into the run dir.")] = True,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
@@ -249,7 +253,7 @@ def run_cmd(
             controller={"restart_budget": restart_budget, "oom_retry_budget": oom_retries,
                         "heartbeat_min_s": heartbeat_min, "startup_timeout_s": startup_timeout,
                         "tuning_relaunch_every": tuning_relaunch_every, "startup_s": startup_s,
-                        "on_escalate": on_escalate, "pause_timeout_s": pause_timeout},
+                        "on_escalate": on_escalate, "pause_timeout_s": pause_timeout, "advise": advise},
             actuator={"live_timeout_s": live_timeout, "stop_grace_s": stop_grace},
             metrics_port=metrics_port, crash_hook=_crash_hook(), webhook_url_file=webhook_url_file,
             exclusive=True,
@@ -266,6 +270,8 @@ def run_cmd(
         console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc
     console.print(Text.assemble("watchdog: run ", (ctl.run.run_id, "bold"), f" in {rd} (state {wd.store.path})"))
+    if advise:
+        console.print("advise mode: every decision is said as what the watchdog would do; nothing is carried out")
     try:
         wd.serve_forever(tick, until_done=True, stop=stop.event)
     except KeyboardInterrupt:  # a second signal while the scheduler was finishing its tick
@@ -276,7 +282,7 @@ def run_cmd(
     wd.close(withdraw_targets=True)
     run = wd.store.require_run(ctl.run.run_id)
     decisions = wd.store.decisions(run.run_id)
-    _print_history(decisions, title=f"What the watchdog did in run {run.run_id}")
+    _print_history(decisions, title=f"What the watchdog {'would have done' if advise else 'did'} in run {run.run_id}")
     console.print(Text.assemble("phase ", (str(run.phase), "bold"), f", last step {run.last_step}, restarts "
                                 f"{run.restarts}, OOM retries {run.oom_retries}, control version {run.control_version}"))
     verdict = next((j.result.get("outcome", "") for j in reversed(wd.store.journal(run.run_id))

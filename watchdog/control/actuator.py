@@ -105,11 +105,15 @@ def choose_known_good(checkpoints: Sequence[Any], spans: Sequence[BadSpan]) -> A
 
 def alert_payload(
     run_id: str, rule: str, severity: str, summary: str, description: str,
-    status: str = "firing", now: float | None = None, external_url: str = "",
+    status: str = "firing", now: float | None = None, external_url: str = "", advised: bool = False,
 ) -> dict[str, Any]:
-    """One alert in Alertmanager's webhook format (version 4), so existing receivers take it as is."""
+    """One alert in Alertmanager's webhook format (version 4), so existing receivers take it as is.
+    ``advised``: what the watchdog would have done in advise mode (label ``mode="advise"``, so a receiver
+    can route it apart)."""
     ts = datetime.fromtimestamp(now if now is not None else time.time(), tz=timezone.utc)
     labels = {"alertname": "PPOWatchdogEscalation", "run": run_id, "rule": rule, "severity": severity or "critical"}
+    if advised:
+        labels["mode"] = "advise"
     fingerprint = hashlib.sha256(json.dumps(labels, sort_keys=True).encode()).hexdigest()[:16]
     alert = {
         "status": status,
@@ -242,6 +246,8 @@ class RunHandle:
     dialect: Dialect = None  # type: ignore[assignment]  # set in __post_init__
     """How the trainer speaks (:mod:`ppo_watchdog.backends.dialect`): the protocol, or the zero-patch glue of
     an unmodified verl run."""
+    advise: bool = False
+    """Advise mode: every entry is said as what would be done and none is carried out (:meth:`Actuator.drive`)."""
     on_live_timeout: Callable[[ActionRecord, str], int | None] = field(default=lambda entry, message: None)
     """A live change the running trainer did not apply in time: the controller's restart instead
     (counted against its restart budget); returns its journal id, None when the budget is spent."""
@@ -418,7 +424,16 @@ class Actuator:
     # -- journal driving -------------------------------------------------------------
 
     def drive(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
-        """Advance one journal entry by one phase."""
+        """Advance one journal entry by one phase (in advise mode: say it as what would be done, do nothing)."""
+        if h.advise:
+            # The one gate of advise mode: every action of the watchdog reaches the run through a journal
+            # entry driven here, so nothing past this line is reached, and no backend needs to know.
+            try:
+                self._advise(h, entry, now)
+            except Exception as exc:  # recorded and the loop goes on, as a failed action is
+                log.exception("%s: advice %d (%s) failed", h.run.run_id, entry.id, entry.kind)
+                self._finish(h, entry, "failed", error=f"{type(exc).__name__}: {exc}")
+            return
         handler = getattr(self, f"_drive_{entry.kind}", None)
         if handler is None:
             self._finish(h, entry, "failed", error=f"unknown action kind {entry.kind!r}")
@@ -448,6 +463,43 @@ class Actuator:
         # Counted and annotated once the entry's new status is committed (a confirmation read inside a tick
         # that is then undone is read and confirmed again: said once, not twice).
         self.store.after_commit(lambda: self._on_action(run, rule, kind, outcome))
+
+    # -- advise mode --------------------------------------------------------------------
+
+    def _advise(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
+        """Close ``entry`` as advised: its outcome says what would be done ("would roll back to step 55 ..."),
+        said on the console and to the webhook (the notifier's alert, labelled ``mode="advise"``), counted and annotated as ``advised``. Nothing reaches the run:
+        no control.json, no signal, no stop, no launch. What is read to say it (the checkpoint a rollback would
+        go to) is read as the real action would read it."""
+        p = entry.payload
+        would = advice_text(entry.kind, p, self._advised_checkpoint(h, entry), h.dialect.live)
+        alive = h.proc is not None and h.proc.alive()
+        if entry.kind in (JournalKind.RESTART, JournalKind.ROLLBACK) and h.run.managed and not alive \
+                and h.run.phase not in (Phase.FINISHED, Phase.STOPPED, Phase.FAILED):
+            # The trainer has ended (a crash, an OOM) and advise mode relaunches nothing: the run is over.
+            h.run.phase = Phase.FAILED
+            self.store.update_run(h.run.run_id, phase=Phase.FAILED)
+            would += "; advise mode: the trainer has ended and nothing relaunches it"
+        summary = str(p.get("summary") or "") if entry.kind == JournalKind.NOTIFY else ""
+        description = str(p.get("description") or p.get("reason") or p.get("verdict") or "")
+        sent = self.notifier.notify(alert_payload(
+            h.run.run_id, str(p.get("rule", "")), str(p.get("severity") or "warning"), f"advise: {would}",
+            description or summary, now=now, advised=True))
+        self.store.update_action(entry.id, status=ActionStatus.ADVISED, result={**entry.result, "outcome": would,
+                                                                              "announced": sent})
+        entry.status, entry.result = ActionStatus.ADVISED, {**entry.result, "outcome": would, "announced": sent}
+        if entry.decision_id is not None:
+            self.store.settle_decision(entry.decision_id)
+        run, rule, kind = h.run.run_id, p.get("rule", ""), entry.kind
+        self.store.after_commit(lambda: self._on_action(run, rule, kind, ActionStatus.ADVISED.value))
+
+    def _advised_checkpoint(self, h: RunHandle, entry: ActionRecord) -> Any | None:
+        """The checkpoint a relaunch of ``entry`` would resume from (read, nothing moved or kept)."""
+        if entry.kind == JournalKind.ROLLBACK:
+            return self._resolve_checkpoint(h, "known_good")
+        if entry.kind == JournalKind.RESTART and entry.payload.get("resume") != "scratch":
+            return self._resolve_checkpoint(h, str(entry.payload.get("resume", "latest")))
+        return None
 
     def _drive_live_set(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
         if not h.dialect.live and entry.status == ActionStatus.INTENT:
@@ -711,6 +763,41 @@ class Actuator:
         """Micro-batch sizes must divide their share of the batch (each data-parallel rank's, for verl);
         round down to one that does."""
         return snap_sets(sets, run_config(h.run.run_dir), run_world_size(h.run.run_dir))
+
+
+def _sets_text(sets: Mapping[str, Any], old: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" + (f" (from {old[k]!r})" if old.get(k) is not None else "") for k, v in sets.items())
+
+
+def advice_text(kind: str, payload: Mapping[str, Any], checkpoint: Any | None, live: bool = True) -> str:
+    """What a journal entry would do, in words ("would roll back to step 55 ..."): advise mode's outcome."""
+    sets = payload.get("set") or {}
+    then = f", then set {_sets_text(sets, payload.get('from') or {})}" if sets else ""
+    skip = int(payload.get("skip_batches") or 0)
+    skipped = f", skipping {skip} batch{'es' if skip != 1 else ''}" if skip else ""
+    why = f" ({payload['reason']})" if payload.get("reason") else ""
+    if kind == JournalKind.ROLLBACK:
+        if checkpoint is None:
+            return f"would restart from the start (no known-good checkpoint){then}"
+        return f"would roll back to step {checkpoint.step} (the last known-good checkpoint){skipped}{then}"
+    if kind == JournalKind.RESTART:
+        where = ("the start" if payload.get("resume") == "scratch" or checkpoint is None
+                 else f"step {checkpoint.step}")
+        with_sets = f" with {_sets_text(sets, payload.get('from') or {})}" if sets else ""
+        return f"would restart from {where}{with_sets}{why}"
+    if kind == JournalKind.LIVE_SET:
+        how = "live (a new control.json version)" if live else "by restart from the latest checkpoint"
+        return f"would set {_sets_text(sets, payload.get('from') or {})} {how}"
+    if kind in (JournalKind.COMMAND, JournalKind.RESUME):
+        cmd = str((payload.get("command") or {}).get("kind") or kind)
+        reason = f": {payload['reason']}" if payload.get("reason") else ""
+        return {"pause": f"would pause the run for a human{reason}", "resume": "would resume the run",
+                "checkpoint": "would ask the trainer for a checkpoint"}.get(cmd, f"would send the command {cmd}")
+    if kind == JournalKind.STOP:
+        return f"would stop the run: {payload.get('verdict', 'escalated')}"
+    if kind == JournalKind.NOTIFY:
+        return f"would alert: {payload.get('summary', '')}".rstrip(": ")
+    return f"would carry out a {kind}"
 
 
 def _steps_lost(trained_to: int | None, resume_step: int | None) -> int:

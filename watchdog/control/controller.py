@@ -114,6 +114,10 @@ class ControllerConfig:
     """What a pause for a human becomes: pause (wait for `watchdog resume`), stop (end with a verdict), continue."""
     pause_timeout_s: float | None = None
     """A run paused for a human this long with nobody resuming it is stopped with a verdict (None: wait)."""
+    advise: bool = False
+    """Advise mode: every decision is made, priced, journaled and announced, worded as what the watchdog would
+    do, and none is carried out (no signal, control.json, stop, relaunch, rollback or pause): the run is never
+    touched (``watchdog run --advise``; the daemon's ``advise: true``)."""
 
     def __post_init__(self) -> None:
         check_finite(self)
@@ -317,7 +321,7 @@ class RunController:
         self.setup = setup if setup is not None else _RunSetup.read(run.run_dir)
         """run.json as this attach read it, and the mode, dialect and checkpoint directory that follow."""
         self.h = RunHandle(run, backend=backend, dialect=self.setup.dialect(run_id),
-                           on_live_timeout=self._on_live_timeout)
+                           on_live_timeout=self._on_live_timeout, advise=self.config.advise)
         from ppo_watchdog.sources.ingest import RunTailer
 
         saved = store.load_engine_state(run_id) or {}
@@ -970,15 +974,34 @@ class RunController:
                                                     "loses the steps since the last one)")
             return
         if p.relaunch:
-            self._rewind_pending = True
+            self._expect_relaunch()
             payload = self._absorb_waiting(payload)
         aid = self.store.add_action(self.run.run_id, p.kind, payload, decision_id=did)
         if p.kind == "command":
             self.store.update_action(aid, payload={**payload, "command": {**payload["command"], "id": f"c{aid}"}})
         if p.relaunch:
             self._settle_absorbed(aid)
-        if payload.get("pause"):
+        if payload.get("pause") and not self.h.advise:  # (advise mode: the run is not paused, it trains on)
             self._set_phase(Phase.ESCALATED if escalation else Phase.PAUSED)
+
+    def _expect_relaunch(self, counter: str | None = None) -> None:
+        """The run's record as a relaunch just journaled leaves it: the steps from now on are the abandoned
+        timeline's until the trainer shows it went back, and a restart counts against ``counter``'s budget.
+
+        In advise mode nothing relaunches, so none of that is true and the record stays as it is: the rules'
+        state, by contrast, evolves exactly as it would live (a fire counts against its rule's cooldown and
+        budget whether or not its action is carried out), so advice is given once per fire, as live, and the
+        decisions are those ``watchdog replay`` gives on the same logs. A trainer that stays hung is advised
+        again once per heartbeat timeout (its clock starts again here), never every tick, and never given up."""
+        if self.h.advise:
+            if counter is not None:
+                self.run.last_progress_ts = time.time()
+            return
+        self._rewind_pending = True
+        if counter is not None:
+            setattr(self.run, counter, getattr(self.run, counter) + 1)
+            self.store.update_run(self.run.run_id, **{counter: getattr(self.run, counter)}, phase=Phase.RESTARTING)
+            self.run.phase = Phase.RESTARTING
 
     # -- deferred tuning relaunches -------------------------------------------------------
 
@@ -1041,7 +1064,7 @@ class RunController:
         for w in rel.carry[1:]:
             self._close(w.id, "done", f"merged into the tuning relaunch of journal {first.id}")
         self._last_tuning_clock = self.state.clock
-        self._rewind_pending = True
+        self._expect_relaunch()
         log.info("%s: %s", self.run.run_id, payload["reason"])
 
     def _drop(self, dropped: Sequence[Waiting]) -> None:
@@ -1238,10 +1261,7 @@ class RunController:
             payload = self._absorb_waiting({"rule": RULE_OOM, "resume": "latest", "set": sets, "reason": "oom",
                                             "cost": self.cost_model().relaunch(self._steps_since_checkpoint()).to_json()})
             self._settle_absorbed(self.store.add_action(self.run.run_id, "restart", payload, decision_id=did))
-            self.run.oom_retries += 1
-            self._rewind_pending = True
-            self.store.update_run(self.run.run_id, oom_retries=self.run.oom_retries, phase=Phase.RESTARTING)
-            self.run.phase = Phase.RESTARTING
+            self._expect_relaunch("oom_retries")
 
     def _on_crash(self, rule: str, message: str, inputs: dict[str, Any], resume: str = "known_good") -> int | None:
         """A restart counted against the restart budget (a crash, a hang, a live change not applied);
@@ -1259,10 +1279,7 @@ class RunController:
                                             "cost": self.cost_model().relaunch(self._steps_since_checkpoint()).to_json()})
             rid = self.store.add_action(self.run.run_id, "restart", payload, decision_id=did)
             self._settle_absorbed(rid)
-            self.run.restarts += 1
-            self._rewind_pending = True
-            self.store.update_run(self.run.run_id, restarts=self.run.restarts, phase=Phase.RESTARTING)
-            self.run.phase = Phase.RESTARTING
+            self._expect_relaunch("restarts")
         return rid
 
     def _on_live_timeout(self, entry: ActionRecord, message: str) -> int | None:

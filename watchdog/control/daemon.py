@@ -146,6 +146,9 @@ class RunSpec:
     on_escalate: str | None = None
     """When this run needs a human: pause | stop | continue (default: the daemon's ``controller.on_escalate``,
     itself pause: a daemon has a human to page)."""
+    advise: bool | None = None
+    """Advise mode for this run: decide and announce what would be done, carry out nothing (default: the
+    daemon's ``advise``)."""
 
     def shard_key(self) -> str:
         """What this run's shard is decided on: the id the daemon gives it, ``id`` else the directory's name
@@ -188,6 +191,9 @@ class DaemonConfig:
     grafana_url: str | None = None
     """Grafana for an annotation per action on the "PPO run" dashboard (default: $GRAFANA_URL; token from
     $GRAFANA_TOKEN_FILE or $GRAFANA_TOKEN, never from this file)."""
+    advise: bool = False
+    """Advise mode for every run (a run's own ``advise`` wins): each decision is made, priced, journaled and
+    announced as what the watchdog would do, and none is carried out; the runs are never touched."""
     shards: int = 1
     """Daemon processes sharing the runs (1 .. 256), all on the one state database: for more runs than one
     core ticks in time. The process started is shard 0 and starts shards 1..N-1 as its children; each run is
@@ -419,7 +425,7 @@ class Watchdog:
                 ray_token_file: Path | str | None = None, source: SourceConfig | None = None,
                 mode: str | None = None,
                 run_metrics_port: int | None = None, retry_ended: bool = True,
-                on_escalate: str | None = None) -> RunController:
+                on_escalate: str | None = None, advise: bool | None = None) -> RunController:
         """Register (or take back from the store) a run and build its controller.
 
         ``ray_address``: launch the trainer as Ray Jobs on that cluster instead of as a local process.
@@ -432,7 +438,8 @@ class Watchdog:
         ``retry_ended``: a run that finished or was given up is launched again (``watchdog run``
         on the same directory: the user asks for a new attempt); the daemon passes False, so
         restarting the daemon does not relaunch the runs of its config that already ended.
-        ``on_escalate``: this run's escalation policy (default: the controller config's)."""
+        ``on_escalate``: this run's escalation policy (default: the controller config's).
+        ``advise``: this run in advise mode, or not (default: the controller config's ``advise``)."""
         try:
             run_dir = Path(run_dir).resolve()
         except (OSError, RuntimeError) as exc:  # (Python 3.11's resolve raises RuntimeError on a symlink loop)
@@ -453,7 +460,7 @@ class Watchdog:
         held = self._hold_run_dir(run_dir, existing, managed and bool(command)) if self.exclusive else None
         try:
             ctl = self._add_run(run_dir, run_id, existing, command, managed, ray_address, ray_token_file, source,
-                                mode, run_metrics_port, retry_ended, on_escalate)
+                                mode, run_metrics_port, retry_ended, on_escalate, advise)
         except BaseException:
             if held is not None:
                 held.release()
@@ -465,7 +472,7 @@ class Watchdog:
     def _add_run(self, run_dir: Path, run_id: str, existing: RunRecord | None, command: Sequence[str] | None,
                  managed: bool, ray_address: str | None, ray_token_file: Path | str | None,
                  source: SourceConfig | None, mode: str | None, run_metrics_port: int | None, retry_ended: bool,
-                 on_escalate: str | None) -> RunController:
+                 on_escalate: str | None, advise: bool | None = None) -> RunController:
         # The one read of run.json for this attach (or the one write, for mode verl): the mode, dialect,
         # checkpoint directory and the trainer to adopt all come from this RunSetup, handed down.
         if mode is not None:
@@ -489,8 +496,11 @@ class Watchdog:
             self.store.update_run(run_id, phase=Phase.NEW, command=list(command), restarts=0, oom_retries=0)
         elif command and existing.command != list(command):
             self.store.update_run(run_id, command=list(command))
-        config = self.controller_config if on_escalate is None else replace(self.controller_config,
-                                                                             on_escalate=on_escalate)
+        config = self.controller_config
+        if on_escalate is not None:
+            config = replace(config, on_escalate=on_escalate)
+        if advise is not None:
+            config = replace(config, advise=advise)
         ctl = RunController(self.store, run_id, self.rules, self.actuator, config, self.telemetry,
                             backend, source=make_source(source, run_dir, run_id, self.telemetry), setup=setup)
         self.controllers[run_id] = ctl
@@ -972,7 +982,8 @@ def prepare_daemon(cfg: DaemonConfig, exclusive: bool = True, shard: int | None 
     """
     if exclusive:
         _raise_fd_limit(len(cfg.runs) + 256)
-    wd = build_watchdog(cfg.state_dir, cfg.rules, cfg.webhook_url, cfg.controller, cfg.actuator,
+    controller = {**cfg.controller, "advise": True} if cfg.advise else cfg.controller
+    wd = build_watchdog(cfg.state_dir, cfg.rules, cfg.webhook_url, controller, cfg.actuator,
                         cfg.metrics_port, cfg.metrics_addr, grafana_url=cfg.grafana_url,
                         webhook_url_file=cfg.webhook_url_file, exclusive=exclusive, shard=shard)
     wd._adopting = True
@@ -1009,7 +1020,8 @@ def _add_spec(wd: Watchdog, cfg: DaemonConfig, spec: RunSpec) -> RunController:
     cmd = spec.restart_command
     ctl = wd.add_run(spec.run_dir, spec.id, cmd, managed=bool(cmd), ray_address=spec.ray_address,
                      ray_token_file=spec.ray_token_file, source=cfg.source_for(spec), mode=spec.mode,
-                     run_metrics_port=spec.run_metrics_port, retry_ended=False, on_escalate=spec.on_escalate)
+                     run_metrics_port=spec.run_metrics_port, retry_ended=False, on_escalate=spec.on_escalate,
+                     advise=spec.advise)
     if cmd and ctl.run.phase == Phase.NEW and spec.ray_address:
         # run.json's pid is a process on the Ray head, not one this machine can watch: its job id.
         _adopt_ray_job(wd, ctl)

@@ -9,7 +9,7 @@ doubling an action:
 - ``rule_states``: the rules engine's serialised state (cooldowns, budgets, pending
   counters) with its version.
 - ``decisions``: every decision with its inputs, its status (pending / applied / failed /
-  skipped) and its outcome, the audit log ``watchdog history`` prints.
+  skipped / advised) and its outcome, the audit log ``watchdog history`` prints.
 - ``journal``: the actions journal. An action's intent is written (in the same
   transaction as the decision and the engine state) before it is carried out and marked
   done only after confirmation; a restarted watchdog re-drives open entries, which are
@@ -47,7 +47,7 @@ from ppo_watchdog.core.vocabulary import (
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 _JOURNAL_TABLE = """
 CREATE TABLE IF NOT EXISTS journal (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -55,13 +55,34 @@ CREATE TABLE IF NOT EXISTS journal (
     decision_id INTEGER,
     kind TEXT NOT NULL,
     payload TEXT NOT NULL DEFAULT '{}',
-    status TEXT NOT NULL CHECK (status IN ('intent', 'sent', 'waiting', 'done', 'failed', 'dropped')),
+    status TEXT NOT NULL CHECK (status IN ('intent', 'sent', 'waiting', 'done', 'failed', 'dropped', 'advised')),
     control_version INTEGER,
     deadline REAL,
     result TEXT NOT NULL DEFAULT '{}',
     created REAL NOT NULL,
     updated REAL NOT NULL
 )"""
+_DECISIONS_TABLE = """
+CREATE TABLE IF NOT EXISTS decisions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    rule TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    severity TEXT NOT NULL DEFAULT '',
+    message TEXT NOT NULL DEFAULT '',
+    actions TEXT NOT NULL DEFAULT '[]',
+    inputs TEXT NOT NULL DEFAULT '{}',
+    status TEXT NOT NULL CHECK (status IN ('pending', 'applied', 'failed', 'skipped', 'advised')),
+    outcome TEXT NOT NULL DEFAULT '',
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
+    signals TEXT NOT NULL DEFAULT '{}'
+)"""
+_JOURNAL_COLUMNS = ("id, run_id, decision_id, kind, payload, status, control_version, deadline, result, created,"
+                    " updated")
+_DECISION_COLUMNS = ("id, run_id, step, rule, kind, severity, message, actions, inputs, status, outcome, created,"
+                     " updated, signals")
 #: What brings a database of version N-1 to version N, applied in the opening transaction.
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN job_id TEXT",),  # the Ray Job a run's trainer runs as
@@ -85,6 +106,20 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     # take the first's record and tail the first's files). Fails, naming both, if a v3 state has one
     # directory under two run ids.
     4: ("CREATE UNIQUE INDEX IF NOT EXISTS runs_dir ON runs (run_dir)",),
+    # Advise mode: decisions and journal entries gain 'advised' (said as what would be done, never done);
+    # SQLite changes a CHECK only by rebuilding its table.
+    5: (
+        "ALTER TABLE journal RENAME TO journal_v4",
+        _JOURNAL_TABLE,
+        f"INSERT INTO journal ({_JOURNAL_COLUMNS}) SELECT {_JOURNAL_COLUMNS} FROM journal_v4",
+        "DROP TABLE journal_v4",
+        "CREATE INDEX IF NOT EXISTS journal_open ON journal (run_id, status)",
+        "ALTER TABLE decisions RENAME TO decisions_v4",
+        _DECISIONS_TABLE,
+        f"INSERT INTO decisions ({_DECISION_COLUMNS}) SELECT {_DECISION_COLUMNS} FROM decisions_v4",
+        "DROP TABLE decisions_v4",
+        "CREATE INDEX IF NOT EXISTS decisions_run ON decisions (run_id, step)",
+    ),
 }
 _INDEXES = (
     # A decision's journal entries, read each time one of them ends (settle_decision): without it each read
@@ -161,22 +196,7 @@ CREATE TABLE IF NOT EXISTS control_versions (
     applied_ts REAL,
     PRIMARY KEY (run_id, version)
 );
-CREATE TABLE IF NOT EXISTS decisions (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    run_id TEXT NOT NULL,
-    step INTEGER NOT NULL,
-    rule TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    severity TEXT NOT NULL DEFAULT '',
-    message TEXT NOT NULL DEFAULT '',
-    actions TEXT NOT NULL DEFAULT '[]',
-    inputs TEXT NOT NULL DEFAULT '{}',
-    status TEXT NOT NULL CHECK (status IN ('pending', 'applied', 'failed', 'skipped')),
-    outcome TEXT NOT NULL DEFAULT '',
-    created REAL NOT NULL,
-    updated REAL NOT NULL,
-    signals TEXT NOT NULL DEFAULT '{}'
-);
+""" + _DECISIONS_TABLE + """;
 CREATE INDEX IF NOT EXISTS decisions_run ON decisions (run_id, step);
 """ + _JOURNAL_TABLE + """;
 CREATE INDEX IF NOT EXISTS journal_open ON journal (run_id, status);
@@ -913,6 +933,9 @@ class Store:
             self.set_decision(decision_id, "failed", "; ".join(e for e in errors if e) or "failed")
             return "failed"
         outcomes = [json.loads(r["result"]).get("outcome", "") for r in rows]
+        if statuses and all(s == ActionStatus.ADVISED for s in statuses):
+            self.set_decision(decision_id, "advised", "; ".join(o for o in outcomes if o) or "advised")
+            return "advised"
         if statuses and all(s == ActionStatus.DROPPED for s in statuses):
             self.set_decision(decision_id, "skipped", "; ".join(o for o in outcomes if o) or "dropped")
             return "skipped"

@@ -34,12 +34,15 @@ class DecisionKind(Word):
 
 
 class DecisionStatus(Word):
-    """A decision's status. ``skipped``: nothing to do (a resolve, an action already covered, a dropped set)."""
+    """A decision's status. ``skipped``: nothing to do (a resolve, an action already covered, a dropped set).
+    ``advised``: decided in advise mode: its actions were journaled and announced as what the watchdog would
+    do, and none was carried out."""
 
     PENDING = "pending"
     APPLIED = "applied"
     FAILED = "failed"
     SKIPPED = "skipped"
+    ADVISED = "advised"
 
 
 class ActionStatus(Word):
@@ -55,6 +58,8 @@ class ActionStatus(Word):
     FAILED = "failed"
     DROPPED = "dropped"
     """A waiting set whose condition cleared before its relaunch."""
+    ADVISED = "advised"
+    """Advise mode: said as what would be done (its outcome: "would roll back to step 55 ..."), never done."""
 
 
 class JournalKind(Word):

@@ -27,7 +27,8 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("actor/lr", "actor lr"),
     ("actor/reward_kl_penalty_coeff", "kl_coef"),
 )
-_OUTCOME_COLOUR = {"applied": "tab:green", "failed": "tab:red", "pending": "tab:orange", "skipped": "tab:gray"}
+_OUTCOME_COLOUR = {"applied": "tab:green", "failed": "tab:red", "pending": "tab:orange", "skipped": "tab:gray",
+                   "advised": "tab:purple"}
 
 
 class ReportError(ValueError):
