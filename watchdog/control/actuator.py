@@ -485,9 +485,9 @@ class Actuator:
         sent = self.notifier.notify(alert_payload(
             h.run.run_id, str(p.get("rule", "")), str(p.get("severity") or "warning"), f"advise: {would}",
             description or summary, now=now, advised=True))
-        self.store.update_action(entry.id, status=ActionStatus.ADVISED, result={**entry.result, "outcome": would,
-                                                                              "announced": sent})
-        entry.status, entry.result = ActionStatus.ADVISED, {**entry.result, "outcome": would, "announced": sent}
+        result = {**entry.result, "outcome": would, "announced": sent}
+        self.store.update_action(entry.id, status=ActionStatus.ADVISED, result=result)
+        entry.status, entry.result = ActionStatus.ADVISED, result
         if entry.decision_id is not None:
             self.store.settle_decision(entry.decision_id)
         run, rule, kind = h.run.run_id, p.get("rule", ""), entry.kind
