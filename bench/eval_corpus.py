@@ -33,6 +33,7 @@ CORPORA = {"verl_logs": (LOGS / "labels.yaml", "verl"),
            "injected_corpus": (ROOT / "bench" / "corpus_injected" / "labels.yaml", "embedded"),
            # TRL GRPO runs (bench/trl_stability.py): live sets are free there, as in the embedded trainer.
            "trl_corpus": (ROOT / "bench" / "corpus_trl" / "labels.yaml", "embedded"),
+           "trl_regimes": (ROOT / "bench" / "corpus_trl_regimes" / "labels.yaml", "embedded"),
            # Plain runs of the real verl trainer on CPU (bench/make_verl_corpus.py), each in verl's
            # console and FileLogger formats; priced as zero-patch verl.
            "verl_corpus": (ROOT / "bench" / "corpus_verl" / "labels.yaml", "verl")}

@@ -23,6 +23,7 @@ LABELS = LOGS / "labels.yaml"
 CORPUS = ROOT / "bench" / "corpus" / "labels.yaml"
 INJECTED = ROOT / "bench" / "corpus_injected" / "labels.yaml"
 TRL = ROOT / "bench" / "corpus_trl" / "labels.yaml"
+TRL_REGIMES = ROOT / "bench" / "corpus_trl_regimes" / "labels.yaml"
 VERL_CORPUS = ROOT / "bench" / "corpus_verl" / "labels.yaml"
 
 #: A pack with one rule of each consequence, on a metric the tests steer by hand.
@@ -179,12 +180,13 @@ def test_the_default_pack_passes_the_embedded_trainers_own_labelled_corpus() -> 
 
 def test_the_default_pack_rolls_back_every_hostile_trl_run_including_a_collapse_at_its_second_step() -> None:
     # TRL's GRPO logs KL 0 at step 1, so an lr 100x too high collapses at step 2, before any
-    # baseline exists: kl_leap (a per-token KL past 1 nat from the reference) catches it there.
+    # baseline exists: kl_leap (a per-token KL past 1 nat from the reference, still past half a nat on the
+    # next record: one batch's estimate from a few answers can leap alone) catches it at step 3.
     r = CliRunner().invoke(app, ["eval", str(TRL), "--mode", "embedded", "--json"])
     doc = json.loads(r.stdout)
     assert r.exit_code == 0, [(x["file"], x["reason"]) for x in doc["logs"] if not x["passed"]]
     lr_high = [x for x in doc["logs"] if x["file"].startswith("lr_high")]
-    assert lr_high and all(x["detected"]["step"] == 2 and x["detected"]["kind"] == "rollback" for x in lr_high)
+    assert lr_high and all(x["detected"]["step"] <= 3 and x["detected"]["kind"] == "rollback" for x in lr_high)
 
 
 #: What CI holds the default pack to on every labelled corpus (issue 21): every failure caught on
@@ -194,6 +196,7 @@ CORPORA = [pytest.param(LABELS, "verl", marks=needs_logs, id="verl-logs"),
            pytest.param(CORPUS, "embedded", id="embedded"),
            pytest.param(INJECTED, "embedded", id="injected"),
            pytest.param(TRL, "embedded", id="trl"),
+           pytest.param(TRL_REGIMES, "embedded", id="trl-regimes"),
            pytest.param(VERL_CORPUS, "verl", id="real-verl")]
 
 

@@ -46,11 +46,15 @@ class Ref:
         self.steps.append(step)
         if self.size is not None and len(self.steps) > 2 * self.size:
             del self.steps[: len(self.steps) - self.size]
+        # The cadence: the median spacing (the lower middle one) of the last 9 steps kept.
+        tail = self.steps[-9:]
+        gaps = sorted(b - a for a, b in zip(tail, tail[1:], strict=False))
+        self.cadence = max(1, gaps[(len(gaps) - 1) // 2]) if gaps else 1
         self.step = step
 
     def values(self, name: str, n: int, at: int) -> list[float]:
         st, vs = self.series.get(name, [[], []])[:2]
-        return [v for s, v in zip(st, vs, strict=True) if at - n < s <= at]
+        return [v for s, v in zip(st, vs, strict=True) if at - n * self.cadence < s <= at]
 
     def best(self, name: str, at: int) -> tuple[float, int]:
         st, vs, b, b_at = self.series[name]
@@ -93,7 +97,8 @@ def test_same_answers_as_plain_lists(seed: int, size: int | None) -> None:
                 got, want = list(w.values(name, n, at)), ref.values(name, n, at)
                 assert len(got) == len(want) and all(a == b or (a != a and b != b) for a, b in zip(got, want, strict=True))
                 steps, _ = w.points(name, n, at)
-                assert list(steps) == [s for s in ref.series.get(name, [[]])[0] if at - n < s <= at]
+                assert list(steps) == [s for s in ref.series.get(name, [[]])[0] if at - n * ref.cadence < s <= at]
+                assert w.cadence == ref.cadence
             if name in ref.series and ref.series[name][0]:
                 b, b_at = ref.best(name, step)
                 if b == -math.inf:

@@ -109,12 +109,17 @@ class TRLRun:
     """``trainer.metrics_port``: serve /metrics on 127.0.0.1 (0 off, -1 any free port)."""
     num_threads: int = 1
     """``trainer.num_threads``: torch threads (CPU)."""
+    reward: str = "digits"
+    """``trainer.reward``: the toy task's reward, ``digits`` (dense: share of digits + 1 for the right sum) or
+    ``exact`` (1 for the right sum, else 0)."""
     trl: dict[str, Any] = field(default_factory=dict)
     """``trl.<field>=value``: any other GRPOConfig / RLOOConfig field, as TRL names it."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise TRLConfigError(f"trainer.algorithm={self.algorithm!r}: one of {', '.join(ALGORITHMS)}")
+        if self.reward not in ("digits", "exact"):
+            raise TRLConfigError(f"trainer.reward={self.reward!r}: one of digits, exact")
         if not self.model_path:
             raise TRLConfigError("actor_rollout_ref.model.path: required (a local model directory with its tokenizer)")
         for key, value, low in ((ACTOR_LR, self.lr, 0.0), ("actor_rollout_ref.actor.optim.clip_grad", self.clip_grad, 0.0)):
@@ -237,6 +242,7 @@ KEYS: dict[str, str] = {
     "trainer.faults": "faults",
     "trainer.metrics_port": "metrics_port",
     "trainer.num_threads": "num_threads",
+    "trainer.reward": "reward",
 }
 #: Keys a relaunch may carry that mean nothing to a TRL run (the pack sets them for any PPO run):
 #: accepted and ignored, so an OOM remedy's critic micro batch does not make the relaunch fail.

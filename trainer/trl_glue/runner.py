@@ -216,7 +216,7 @@ def launch(run: TRLRun, run_dir: Path, command: list[str], callbacks: Sequence[A
     from ppo_watchdog.protocol.exporter import MetricsExporter
     from ppo_watchdog.trainer.faults import FaultSchedule
     from ppo_watchdog.trainer.trl_glue.callback import FAULT_KINDS, StopRequested, WatchdogCallback, live_keys
-    from ppo_watchdog.trainer.trl_glue.task import digits_reward
+    from ppo_watchdog.trainer.trl_glue.task import REWARDS
     from ppo_watchdog.trainer.verl_glue.boundary import RunRecorder
 
     torch.set_num_threads(max(1, run.num_threads))
@@ -256,7 +256,7 @@ def launch(run: TRLRun, run_dir: Path, command: list[str], callbacks: Sequence[A
     try:
         try:
             cls = trainer_class(run.algorithm)
-            trainer = cls(model=run.model_path, reward_funcs=[digits_reward], args=args, train_dataset=data,
+            trainer = cls(model=run.model_path, reward_funcs=[REWARDS[run.reward]], args=args, train_dataset=data,
                           processing_class=tokenizer, callbacks=[callback, *callbacks])
         except (ValueError, TypeError, OSError) as exc:
             sys.stderr.write(f"config error: {type(exc).__name__}: {exc}\n")

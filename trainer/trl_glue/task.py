@@ -51,3 +51,14 @@ def digits_reward(completions: list[str], answer: list[str] | None = None, **_: 
         right = 1.0 if answer is not None and answer[i] and text.strip().startswith(str(answer[i])) else 0.0
         out.append(share + right)
     return out
+
+
+def exact_reward(completions: list[str], answer: list[str] | None = None, **_: Any) -> list[float]:
+    """1 when a completion starts with the row's ``answer``, else 0: a verifiable reward, as in RL on
+    math. A group whose completions are all right (or all wrong) scores alike: zero GRPO advantage."""
+    return [1.0 if answer is not None and answer[i] and str(text).strip().startswith(str(answer[i])) else 0.0
+            for i, text in enumerate(completions)]
+
+
+#: ``trainer.reward`` -> the reward function.
+REWARDS = {"digits": digits_reward, "exact": exact_reward}

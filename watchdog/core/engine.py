@@ -13,10 +13,13 @@ and ``for`` count steps actually trained, and fires recorded before a rollback s
 count against the budget afterwards, which is how repeated rollbacks escalate.
 
 A run that logs every few steps (TRL's ``logging_steps``, 10 by default) gives one record, one look
-at the run, per logging window: ``for: 5`` spans 5 steps in 2 such records, and two looks are no
-more evidence there than two steps of a run that logs every step. So ``for: N`` also needs the
-condition seen on ``min(N, MIN_LOOKS)`` records in a row (:data:`MIN_LOOKS`): a run that logs every
-step meets it with its N steps, a sparse run waits for its third look.
+at the run, per logging window, and each look is the same kind of evidence as one step of a run that
+logs every step (a chance dip shows on a record as it does on a step). So the engine counts ``for`` at
+the run's cadence (``Window.cadence``, the spacing of its records, as its window functions do): ``for:
+N`` is N records, N steps of a run that logs every step, 10N steps of one that logs every 10. Where
+the spacing is irregular (a missed line, a resume), the condition must still be seen on ``min(N,
+MIN_LOOKS)`` records in a row (:data:`MIN_LOOKS`). Cooldowns, budgets and ``step`` stay in training steps:
+they measure compute spent, not evidence.
 
 A fire over budget (more than ``budget.max`` fires within ``budget.window`` steps)
 becomes an ``escalate`` decision whose actions are the budget's escalation (default:
@@ -407,7 +410,7 @@ def _transition(
         if (
             cond and rule.repeat and rs.last_fire is not None
             and clock > rs.last_fire and clock - rs.last_fire >= rule.cooldown
-            and run_since is not None and _held(rule, clock - run_since + 1, looks)
+            and run_since is not None and _held(rule, clock - run_since, looks, w.cadence)
         ):
             return _fire(rule, rs, w, step, clock, seq, out)
         return rs
@@ -419,15 +422,17 @@ def _transition(
     elif rs.looks != looks:
         rs = replace(rs, looks=looks)
     cooled = rs.last_fire is None or clock - rs.last_fire >= rule.cooldown
-    if _held(rule, clock - rs.since + 1, looks) and cooled:  # type: ignore[operator]
+    if _held(rule, clock - rs.since, looks, w.cadence) and cooled:  # type: ignore[operator]
         return _fire(rule, rs, w, step, clock, seq, out)
     return rs
 
 
-def _held(rule: Rule, steps: int, looks: int) -> bool:
-    """Whether a condition true for ``steps`` steps, on ``looks`` records in a row, meets the rule's ``for``."""
+def _held(rule: Rule, since: int, looks: int, cadence: int) -> bool:
+    """Whether a condition true on every record of the last ``since`` steps (0: seen on this record only),
+    ``looks`` records in a row, meets the rule's ``for`` at the run's ``cadence``: each record stands for
+    ``cadence`` steps, so ``for: N`` is N records whatever the logging interval."""
     need = max(rule.for_, 1)
-    return steps >= need and looks >= min(need, MIN_LOOKS)
+    return since + cadence >= need * cadence and looks >= min(need, MIN_LOOKS)
 
 
 def _fire(rule: Rule, rs: RuleState, w: Window, step: int, clock: int, seq: int, out: list[Decision]) -> RuleState:

@@ -845,7 +845,7 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
                         return v  # type: ignore[no-any-return]
                     sp = cache.get(span)
                 if sp is None:
-                    sp = cache[span] = [*w.locate(name, at - lag, n), None]
+                    sp = cache[span] = [*w.locate(name, at, n, lag), None]
                 v = cache[key] = float(sp[2] - sp[1])
                 return v
 
@@ -866,7 +866,7 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
                             return v  # type: ignore[no-any-return]
                         sp = cache.get(span)
                     if sp is None:
-                        sp = cache[span] = [*w.locate(name, at - lag, n), None]
+                        sp = cache[span] = [*w.locate(name, at, n, lag), None]
                     vals = sp[3]
                     if vals is None:
                         s = sp[0]
@@ -902,7 +902,7 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
                         return v  # type: ignore[no-any-return]
                     sp = cache.get(span)
                 if sp is None:
-                    sp = cache[span] = [*w.locate(name, at - lag, n), None]
+                    sp = cache[span] = [*w.locate(name, at, n, lag), None]
                 s, i, j, _ = sp
                 if i == j:
                     raise MissingDataError(empty)
@@ -935,10 +935,10 @@ def _window_fn(kind: str) -> Callable[[_Compiler, Call], Fn]:
                 v = cache.get(key)
                 if v is not None:
                     return v  # type: ignore[no-any-return]
-            end = at - lag
+            end = at - lag * w.cadence
             sp = cache.get(span)
             if sp is None:
-                sp = cache[span] = [*w.locate(name, end, n), None]
+                sp = cache[span] = [*w.locate(name, at, n, lag), None]
             vals = sp[3]
             if vals is None:
                 s, i, j = sp[0], sp[1], sp[2]
@@ -976,11 +976,11 @@ def _count_compare(node: Call, cmp: Callable[[Any, Any], Any], c: float) -> Fn:
         if w.cache_at != at:
             cache.clear()
             w.cache_at = at
-            sp = cache[span] = [*w.locate(name, at - lag, n), None]
+            sp = cache[span] = [*w.locate(name, at, n, lag), None]
         else:
             sp = cache.get(span)
             if sp is None:
-                sp = cache[span] = [*w.locate(name, at - lag, n), None]
+                sp = cache[span] = [*w.locate(name, at, n, lag), None]
         return cmp(float(sp[2] - sp[1]), c)  # type: ignore[no-any-return]
 
     return f

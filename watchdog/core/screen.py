@@ -16,7 +16,7 @@ an expression means. So a screened evaluation gives the very decisions and state
 How it stays sure:
 
 - Only *regular* runs are screened: evaluated at their newest step, steps consecutive over every window the
-  pack reads, no NaN or inf kept (``Window.nonfinite_steps`` empty). A metric whose series has a gap
+  pack reads and a cadence of one step (``Window.cadence``), no NaN or inf kept (``Window.nonfinite_steps`` empty). A metric whose series has a gap
   (``_Series.steps`` set) is unknown for that run; one that ended before the newest step is read as it is. Anything else (a gap, a NaN, a rewound window) is left whole to the
   closures.
 - Each node's value per run is one of: known (within an error bound ``err``), surely raising
@@ -170,6 +170,7 @@ class _Pass:
             rows = w._rows
             k = min(len(rows), span)
             regular[r] = (k > 0 and at == w.step == rows[-1] and not w.nonfinite_steps and at - rows[-k] == k - 1
+                          and w.cadence == 1
                           and -_EXACT_STEPS < at - span < at < _EXACT_STEPS)
         self.regular = regular
         self.at = np.array([float(at) for _, at, _ in batch])

@@ -22,7 +22,12 @@ holds it under 50 KB; ``bench/bench_rules.py`` reports KB per run). Events are t
 sorted values of long ``median``/``min``/``max`` windows carried across steps (``ppo_watchdog.core.expr``).
 
 Steps, not seconds: every window is "the last N training steps", the unit a training
-engineer reasons in. A step that arrives at or below the newest one (a resumed or rolled
+engineer reasons in, at the run's logging cadence: a run that logs every ``c`` steps (TRL's
+``logging_steps``) has one record, one look, per ``c`` steps, so its windows reach ``c`` times as far
+(``cadence``, the median spacing of its last :data:`CADENCE_GAPS` records): "the 5 steps before" is
+the 5 records before, the same number of looks whether a run logs every step or every 20. A count
+("below every one of the 5 before"), a median or a standard deviation is as good as the number of
+values it reads, not the steps they span. A step that arrives at or below the newest one (a resumed or rolled
 back run rewrites steps) first drops everything recorded at that step and after, so the
 newest line for a step wins and a rolled-back branch does not pollute the windows.
 
@@ -60,6 +65,11 @@ def window_steps(max_window: int) -> int:
     the current step, at most :data:`MAX_WINDOW_STEPS` (a ``for:`` longer than that is counted by
     the engine's state, not read from the window)."""
     return max(1, min(int(max_window) + 1, MAX_WINDOW_STEPS))
+
+
+#: Record spacings the cadence is the median of: enough that one missed or repeated line does not move it,
+#: few enough that a run which changes its logging interval is read at the new one within a few records.
+CADENCE_GAPS = 8
 
 
 _NO_STEP = -(2**63)
@@ -130,6 +140,11 @@ class Window:
         (``RuleSet.metrics``); every value still counts for ``nonfinite()`` and ``sources``."""
         self.step: int | None = None
         """Newest step appended (None before the first)."""
+        self.cadence = 1
+        """Steps between the run's records: the median (the lower middle one) of the spacings of its last
+        :data:`CADENCE_GAPS` + 1 rows (1 before it has two). Every window function's steps are this many steps
+        each (``locate``, ``values``, ``points``, ``steps``)."""
+        self._gaps: array[int] = array("q")
         self.now: dict[str, float] = {}
         """The values of the newest step (``step``) by short name, of the metrics kept: what
         ``value(name)`` gives at that step, read by rules without a bisection (``ppo_watchdog.core.expr``)."""
@@ -197,6 +212,8 @@ class Window:
         if self.step is not None and step <= self.step:
             self._truncate_from(step)
         rows = self._rows
+        if rows:
+            self._gap(step - rows[-1])
         row = self._lo + len(rows)
         rows.append(step)
         size = self.size
@@ -235,6 +252,14 @@ class Window:
         self.now = now  # (with ``step``: a value that failed to convert leaves both as they were)
         self.step = step
 
+    def _gap(self, gap: int) -> None:
+        gaps = self._gaps
+        gaps.append(gap)
+        left = gaps.pop(0) if len(gaps) > CADENCE_GAPS else gap
+        if gap != self.cadence or left != self.cadence:  # (a run at its cadence: nothing to sort)
+            srt = sorted(gaps)
+            self.cadence = max(1, srt[(len(srt) - 1) // 2])
+
     def _unalign(self, s: _Series) -> None:
         a = s.row0 - self._lo
         s.steps = self._rows[a:a + len(s.values)]
@@ -270,6 +295,8 @@ class Window:
                     s.row0 = lo
         del self._rows[:cut]
         self._lo = lo
+        if len(self._rows) <= CADENCE_GAPS:  # (a window of fewer rows than the cadence reads: of those it keeps)
+            self._recount()
         if self.nonfinite_steps:
             first = self._rows[0]
             self.nonfinite_steps = {st for st in self.nonfinite_steps if st >= first}
@@ -295,6 +322,14 @@ class Window:
         del rows[end - self._lo:]
         self.nonfinite_steps = {st for st in self.nonfinite_steps if st < step}
         self.step = rows[-1] if rows else None
+        self._recount()
+
+    def _recount(self) -> None:
+        """The cadence again from the rows kept (after a rewind, or a trim to fewer rows than it reads)."""
+        tail = self._rows[-CADENCE_GAPS - 1:]
+        self._gaps = array("q", [b - a for a, b in zip(tail, tail[1:], strict=False)])
+        gaps = sorted(self._gaps)
+        self.cadence = max(1, gaps[(len(gaps) - 1) // 2]) if gaps else 1
 
     def _step_of(self, s: _Series, k: int) -> int:
         return s.steps[k] if s.steps is not None else self._rows[s.row0 - self._lo + k]
@@ -364,12 +399,12 @@ class Window:
         return sorted(n for n, s in self._series.items() if s.values)
 
     def steps(self, n: int | None = None, at: int | None = None) -> list[int]:
-        """Steps recorded in the last ``n`` steps ending at ``at`` (default: newest)."""
+        """Steps recorded in the last ``n`` steps (at the run's cadence) ending at ``at`` (default: newest)."""
         at = self.step if at is None else at
         if at is None:
             return []
         hi = bisect_right(self._rows, at)
-        lo = 0 if n is None else bisect_right(self._rows, at - n)
+        lo = 0 if n is None else bisect_right(self._rows, at - n * self.cadence)
         return self._rows[lo:hi].tolist()
 
     def value(self, name: str, at: int | None = None) -> float:
@@ -402,20 +437,25 @@ class Window:
         return True
 
     def values(self, name: str, n: int, at: int | None = None) -> Sequence[float]:
-        """Values of ``name`` in the last ``n`` steps ending at ``at``: steps in (at-n, at]."""
+        """Values of ``name`` in the last ``n`` steps ending at ``at``, at the run's cadence: steps in
+        (at - n * cadence, at]."""
         at = self.step if at is None else at
         if at is None:
             return ()
         s, i, j = self.locate(name, at, n)
         return s.values[i:j] if s is not None else ()
 
-    def locate(self, name: str, end: int, n: int) -> tuple[_Series | None, int, int]:
-        """Where the steps in (end - n, end] of ``name`` lie in its series: (the series, first value index, end
-        value index); (None, 0, 0) when it was never logged. The hot path of every window function (``_span``
+    def locate(self, name: str, at: int, n: int, lag: int = 0) -> tuple[_Series | None, int, int]:
+        """Where the ``n`` steps ending ``lag`` steps before ``at`` of ``name`` lie in its series, at the run's
+        cadence ``c``: steps in (at - (lag + n) * c, at - lag * c]; (the series, first value index, end value
+        index), or (None, 0, 0) when it was never logged. The hot path of every window function (``_span``
         inlined; ``ppo_watchdog.core.expr`` caches the answer for the step it evaluates)."""
         s = self._series.get(name)
         if s is None:
             return None, 0, 0
+        c = self.cadence
+        end = at - lag * c
+        n *= c
         steps = s.steps
         if steps is None:
             steps = self._rows
@@ -428,14 +468,14 @@ class Window:
         return s, lo - a, hi - a
 
     def points(self, name: str, n: int, at: int | None = None) -> tuple[Sequence[int], Sequence[float]]:
-        """Steps and values of ``name`` in the last ``n`` steps ending at ``at``."""
+        """Steps and values of ``name`` in the last ``n`` steps (at the run's cadence) ending at ``at``."""
         at = self.step if at is None else at
         s = self._series.get(name)
         if s is None or at is None:
             return (), ()
         steps, a, b = self._span(s)
         hi = bisect_right(steps, at, a, b)
-        lo = bisect_right(steps, at - n, a, hi)
+        lo = bisect_right(steps, at - n * self.cadence, a, hi)
         return steps[lo:hi], s.values[lo - a:hi - a]
 
     def _best_upto(self, s: _Series, at: int) -> tuple[int, float, int]:

@@ -271,13 +271,21 @@ class LogScore:
         return self.label.onset - self.warned.step
 
     @property
-    def healthy_steps(self) -> int:
-        """Steps of this log judged as healthy (:meth:`healthy_at`): all of a healthy run, a failure's before
-        ``onset - 2``."""
-        if self.label.verdict == "healthy":
+    def trained(self) -> int:
+        """Training steps the log spans, from its first step to its last: its records where it logs every
+        step, ten times as many where it logs every 10 (TRL's ``logging_steps``)."""
+        if self.first_step is None or self.last_step is None:
             return self.steps
+        return max(self.steps, self.last_step - self.first_step + 1)
+
+    @property
+    def healthy_steps(self) -> int:
+        """Training steps of this log judged as healthy (:meth:`healthy_at`): all of a healthy run, a failure's
+        before ``onset - 2``."""
+        if self.label.verdict == "healthy":
+            return self.trained
         if self.label.verdict == "failure" and self.label.onset is not None and self.first_step is not None:
-            return max(0, min(self.steps, self.label.onset - EARLY_STEPS - self.first_step))
+            return max(0, min(self.trained, self.label.onset - EARLY_STEPS - self.first_step))
         return 0
 
     def healthy_at(self, step: int) -> bool:
@@ -288,8 +296,8 @@ class LogScore:
 
     @property
     def relaunch_allowance(self) -> int:
-        """Zero-patch relaunches a healthy run may pay: one per 100 steps, at least one."""
-        return max(1, self.steps // 100)
+        """Zero-patch relaunches a healthy run may pay: one per 100 training steps, at least one."""
+        return max(1, self.trained // 100)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -584,7 +592,7 @@ class CorpusScore:
         h_steps = self.healthy_steps
         false = sum(1 for s in self.judged for a in s.acts if a.kind in ("rollback", "pause", "stop", "restart")
                     and s.healthy_at(a.step))
-        hl_steps = sum(s.steps for s in healthy)
+        hl_steps = sum(s.trained for s in healthy)
         return {
             "failures": len(fail), "detected": len(detected),
             "detection_rate": round(len(detected) / len(fail), 3) if fail else None,
