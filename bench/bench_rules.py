@@ -20,7 +20,7 @@ A daemon watching many runs does, every tick and for every run, one ``Window.app
   windows of that many runs hold, divided by the runs.
 
 Usage: ``python bench/bench_rules.py [--rules FILE] [--sizes 1,100,1000,10000] [--profile]``.
-Writes bench/results/rules_bench.json and bench/results/rules_bench.md.
+Writes bench/results/rules_bench.json and .md (``--out DIR``: there).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import pstats
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -123,16 +124,51 @@ class RunSource:
         return {"step": step, "data": data}
 
 
+def commit() -> str:
+    """The checkout's HEAD (short hash), and whether its tracked code differs from it (results aside)."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        changed = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (not a git checkout)"
+    return f"{head} with uncommitted changes" if changed else head
+
+
+def machine() -> str:
+    """The CPU model, its count and the OS: what a figure was measured on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return f"{model or platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}"
+
+
 def provenance(benchmark: str, script: str, argv: list[str] | None) -> dict[str, Any]:
-    """What a result's JSON opens with: what it measures, the command that made it, and when and on what."""
+    """What a result's JSON opens with: what it measures, the command that made it, and when, at which commit
+    and on what."""
     return {
         "benchmark": benchmark,
         "command": " ".join([f"python bench/{script}", *(argv if argv is not None else sys.argv[1:])]),
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": commit(),
+        "machine": machine(),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
         "loadavg": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def provenance_line(d: dict[str, Any], with_command: bool = True) -> str:
+    """A result page's line of where it comes from: command, date, commit and machine (those it records)."""
+    parts = [with_command and f"Command: `{d['command']}`", d.get("date"), d.get("commit") and f"commit {d['commit']}",
+             d.get("machine"), d.get("python") and f"Python {d['python']}",
+             d.get("loadavg") and f"load average at the start {d['loadavg']}"]
+    return "; ".join(str(p) for p in parts if p) + "."
 
 
 def peak_rss_mib() -> float:
@@ -271,8 +307,7 @@ def write_md(doc: dict[str, Any], path: Path) -> None:
         "# Rule engine benchmark",
         "",
         f"Default pack ({doc['rules']} rules, window {doc['results'][0]['window_steps']} steps), "
-        f"one core ({doc['pinned']}), Python {doc['python']}, {doc['date']}; "
-        f"load average at start {doc['loadavg']}. Command: `{doc['command']}`.",
+        f"one core ({doc['pinned']}). {provenance_line(doc)}",
         "",
         f"Runs are screened {doc['screen_chunk']} at a time, as the daemon's read groups "
         "(`ppo_watchdog.core.screen`; fewer than 8 are not); \"unscreened\" is the same cycles with every rule's "
@@ -350,13 +385,8 @@ def main(argv: list[str] | None = None) -> int:
                    f"{at_mem['window_kb_per_run']} KB per run at {at_mem['runs']:,} runs "
                    f"(goal under {GOAL_WINDOW_KB:g} KB), peak RSS {at_mem['peak_rss_mib']} MiB")
     doc = {
-        "benchmark": "default rule pack, one append + one evaluate per run per cycle",
-        "command": " ".join(["python bench/bench_rules.py", *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "python": platform.python_version(),
-        "machine": platform.machine(),
+        **provenance("default rule pack, one append + one evaluate per run per cycle", "bench_rules.py", argv),
         "pinned": pinned,
-        "loadavg": [round(x, 2) for x in os.getloadavg()],
         "data": str(VERL_LOG) if VERL_LOG.exists() else "random walk",
         "rules": len(rules),
         "screen_chunk": args.screen_chunk,

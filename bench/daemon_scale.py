@@ -29,10 +29,15 @@ that figure is left out, said); the daemon's windows
 measured object by object (as bench/bench_rules.py) at each quarter of the hour; Python heap by
 ``tracemalloc`` over the last ``--traced-ticks`` ticks (it slows the process, so not over all).
 
-Usage: ``python bench/daemon_scale.py [--runs 1000] [--hours 1] [--step-s 10] [--tick-s 30]
-[--profile PATH] [--shards N [--together] [--state-per-shard]]``. Writes bench/results/daemon_scale.json
-and .md (``--out DIR``: there); ``--profile`` also runs the ticks after the first two under cProfile and
-writes the top entries (cumulative, then own time) to PATH.
+Usage: ``python bench/daemon_scale.py [--runs 1000] [--hours 1] [--step-s 15] [--tick-s 60]
+[--profile PATH] [--shards N [--together] [--state-per-shard]] [--label NAME]``. Writes
+bench/results/daemon_scale.json and .md (``--label NAME``: daemon_scale_NAME.*; ``--out DIR``: there);
+``--profile`` also runs the ticks after the first two under cProfile and writes the top entries (cumulative,
+then own time) to PATH, the raw stats beside it as .pstats.
+
+``--part NAME`` measures one part of a tick alone instead (``floor``, ``idle``, ``journal``, ``live-set``,
+``instructions``: bench/tick_parts.py says what each is; ``--part NAME --help``: its options), and ``--plot``
+draws bench/results/daemon_ticks.png from the committed results.
 """
 
 from __future__ import annotations
@@ -67,7 +72,14 @@ RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from bench_rules import KEYS_PER_RECORD, base_trajectory, deep_size, peak_rss_mib, provenance  # noqa: E402
+from bench_rules import (  # noqa: E402
+    KEYS_PER_RECORD,
+    base_trajectory,
+    deep_size,
+    peak_rss_mib,
+    provenance,
+    provenance_line,
+)
 
 from ppo_watchdog.control.daemon import DaemonConfig, RunSpec, Watchdog, prepare_daemon  # noqa: E402
 from ppo_watchdog.control.shards import MAX_SHARDS  # noqa: E402
@@ -224,7 +236,23 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--part")
+    pre.add_argument("--plot", action="store_true")
+    early, rest = pre.parse_known_args(argv)
+    if early.part is not None or early.plot:
+        import tick_parts  # (it imports this module's Trainer: not at the top)
+
+        if early.plot:
+            return tick_parts.plot(rest)
+        if early.part not in tick_parts.PARTS:
+            pre.error(f"--part must be one of {', '.join(tick_parts.PARTS)}, got {early.part!r}")
+        return tick_parts.PARTS[early.part](rest)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--part", help="measure one part of a tick alone (floor, idle, journal, live-set, instructions)")
+    ap.add_argument("--plot", action="store_true", help="draw results/daemon_ticks.png from the committed results")
+    ap.add_argument("--label", default="", help="write daemon_scale_LABEL.json and .md (e.g. shards2)")
     ap.add_argument("--runs", type=int, default=1000)
     ap.add_argument("--hours", type=float, default=1.0, help="simulated hours")
     ap.add_argument("--step-s", type=float, default=15.0, help="simulated seconds per training step")
@@ -292,8 +320,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.profile is not None:
         write_profile(m.profile, args.profile, doc)  # type: ignore[arg-type]
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "daemon_scale.json").write_text(json.dumps(doc, indent=2) + "\n")
-    write_md(doc, args.out / "daemon_scale.md")
+    name = f"daemon_scale_{args.label}" if args.label else "daemon_scale"
+    (args.out / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    write_md(doc, args.out / f"{name}.md")
     print(json.dumps({k: v for k, v in doc.items() if k != "windows"}))
     return 0 if doc["on_time"] else 1
 
@@ -553,8 +582,8 @@ def write_md(d: dict[str, Any], path: Path) -> None:
         f"{d['simulated_hours']:g} simulated hour(s): a step every {d['step_s']:g} s per run "
         f"({d['steps_per_run']:,} steps a run, {d['records_total']:,} metric lines of {d['keys_per_record']} keys, "
         f"a checkpoint event every {d['checkpoint_every']} steps), tick every {d['tick_s']:g} s ({d['ticks']} ticks). "
-        f"Ticks driven in a loop on a simulated clock, no sleeps. Python {d['python']}, {d['cpus']} cores shared "
-        f"(load average {d['loadavg']}), {d['date']}. Command: `{d['command']}`.",
+        f"Ticks driven in a loop on a simulated clock, no sleeps. {d['cpus']} cores shared. "
+        f"{provenance_line(d)}",
         "",
         f"The step rate is scaled down (3,600 steps a run, a step a second, would take the simulation over an hour "
         f"on two shared cores; a real PPO step of a large model takes tens of seconds to minutes): a step every "

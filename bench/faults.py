@@ -24,6 +24,8 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 from pathlib import Path
 
+from bench_rules import provenance, provenance_line  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
@@ -123,7 +125,7 @@ def main() -> int:
               "held": sum(ok for ok, _ in runs[node]), "failures": sorted({m for ok, m in runs[node] if not ok})}
              for name, node, promise in chosen]
     only = "".join(f" --only {t!r}" for t in args.only)
-    result = {"command": f"python bench/faults.py --rounds {args.rounds}{only}", "rounds": args.rounds,
+    result = {**provenance("the fault-injection matrix", "faults.py", None), "command": f"python bench/faults.py --rounds {args.rounds}{only}", "rounds": args.rounds,
               "wall_s": round(time.monotonic() - t0, 1), "cells": cells,
               "held": sum(c["held"] for c in cells), "runs": sum(c["runs"] for c in cells)}
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -132,7 +134,7 @@ def main() -> int:
     rows = [f"| {c['cell']} | {c['promise']} | {c['held']}/{c['runs']} | {'; '.join(c['failures'])[:120]} |"
             for c in cells]
     (RESULTS / f"{name}.md").write_text(
-        f"# `{result['command']}`\n\n{result['held']} of {result['runs']} cell runs held their promise "
+        f"# `{result['command']}`\n\n{provenance_line(result, with_command=False)}\n\n{result['held']} of {result['runs']} cell runs held their promise "
         f"({result['wall_s']} s).\n\n| cell | promise | held | failures |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
     print(f"{result['held']}/{result['runs']} held -> {RESULTS / (name + '.md')}")
     return 0 if result["held"] == result["runs"] else 1

@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_rules import provenance, provenance_line  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
@@ -40,14 +42,14 @@ def main() -> int:
         print(f"{name}: {seconds[name]} s", flush=True)
     readers = {target: {"tried": sum(c.values()), "accepted": c["accepted"], "refused_cleanly": c["refused"],
                         "tracebacks": 0} for target, c in sorted(fuzz.COUNTS.items())}
-    result = {"command": f"python bench/fuzz.py --examples {args.examples}", "examples_per_property": args.examples,
+    result = {**provenance("the fuzz suite at length", "fuzz.py", None), "command": f"python bench/fuzz.py --examples {args.examples}", "examples_per_property": args.examples,
               "properties": seconds, "readers": readers, "wall_s": round(time.monotonic() - t0, 1),
               "tried": sum(r["tried"] for r in readers.values())}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "fuzz.json").write_text(json.dumps(result, indent=2) + "\n")
     rows = [f"| {t} | {r['tried']} | {r['accepted']} | {r['refused_cleanly']} | 0 |" for t, r in readers.items()]
     (RESULTS / "fuzz.md").write_text(
-        f"# `{result['command']}`\n\n{result['tried']} inputs in {result['wall_s']} s, no traceback.\n\n"
+        f"# `{result['command']}`\n\n{provenance_line(result, with_command=False)}\n\n{result['tried']} inputs in {result['wall_s']} s, no traceback.\n\n"
         "| reader | inputs | accepted | refused with file and position | tracebacks |\n|---|---|---|---|---|\n"
         + "\n".join(rows) + "\n")
     print(f"{result['tried']} inputs, 0 tracebacks -> {RESULTS / 'fuzz.md'}")

@@ -36,6 +36,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
+from bench_rules import provenance, provenance_line  # noqa: E402
 
 STEPS = 100
 FAULTS = "oom@15,crash@30,hang@45:100000,nan_weights@60,lr_spike@75:x30"
@@ -159,7 +160,8 @@ def main() -> None:
     shutil.rmtree(args.work, ignore_errors=True)
     wd = measure(*run_watchdog(args.work, args.seed))
     base = measure(*run_baseline(args.work, args.seed, limit_s=3 * wd["wall_s"]))
-    doc = {"command": "python bench/goodput.py", "faults": FAULTS, "steps": STEPS, "seed": args.seed,
+    doc = {**provenance("goodput under faults: the watchdog against restart-on-exit", "goodput.py", None),
+           "command": "python bench/goodput.py", "faults": FAULTS, "steps": STEPS, "seed": args.seed,
            "watchdog": wd, "baseline": base}
     (RESULTS / "goodput.json").write_text(json.dumps(doc, indent=2) + "\n")
     rows = ["| | watchdog | baseline (restart on exit) |", "|---|---|---|"]
@@ -171,7 +173,7 @@ def main() -> None:
     for fault in wd["recovery_s"]:
         rows.append(f"| recovery from {fault} (s) | {wd['recovery_s'].get(fault)} | "
                     f"{base['recovery_s'].get(fault, 'never reached')} |")
-    (RESULTS / "goodput.md").write_text(f"# `python bench/goodput.py`\n\nEmbedded default config, {STEPS} steps, "
+    (RESULTS / "goodput.md").write_text(f"# `python bench/goodput.py`\n\n{provenance_line(doc, with_command=False)}\n\nEmbedded default config, {STEPS} steps, "
                                         f"seed {args.seed}, faults `{FAULTS}`.\n\n" + "\n".join(rows) + "\n")
     print("\n".join(rows))
 

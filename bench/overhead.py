@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
+from bench_rules import provenance, provenance_line  # noqa: E402
 
 STEPS = 40
 PING_RULES = """\
@@ -117,7 +118,8 @@ def main() -> None:
         print(pairs[-1], flush=True)
     overhead = statistics.median(p["overhead"] for p in pairs)
     react = reaction(args.work, 1)
-    doc = {"command": "python bench/overhead.py", "steps": STEPS, "pairs": pairs, "median_overhead": overhead,
+    doc = {**provenance("step time alone and watched; decision to applied", "overhead.py", None),
+           "command": "python bench/overhead.py", "steps": STEPS, "pairs": pairs, "median_overhead": overhead,
            "reaction": react,
            "reaction_median_steps": statistics.median(r["steps"] for r in react) if react else None,
            "reaction_max_steps": max((r["steps"] for r in react), default=None),
@@ -125,7 +127,7 @@ def main() -> None:
     (RESULTS / "overhead.json").write_text(json.dumps(doc, indent=2) + "\n")
     rows = ["| seed | median step alone (s) | median step watched (s) | overhead |", "|---|---|---|---|"]
     rows += [f"| {p['seed']} | {p['alone_s']} | {p['watched_s']} | {100 * p['overhead']:+.1f}% |" for p in pairs]
-    text = (f"# `python bench/overhead.py`\n\nEmbedded default config, {STEPS} steps, 1 s tick, default pack. "
+    text = (f"# `python bench/overhead.py`\n\n{provenance_line(doc, with_command=False)}\n\nEmbedded default config, {STEPS} steps, 1 s tick, default pack. "
             f"Median overhead over {len(pairs)} pairs: **{100 * overhead:+.1f}%**. The pairs spread from "
             f"{100 * min(p['overhead'] for p in pairs):+.1f}% to {100 * max(p['overhead'] for p in pairs):+.1f}%: "
             "that is how much the same seed's step time moves from run to run on this machine, so an "

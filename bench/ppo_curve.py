@@ -34,6 +34,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench_rules import provenance  # noqa: E402
+
 from ppo_watchdog.protocol import rundir  # noqa: E402
 from ppo_watchdog.trainer.config import Config  # noqa: E402
 
@@ -201,7 +203,8 @@ def main() -> None:
             results[name] = run(name, CONFIGS[name], args.steps, Path(tmp))
             sys.stdout.write(f"{name}: {json.dumps(results[name]['summary'])}\n")
             sys.stdout.flush()
-    doc = {"command": "python bench/ppo_curve.py " + " ".join(sys.argv[1:]), "kl_threshold": KL_THRESHOLD,
+    doc = {**provenance("training curves of the embedded trainer, default and bad configs", "ppo_curve.py", None),
+           "command": "python bench/ppo_curve.py " + " ".join(sys.argv[1:]), "kl_threshold": KL_THRESHOLD,
            "results": results}
     (args.out / "ppo_curve.json").write_text(json.dumps(doc, indent=1) + "\n")
     if "default" in results:

@@ -37,6 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 sys.path.insert(0, str(ROOT))
+from bench_rules import provenance, provenance_line  # noqa: E402
 
 #: family -> (trainer overrides, fault schedule, what it is). The embedded trainer's defaults: lr
 #: 2e-4, kl_coef 0.1, entropy_coeff 0.05, 128 prompts a step.
@@ -284,10 +285,11 @@ def main() -> None:
     summary = summarize(results)
     stem = RESULTS / ("stability_quick" if args.quick else "stability")
     command = "python bench/stability.py" + (" --quick" if args.quick else "")
-    doc = {"command": command, "steps": args.steps, "seeds": seeds, "wall_s": round(time.time() - t0, 1),
+    doc = {**provenance("recovery of hostile runs, alone and watched", "stability.py", None),
+           "command": command, "steps": args.steps, "seeds": seeds, "wall_s": round(time.time() - t0, 1),
            "summary": summary, "runs": [asdict(r) for r in results]}
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(f"# `{command}`\n\n{len(results)} runs of {args.steps} steps, seeds "
+    stem.with_suffix(".md").write_text(f"# `{command}`\n\n{provenance_line(doc, with_command=False)}\n\n{len(results)} runs of {args.steps} steps, seeds "
                                        f"{seeds}, {doc['wall_s'] / 60:.0f} min on 2 cores.\n\n{table(summary)}\n")
     plot(summary, stem.with_suffix(".png"))
     print(table(summary))

@@ -44,6 +44,7 @@ RESULTS = ROOT / "bench" / "results"
 CORPUS = ROOT / "bench" / "corpus_trl"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from bench_rules import provenance, provenance_line  # noqa: E402
 from stability import wilson  # noqa: E402
 
 #: family -> (entry-point overrides, what it is). The healthy baseline: lr 1e-4, beta 0.04, no entropy bonus,
@@ -263,7 +264,8 @@ def main() -> None:
     keep_corpus(args.work)
     summary = summarize(results)
     command = "python bench/trl_stability.py" + (f" --seeds {args.seeds}" if args.seeds != 3 else "")
-    doc = {"command": command, "steps": STEPS, "seeds": seeds, "start_accuracy": start_acc,
+    doc = {**provenance("recovery of hostile TRL runs, alone and watched", "trl_stability.py", None),
+           "command": command, "steps": STEPS, "seeds": seeds, "start_accuracy": start_acc,
            "wall_s": round(time.time() - t0, 1), "summary": summary, "runs": [asdict(r) for r in results]}
     write_results(doc)
     print(table(summary))
@@ -290,7 +292,7 @@ def write_results(doc: dict) -> None:
     stem = RESULTS / "trl_stability"
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     stem.with_suffix(".md").write_text(
-        f"# `{doc['command']}`\n\n{len(doc['runs'])} TRL GRPO runs of {doc['steps']} steps (tiny local Qwen2 "
+        f"# `{doc['command']}`\n\n{provenance_line(doc, with_command=False)}\n\n{len(doc['runs'])} TRL GRPO runs of {doc['steps']} steps (tiny local Qwen2 "
         f"warm-started to greedy accuracy {doc['start_accuracy']:.2f}), seeds {doc['seeds']}, "
         f"{doc['wall_s'] / 60:.0f} min on 2 cores (shared). Stable: finished, final greedy accuracy at least the "
         f"warm start's - {TOLERANCE}.\n\n{table(doc['summary'])}\n\nPer run (decisions: step:rule:kind, "

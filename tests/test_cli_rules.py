@@ -264,17 +264,40 @@ def test_rules_benchmark_script_writes_its_json_and_table(tmp_path: Path) -> Non
 
 
 @needs_default
-def test_tick_floor_script_adds_the_read_and_the_rules_for_each_split(tmp_path: Path) -> None:
-    doc = _bench("tick_floor.py", "tick_floor", tmp_path, "--runs", "20", "--steps", "2", "--processes", "1,2",
-                 timeout=180)
+def test_daemon_scale_floor_part_adds_the_read_and_the_rules_for_each_split(tmp_path: Path) -> None:
+    doc = _bench("daemon_scale.py", "daemon_scale_floor", tmp_path, "--part", "floor", "--runs", "20", "--steps", "2",
+                 "--processes", "1,2", "--repeats", "3", timeout=180)
+    assert doc["command"].startswith("python bench/daemon_scale.py --part floor --runs 20")
     assert [(r["processes"], r["runs_a_process"]) for r in doc["results"]] == [(1, 20), (2, 10)]
     for r in doc["results"]:
         assert r["read_cpu_ms"] > 0 and r["rules_ms_a_step"] > 0
         assert r["rules_ms"] == pytest.approx(2 * r["rules_ms_a_step"], abs=0.1)
-        assert r["mapped_twice_ms"] > 0  # (the read's mapping of its records: the rules' append maps them again)
-        assert r["floor_ms"] == pytest.approx(r["read_cpu_ms"] + r["rules_ms"] - r["mapped_twice_ms"], abs=0.1)
+        assert r["to_short_ms"] > 0  # (the read's mapping of its records: the rules' append maps them again)
+        assert r["floor_ms"] == pytest.approx(r["read_cpu_ms"] + r["rules_ms"] - r["to_short_ms"], abs=0.1)
         assert r["left_for_the_rest_ms"] == pytest.approx(300.0 - r["floor_ms"], abs=0.1)
-    assert "| 2 | 10 |" in (tmp_path / "tick_floor.md").read_text()
+    assert "| 2 | 10 |" in (tmp_path / "daemon_scale_floor.md").read_text()
+
+
+def test_daemon_scale_idle_journal_and_live_set_parts_write_their_figures(tmp_path: Path) -> None:
+    idle = _bench("daemon_scale.py", "daemon_scale_idle", tmp_path, "--part", "idle", "--runs", "5", "--ticks", "2",
+                  timeout=120)
+    assert (idle["runs"], idle["idle_ticks"]) == (5, 2) and 0 < idle["cpu_ms_p50"] <= idle["cpu_ms_max"]
+    journal = _bench("daemon_scale.py", "daemon_scale_journal", tmp_path, "--part", "journal", "--sizes", "50", "200",
+                     "--settle", "20", timeout=120)
+    assert [r["journal_entries"] for r in journal["rows"]] == [50, 200]
+    assert all(r["settle_ms_p50_indexed"] > 0 and r["settle_ms_p50_without_index"] > 0 for r in journal["rows"])
+    live = _bench("daemon_scale.py", "daemon_scale_live_set", tmp_path, "--part", "live-set", "--n", "20", "--dirs",
+                  "2", "--rounds", "2", timeout=120)
+    assert len(live["parts"]) == 4 and all(len(p["wall_ms_rounds"]) == 2 for p in live["parts"].values())
+    for name in ("idle", "journal", "live_set"):
+        md = (tmp_path / f"daemon_scale_{name}.md").read_text()
+        assert "Command: `python bench/daemon_scale.py --part" in md and "commit " in md
+
+
+def test_daemon_scale_refuses_a_part_it_does_not_have() -> None:
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "daemon_scale.py"), "--part", "tick_floor"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--part must be one of floor, idle, journal, live-set, instructions" in p.stderr
 
 
 def _kernel_shows_frames() -> bool:
@@ -350,11 +373,13 @@ def test_a_missing_default_pack_names_the_override(tmp_path: Path, monkeypatch: 
 
 @needs_default
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed")
-def test_tick_instructions_script_counts_the_ticks_as_the_difference_of_two_callgrind_runs(tmp_path: Path) -> None:
-    doc = _bench("tick_instructions.py", "tick_instructions", tmp_path, "--runs", "2", "--hours", "0.05", timeout=600)
+def test_daemon_scale_instructions_part_counts_the_ticks_as_the_difference_of_two_callgrind_runs(
+        tmp_path: Path) -> None:
+    doc = _bench("daemon_scale.py", "daemon_scale_instructions", tmp_path, "--part", "instructions", "--runs", "2",
+                 "--hours", "0.05", timeout=600)
     counts = doc["instructions"]
     assert counts["with_ticks"] > counts["without_ticks"] > 0
     assert doc["tick_instructions"] == counts["with_ticks"] - counts["without_ticks"]
     assert (doc["ticks"], doc["steps_per_run"]) == (3, 12)  # 0.05 h: three 60 s ticks of four 15 s steps
     assert doc["tick_instructions_per_run_step"] == round(doc["tick_instructions"] / (2 * 12))
-    assert f"{doc['tick_instructions']:,}" in (tmp_path / "tick_instructions.md").read_text()
+    assert f"{doc['tick_instructions']:,}" in (tmp_path / "daemon_scale_instructions.md").read_text()

@@ -57,7 +57,7 @@ def tick_phase(shard: int, shards: int, tick_s: float) -> float:
     """Seconds past each multiple of ``tick_s`` (since the epoch) at which shard ``shard`` of ``shards`` ticks:
     ``shard``/``shards`` of the interval. The shards take turns, as Prometheus spreads its targets' scrapes
     over the interval, instead of all writing to the one state database at the same instant: a tick shorter
-    than its share of the interval waits for no other shard's writes (``bench/results/daemon_shards.md``), but
+    than its share of the interval waits for no other shard's writes (``bench/daemon_scale.py --shards N --together``), but
     for each process's tick at its start. The turns are instants of the wall clock
     (:func:`~ppo_watchdog.control.daemon.tick_trigger`), so a child started again keeps its turn."""
     return tick_s * shard / shards

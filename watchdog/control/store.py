@@ -219,7 +219,7 @@ class _WriterGate:
 
     SQLite lets one connection write at a time; one that finds the lock taken sleeps in its busy handler 1,
     2, 5, 10, 15, 20, 25 ms ... between tries, so a shard waiting on another shard's 20 ms commit wakes at 33
-    ms, and two shards' ticks lost tens of milliseconds a tick that way (bench/results/daemon_shards.md).
+    ms, and two shards' ticks lost tens of milliseconds a tick that way (bench/daemon_scale.py --shards 2 --together).
     Writers of this code take this ``flock`` first and poll it every :data:`GATE_POLL_S`, so a waiting writer
     tries again within 2 ms of the other's commit (polled, not queued: a writer that commits and begins again
     at once may keep it); SQLite's lock stays what decides (a writer without the gate, an older version, waits

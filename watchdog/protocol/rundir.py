@@ -74,7 +74,7 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     """Write bytes to ``path`` via a fsynced temp file in the same directory and a rename.
 
     Plain descriptors, not a buffered file object, and the directory made only when it is missing: the
-    watchdog writes a control.json for each live change, and each costs this (bench/live_set_parts.py).
+    watchdog writes a control.json for each live change, and each costs this (bench/daemon_scale.py --part live-set).
     """
     path = Path(path)
     try:
