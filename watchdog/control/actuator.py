@@ -48,7 +48,7 @@ from ppo_watchdog.backends.local import (
 from ppo_watchdog.control.store import UNWATCHED, ActionRecord, BadSpan, Phase, RunRecord, Store
 from ppo_watchdog.core.planner import clip_bound_sets, config_value, snap_sets
 from ppo_watchdog.core.vocabulary import ActionStatus, JournalKind
-from ppo_watchdog.protocol import hydra, inputs
+from ppo_watchdog.protocol import hydra, inputs, rundir
 from ppo_watchdog.protocol.catalog import (
     CLIP_HIGH_KEY,
     CLIP_LOW_KEY,
@@ -90,6 +90,18 @@ def restart_command(base: Sequence[str], overrides: Mapping[str, Any], resume_pa
     if resume_path and not fresh:
         resume = {RESUME_MODE_KEY: "resume_path", RESUME_PATH_KEY: resume_path}
     return hydra.with_overrides(base, overrides, [hydra.format_override(k, v) for k, v in resume.items()])
+
+
+def launch_command(run_dir: str | Path, base: Sequence[str], overrides: Mapping[str, Any], resume_path: str | None,
+                   fresh: bool = False, once: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) of a launch: :func:`restart_command` plus ``once``, with the run directory in
+    ``$WATCHDOG_RUN_DIR``; where run.json says ``"launch_args": "env"`` (a user's own script, whose argv is
+    its own), the command as it is and the ``key=value`` arguments in ``$WATCHDOG_LAUNCH_ARGS`` instead."""
+    env = {rundir.RUN_DIR_ENV: str(Path(run_dir).resolve())}
+    if RunInfo.read(run_dir).launch_args != "env":
+        return restart_command(base, overrides, resume_path, fresh=fresh) + list(once), env
+    env[rundir.LAUNCH_ARGS_ENV] = json.dumps(restart_command([], overrides, resume_path, fresh=fresh) + list(once))
+    return list(base), env
 
 
 def choose_known_good(checkpoints: Sequence[Any], spans: Sequence[BadSpan]) -> Any | None:
@@ -386,9 +398,10 @@ class Actuator:
         if not h.run.command:
             raise ActuatorError(f"run {h.run.run_id}: no command to launch (a watched run without a restart command)")
         overrides = {**h.run.overrides, **launch_clip_bounds(h.run.run_dir, h.run.overrides)}
-        cmd = restart_command(h.run.command, overrides, resume_path, fresh=fresh) + list(once)
+        cmd, env = launch_command(h.run.run_dir, h.run.command, overrides, resume_path, fresh, once)
         # verl: its file logger, checkpoint dir and KL coefficient carried over; the protocol: as it is.
-        cmd, env = h.dialect.prepare_launch(cmd, h.run.overrides, resume_path)
+        cmd, more = h.dialect.prepare_launch(cmd, h.run.overrides, resume_path)
+        env.update(more or {})
         backend = h.backend or self.backend
         log_path = Path(h.run.run_dir) / self.config.log_name
         if isinstance(backend, LocalBackend):
