@@ -434,6 +434,42 @@ class Actuator:
             return None
         return h.proc.stop(self.config.stop_grace_s)
 
+    def checkpoint_and_stop(self, h: RunHandle, reason: str, wait_s: float, poll_s: float = 0.2) -> tuple[str, int | None]:
+        """Ask the trainer to save a checkpoint and stop (the protocol's ``stop`` command, journaled: it saves at
+        its next step boundary, then exits 0), wait up to ``wait_s`` seconds for it, then stop what is left
+        (:meth:`stop`); a trainer that reads no control.json (an unmodified verl) is stopped at once.
+        Returns (the outcome in words, the trainer's exit code)."""
+        info = RunInfo.read(h.run.run_dir)
+        asks = (h.dialect.live and h.proc is not None and h.proc.alive()
+                and (info.commands is None or "stop" in info.commands))
+        since = time.time()
+        entry = None
+        if asks:
+            payload = {"rule": "watchdog:checkpoint_stop", "reason": reason, "command": {"id": "", "kind": "stop"}}
+            aid = self.store.add_action(h.run.run_id, JournalKind.COMMAND, payload)
+            self.store.update_action(aid, payload={**payload, "command": {"id": f"c{aid}", "kind": "stop"}})
+            entry = self.store.get_action(aid)
+            assert entry is not None
+            self.drive(h, entry, since)  # control.json with the command, then SIGUSR1
+            deadline = time.monotonic() + wait_s
+            while h.proc is not None and h.proc.alive() and time.monotonic() < deadline:
+                time.sleep(poll_s)
+        code = self.stop(h)  # what is left: all of a trainer that cannot be asked, else its stragglers
+        saved = [e.step for e in rundir.iter_events(h.run.run_dir, ["checkpoint"])
+                 if e.ts is not None and e.ts >= since and e.step is not None]
+        latest = self._resolve_checkpoint(h, "latest")
+        resumes = f"resumes from step {latest.step}" if latest is not None else "resumes from the start (no checkpoint)"
+        if saved:
+            outcome = f"checkpoint at step {saved[-1]} saved, trainer stopped (exit {code}); {resumes}"
+        elif asks:
+            outcome = f"no checkpoint saved within {wait_s:g} s: trainer stopped (exit {code}); {resumes}"
+        else:
+            outcome = (f"the trainer reads no control.json, so it cannot be asked for a checkpoint: stopped (exit "
+                       f"{code}); {resumes}")
+        if entry is not None:
+            self._finish(h, entry, "done" if saved else "failed", outcome=outcome, exit_code=code)
+        return outcome, code
+
     # -- journal driving -------------------------------------------------------------
 
     def drive(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
