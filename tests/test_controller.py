@@ -29,6 +29,7 @@ from ppo_watchdog.control.actuator import (
     RunHandle,
     alert_payload,
     choose_known_good,
+    launch_command,
     restart_command,
 )
 from ppo_watchdog.control.controller import (
@@ -91,6 +92,26 @@ def test_restart_command_replaces_overrides_and_adds_the_resume_arguments():
     cmd = restart_command(base, {KL: 0.0012, LR: 1e-06}, "/r/checkpoints/global_step_10")
     assert cmd == ["python", "-m", "ppo_watchdog.trainer", "trainer.run_dir=/r", f"{LR}=1e-06", f"{KL}=0.0012",
                    "trainer.resume_mode=resume_path", "trainer.resume_from_path=/r/checkpoints/global_step_10"]
+
+
+def test_a_script_whose_run_json_asks_for_env_is_relaunched_as_it_is_with_its_arguments_in_the_environment(
+        tmp_path: Path) -> None:
+    from ppo_watchdog.protocol import rundir
+    from ppo_watchdog.protocol.runinfo import RunInfo
+
+    resume = str(tmp_path / "checkpoints" / "global_step_6")
+    cmd, env = launch_command(tmp_path, ["python", "my_grpo.py"], {LR: 5e-05}, resume, once=["trainer.resume_skip_batches=1"])
+    assert cmd == ["python", "my_grpo.py", f"{LR}=5e-05", "trainer.resume_mode=resume_path",
+                   f"trainer.resume_from_path={resume}", "trainer.resume_skip_batches=1"]  # argv: no run.json says otherwise
+    assert env == {rundir.RUN_DIR_ENV: str(tmp_path.resolve())}
+    RunInfo(command=["python", "my_grpo.py"], launch_args="env").write(tmp_path)
+    cmd, env = launch_command(tmp_path, ["python", "my_grpo.py"], {LR: 5e-05}, resume, once=["trainer.resume_skip_batches=1"])
+    assert cmd == ["python", "my_grpo.py"]
+    assert rundir.launch_args(env) == [f"{LR}=5e-05", "trainer.resume_mode=resume_path",
+                                       f"trainer.resume_from_path={resume}", "trainer.resume_skip_batches=1"]
+    assert env[rundir.RUN_DIR_ENV] == str(tmp_path.resolve())
+    with pytest.raises(ValueError, match=rundir.LAUNCH_ARGS_ENV):
+        rundir.launch_args({rundir.LAUNCH_ARGS_ENV: '{"lr": 1}'})
 
 
 def test_alert_payload_has_alertmanagers_webhook_shape():

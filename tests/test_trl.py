@@ -27,7 +27,7 @@ from ppo_watchdog.core.replay import replay  # noqa: E402
 from ppo_watchdog.core.rulefile import load_rules  # noqa: E402
 from ppo_watchdog.protocol import catalog, rundir  # noqa: E402
 from ppo_watchdog.protocol import checkpoint as ckpt  # noqa: E402
-from ppo_watchdog.protocol.control import Command, Control, write_control  # noqa: E402
+from ppo_watchdog.protocol.control import Command, Control, read_control, write_control  # noqa: E402
 from ppo_watchdog.protocol.runinfo import RunInfo  # noqa: E402
 from ppo_watchdog.trainer.trl_glue import assets  # noqa: E402
 from ppo_watchdog.trainer.trl_glue.config import KL_COEF, KL_LOSS_COEF, TRLConfigError, parse_args  # noqa: E402
@@ -358,3 +358,140 @@ def test_watchdog_rolls_a_trl_run_back_after_a_nan_and_never_resumes_the_abandon
     for c in ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS):
         assert c.step <= starts[1]["resumed_from"] or c.ts > restart_ts, c
     assert _events(run_dir, "finished")
+
+
+# -- a user's own script: from ppo_watchdog.trl import WatchdogCallback -----------------------------
+
+USER_SCRIPT = '''\
+"""A user's own GRPO script: its reward, its data, its GRPOConfig; the watchdog's callback and train()."""
+import sys
+
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from ppo_watchdog.trl import WatchdogCallback
+
+model, run_dir, out, faults = sys.argv[1:5]
+
+
+def digit_share(completions, **kwargs):
+    return [sum(c.isdigit() for c in str(t)) / max(len(str(t)), 1) for t in completions]
+
+
+rows = [{"prompt": f"{a}+{b}="} for a in range(8) for b in range(8)]
+args = GRPOConfig(output_dir=out, per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                  learning_rate=1e-4, lr_scheduler_type="constant", beta=0.04, max_steps=12, save_steps=3,
+                  logging_steps=1, report_to=[], use_cpu=True, bf16=False, disable_tqdm=True, seed=0)
+watchdog = WatchdogCallback(run_dir, faults=faults)
+trainer = GRPOTrainer(model=model, reward_funcs=[digit_share], train_dataset=Dataset.from_list(rows), args=args,
+                      callbacks=[watchdog])
+watchdog.train(trainer)
+'''
+
+HALVE_LR_AT_2 = """version: 1
+rules:
+  - name: halve_lr_at_2
+    description: at step 2, halve the lr (live in a TRL run)
+    expr: step == 2
+    actions:
+      - set: {key: actor_rollout_ref.actor.optim.lr, scale: 0.5}
+    cooldown: 1000
+    severity: warning
+"""
+
+
+@pytest.mark.slow
+def test_a_users_own_grpo_script_under_watchdog_run_gets_a_live_lr_change_and_a_rollback_by_relaunch(
+        tiny_model: Path, tmp_path: Path) -> None:
+    script, run_dir, rules = tmp_path / "my_grpo.py", tmp_path / "run", tmp_path / "halve.yaml"
+    script.write_text(USER_SCRIPT)
+    rules.write_text(HALVE_LR_AT_2)
+    # hang@4:5 keeps the run alive at step 4 until the set decided at step 2 is applied, however slow the machine.
+    own = [sys.executable, str(script), str(tiny_model), str(run_dir), str(tmp_path / "out"), "hang@4:5,nan_weights@8"]
+    cmd = [sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run_dir), "--state-dir", str(tmp_path / "state"),
+           "--tick", "0.3", "--no-report", "--rules", str(DEFAULT_PACK), "--rules", str(rules), "--", *own]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "TRAINER_LOG_LEVEL": "WARNING"}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    fired = {h["rule"]: h for h in _history(tmp_path) if h["kind"] != "resolve"}
+    assert fired["halve_lr_at_2"]["status"] == "applied" and fired["nan_or_inf"]["status"] == "applied"
+    # Live: applied at a step boundary of the first launch, the next step trained at half the lr.
+    live = next(e for e in _events(run_dir, "applied") if LR in e["applied"])
+    first: dict[int, dict[str, float]] = {}  # the first launch's lines (the relaunch trains some steps again)
+    for r in rundir.read_jsonl(run_dir / rundir.METRICS).records:
+        first.setdefault(r["step"], r["data"])
+    assert first[live["step"]]["trl/learning_rate"] == pytest.approx(0.0001)
+    assert first[live["step"] + 1]["trl/learning_rate"] == pytest.approx(0.00005)
+    m = _metrics(run_dir)
+    # The rollback: the script relaunched as it was (its own argv, nothing appended), resumed from a
+    # checkpoint before the NaN with the rollback's batch skip, at the lr the watchdog wants now.
+    info = RunInfo.read(run_dir)
+    assert info.launch_args == "env" and info.command[1:] == own[1:]
+    starts = _events(run_dir, "started")
+    assert len(starts) == 2 and Path(starts[1]["resume_path"]).parent == run_dir / rundir.CHECKPOINTS
+    assert starts[1]["resumed_from"] < 8 and starts[1]["skipped_batches"] >= 1
+    (nan,) = _events(run_dir, "nan")
+    assert nan["step"] == 8
+    wanted = read_control(run_dir).overrides[LR]
+    assert wanted < 0.00005  # the rollback's own remedy halved the live-set lr again
+    assert m[starts[1]["resumed_from"] + 1]["trl/learning_rate"] == pytest.approx(wanted)
+    assert sorted(m)[-1] == 12 and _events(run_dir, "finished")
+    assert all(c.complete for c in ckpt.list_checkpoints(run_dir / rundir.CHECKPOINTS))
+
+
+def _rloo(model: Path, out: Path, steps: int, *callbacks: Any) -> Any:
+    from datasets import Dataset
+    from trl import RLOOConfig, RLOOTrainer
+
+    from ppo_watchdog.trainer.trl_glue.task import digits_reward, prompts
+
+    args = RLOOConfig(output_dir=str(out), per_device_train_batch_size=4, num_generations=2, max_completion_length=8,
+                      learning_rate=1e-4, lr_scheduler_type="constant", beta=0.05, max_steps=steps, save_steps=2,
+                      logging_steps=1, report_to=[], use_cpu=True, bf16=False, disable_tqdm=True)
+    return RLOOTrainer(model=str(model), reward_funcs=[digits_reward], train_dataset=Dataset.from_list(prompts(32)),
+                       args=args, callbacks=list(callbacks))
+
+
+def test_an_rloo_script_resumes_where_the_launch_args_say_and_takes_trls_own_setting_names(
+        tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ppo_watchdog.trl import WatchdogCallback
+
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv(rundir.RUN_DIR_ENV, str(run_dir))
+    monkeypatch.delenv(rundir.LAUNCH_ARGS_ENV, raising=False)
+    first = WatchdogCallback()
+    first.train(_rloo(tiny_model, tmp_path / "out", 2, first))
+    info = RunInfo.read(run_dir)
+    assert info.launch_args == "env" and set(info.live_keys or []) == {LR, KL_COEF, "actor_rollout_ref.actor.clip_ratio"}
+    assert info.config["algorithm"]["kl_ctrl"]["kl_coef"] == 0.05 and _metrics(run_dir)[2]["actor/reward_kl_penalty"] > -1
+    back = ckpt.step_dir(run_dir / rundir.CHECKPOINTS, 2)
+    # A relaunch: TRL's own names beside verl's; a micro batch the script's built trainer cannot take is said.
+    monkeypatch.setenv(rundir.LAUNCH_ARGS_ENV, json.dumps([
+        "learning_rate=0.0002", "trainer.resume_mode=resume_path", f"trainer.resume_from_path={back}",
+        "per_device_train_batch_size=2"]))
+    second = WatchdogCallback(run_dir)
+    # control.json in TRL's names (written by hand, say) is read as the same keys.
+    by_hand = WriteControlAfter(run_dir, 3, Control(1, {"learning_rate": 0.0003}))
+    second.train(_rloo(tiny_model, tmp_path / "out", 4, second, by_hand))
+    started = _events(run_dir, "started")[-1]
+    assert (started["resumed_from"], started["resume_path"]) == (2, str(back))
+    m = _metrics(run_dir)
+    assert m[3]["trl/learning_rate"] == pytest.approx(0.0002)
+    assert m[4]["trl/learning_rate"] == pytest.approx(0.0003)
+    (error,) = _events(run_dir, "error")
+    assert error["message"].startswith("per_device_train_batch_size=2: not applied")
+
+
+def test_the_callback_needs_a_run_directory_and_its_own_train(tiny_model: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from ppo_watchdog.trl import WatchdogCallback
+
+    monkeypatch.delenv(rundir.RUN_DIR_ENV, raising=False)
+    with pytest.raises(ValueError, match=rundir.RUN_DIR_ENV):
+        WatchdogCallback()
+    monkeypatch.setenv(rundir.RUN_DIR_ENV, str(tmp_path / "watched"))
+    with pytest.raises(ValueError, match="not the one the watchdog watches"):
+        WatchdogCallback(tmp_path / "elsewhere")
+    callback = WatchdogCallback()
+    with pytest.raises(RuntimeError, match=r"watchdog\.train\(trainer\)"):
+        _rloo(tiny_model, tmp_path / "out", 1, callback).train()

@@ -8,6 +8,11 @@ to ``GRPOConfig`` / ``RLOOConfig`` as it is. Every argument is parsed by Hydra's
 (:mod:`ppo_watchdog.protocol.hydra`); an unknown key or a bad value is a :class:`TRLConfigError`
 naming it (the entry point exits 2).
 
+TRL's own names for the same knobs (:data:`TRL_NAMES`: ``learning_rate``, ``beta``,
+``per_device_train_batch_size``, ``num_generations`` ...) are accepted beside verl's, here, in
+control.json and in a relaunch's arguments, and read as the verl key; the watchdog itself writes
+verl's. :func:`from_trl` reads a trainer a user's own script built back into the same settings.
+
 Two meanings differ from verl's and are said here once:
 
 - the mini batch is the step's completions (``data.train_batch_size`` x ``rollout.n``): TRL
@@ -249,6 +254,33 @@ KEYS: dict[str, str] = {
 IGNORED = frozenset({"critic.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_mini_batch_size",
                      "actor_rollout_ref.actor.use_kl_loss", "algorithm.use_kl_in_reward"})
 _FIELDS = {f.name: f for f in dataclasses.fields(TRLRun)}
+#: The beta of TRL, read as the KL key of the run's trainer (:attr:`TRLRun.kl_key`).
+BETA = "beta"
+#: TRL's name (a GRPOConfig / RLOOConfig field) -> the verl key of the same knob (``beta``: :data:`BETA`).
+TRL_NAMES: dict[str, str] = {
+    "learning_rate": ACTOR_LR,
+    "lr_scheduler_type": "actor_rollout_ref.actor.optim.lr_scheduler_type",
+    "max_grad_norm": "actor_rollout_ref.actor.optim.clip_grad",
+    "epsilon": CLIP_RATIO,
+    "epsilon_high": CLIP_HIGH,
+    "entropy_coef": ENTROPY_COEFF,
+    "num_iterations": PPO_EPOCHS,
+    "per_device_train_batch_size": MICRO,
+    "num_generations": "actor_rollout_ref.rollout.n",
+    "max_completion_length": "data.max_response_length",
+    "temperature": "actor_rollout_ref.rollout.temperature",
+    "max_steps": "trainer.total_training_steps",
+    "save_steps": "trainer.save_freq",
+    "save_total_limit": "trainer.max_actor_ckpt_to_keep",
+    "seed": "trainer.seed",
+}
+
+
+def verl_key(key: str, algorithm: str) -> str:
+    """The verl key ``key`` means: itself, or the verl key of a TRL name (``beta``: the trainer's KL key)."""
+    if key == BETA:
+        return KL_LOSS_COEF if algorithm == GRPO else KL_COEF
+    return TRL_NAMES.get(key, key)
 
 
 def _coerce(key: str, name: str, value: Any) -> Any:
@@ -280,12 +312,12 @@ def parse_args(args: Sequence[str]) -> TRLRun:
             ov = hydra.parse(arg)
         except hydra.OverrideError as exc:
             raise TRLConfigError(str(exc)) from None
-        key = ov.key
+        key = ov.key if ov.key == BETA else TRL_NAMES.get(ov.key, ov.key)
         if ov.kind == "delete":
             raise TRLConfigError(f"{arg}: deleting a key is not supported")
         if key.startswith("trl."):
             trl[key[4:]] = ov.value
-        elif key in (KL_LOSS_COEF, KL_COEF):
+        elif key in (KL_LOSS_COEF, KL_COEF, BETA):
             if isinstance(ov.value, bool) or not isinstance(ov.value, (int, float)):
                 raise TRLConfigError(f"{key}={ov.value!r}: must be a number")
             beta[key] = float(ov.value)
@@ -295,6 +327,7 @@ def parse_args(args: Sequence[str]) -> TRLRun:
             continue
         else:
             raise TRLConfigError(f"{key}: unknown key (known: {', '.join(sorted([*KEYS, KL_LOSS_COEF, KL_COEF]))}, "
+                                 f"TRL's names {', '.join(sorted([*TRL_NAMES, BETA]))}, "
                                  "and trl.<GRPOConfig/RLOOConfig field>)")
     algorithm = fields.get("algorithm", GRPO)
     own = KL_LOSS_COEF if algorithm == GRPO else KL_COEF
@@ -303,9 +336,48 @@ def parse_args(args: Sequence[str]) -> TRLRun:
         # The pack resolves kl_coef by the KL signal the run logs; the other key means another KL term.
         raise TRLConfigError(f"{other}={beta[other]!r}: {algorithm.upper()} has its KL as "
                              f"{'a loss term' if algorithm == GRPO else 'a reward penalty'}: set {own}")
-    if own in beta:
-        fields["beta"] = beta[own]
+    if own in beta or BETA in beta:
+        fields["beta"] = beta.get(own, beta.get(BETA))
     return TRLRun(**fields, trl=trl)
+
+
+def _value(v: Any) -> Any:
+    """A TrainingArguments value as a plain one (its enums: their value)."""
+    return getattr(v, "value", v)
+
+
+def from_trl(trainer: Any, args: Sequence[str] = ()) -> TRLRun:
+    """The settings of a GRPOTrainer / RLOOTrainer a script built, under verl's keys, then ``args``
+    (``key=value``: a relaunch's overrides and resume) over them; TRLConfigError naming a bad one."""
+    from trl import RLOOTrainer
+
+    a = trainer.args
+    algorithm = RLOO if isinstance(trainer, RLOOTrainer) else GRPO
+    n, micro = int(a.num_generations), int(a.per_device_train_batch_size)
+    completions = micro * int(a.gradient_accumulation_steps) * int(getattr(a, "world_size", 1) or 1)
+    steps = int(a.max_steps)
+    if steps <= 0:  # by epochs: what transformers will count (each prompt n times; a generation reused num_iterations)
+        rows = len(trainer.train_dataset) if trainer.train_dataset is not None else completions
+        steps = max(1, math.ceil(float(a.num_train_epochs) * rows * n / completions) * int(a.num_iterations))
+    save = float(a.save_steps or 0)
+    name = getattr(getattr(trainer.model, "config", None), "_name_or_path", "") or type(trainer.model).__name__
+    settings: dict[str, Any] = {
+        "trainer.algorithm": algorithm, "actor_rollout_ref.model.path": str(name),
+        "data.train_batch_size": max(1, completions // n), "actor_rollout_ref.rollout.n": n, MICRO: micro,
+        "data.max_response_length": int(a.max_completion_length), "actor_rollout_ref.rollout.temperature": float(a.temperature),
+        ACTOR_LR: float(a.learning_rate), "actor_rollout_ref.actor.optim.lr_scheduler_type": str(_value(a.lr_scheduler_type)),
+        "actor_rollout_ref.actor.optim.clip_grad": float(a.max_grad_norm), verl_key(BETA, algorithm): float(a.beta),
+        CLIP_RATIO: float(a.epsilon), PPO_EPOCHS: int(a.num_iterations), "trainer.total_training_steps": steps,
+        # A fractional save_steps is a share of the run (transformers' meaning); none: only the last step.
+        "trainer.save_freq": (0 if str(_value(a.save_strategy)) != "steps" else
+                              int(save) if save >= 1 else max(1, round(save * steps))),
+        "trainer.max_actor_ckpt_to_keep": a.save_total_limit, "trainer.seed": int(a.seed),
+    }
+    if a.epsilon_high is not None and float(a.epsilon_high) != float(a.epsilon):
+        settings[CLIP_HIGH] = float(a.epsilon_high)
+    if algorithm == GRPO:
+        settings[ENTROPY_COEFF] = float(getattr(a, "entropy_coef", 0.0) or 0.0)
+    return parse_args([hydra.format_override(k, v) for k, v in settings.items()] + list(args))
 
 
 def checkpoint_root(run_dir: Path | str) -> Path:

@@ -129,7 +129,7 @@ def _restoring_signals(fn: Any) -> Any:
     runner, or anything else calling the command in process, keeps its own)."""
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        saved = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+        saved = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, CHECKPOINT_STOP_SIGNAL)}
         try:
             return fn(*args, **kwargs)
         finally:
@@ -206,6 +206,10 @@ def run_cmd(
                          "Grafana, report, history) as what the watchdog WOULD do, and nothing is carried out: "
                          "no signal, control.json, stop, relaunch, rollback or pause. The run is never touched.")] = False,
     report: Annotated[bool, typer.Option(help="Write report.html and report.png into the run dir.")] = True,
+    checkpoint_wait: Annotated[float, typer.Option(
+        "--checkpoint-wait", min=0.0, help="On SIGUSR1 (a batch system's warning before its time limit, e.g. "
+                                           "Slurm's --signal=B:USR1@300): seconds the trainer has to save a "
+                                           "checkpoint and stop before it is stopped.")] = 240.0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
 ) -> None:
     """Start a trainer, watch it and remediate until it finishes; then summarise."""
@@ -213,7 +217,8 @@ def run_cmd(
     # Ctrl-C (SIGINT), SIGTERM (what `timeout`, systemd, docker and Kubernetes send) and SIGHUP (the
     # terminal closed) all stop the run cleanly, even when this process was started in the background
     # by a shell, which starts it with SIGINT ignored (a supervisor's `kill -INT` must still work).
-    stop = _stop_on_signals()
+    # SIGUSR1: save a checkpoint first, then stop (the allocation's time limit is near).
+    stop = _stop_on_signals(checkpoint_stop=True)
     if not (math.isfinite(tick) and tick > 0):
         console.print(f"--tick must be a positive number of seconds, got {tick!r}", style="red")
         raise typer.Exit(2)
@@ -277,7 +282,7 @@ def run_cmd(
     except KeyboardInterrupt:  # a second signal while the scheduler was finishing its tick
         stop.signals.append(signal.SIGINT)
     if stop.signals:
-        _interrupted(wd, ctl, stop.signals[0])
+        _interrupted(wd, ctl, stop.signals[0], checkpoint_wait)
         raise typer.Exit(128 + stop.signals[0])
     wd.close(withdraw_targets=True)
     run = wd.store.require_run(ctl.run.run_id)
@@ -325,15 +330,18 @@ class _Stop:
 
 #: How each stop signal is named on the console (the exit code is 128 + its number: 130, 143, 129).
 STOP_SIGNALS: dict[int, str] = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+#: `watchdog run` only: ask the trainer for a checkpoint, then stop (exit 138): what a batch system sends
+#: before its wall-clock limit (Slurm's ``--signal=B:USR1@SECONDS``, forwarded by the batch script).
+CHECKPOINT_STOP_SIGNAL = signal.SIGUSR1
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _stop_on_signals() -> _Stop:
+def _stop_on_signals(checkpoint_stop: bool = False) -> _Stop:
     stop = _Stop()
-    for sig in STOP_SIGNALS:
+    for sig in (*STOP_SIGNALS, *([CHECKPOINT_STOP_SIGNAL] if checkpoint_stop else [])):
         signal.signal(sig, stop)
     return stop
 
@@ -351,25 +359,33 @@ def _check_run_dir_name(rd: Path, own_command: bool) -> None:
         raise typer.Exit(2) from exc
 
 
-def _interrupted(wd: Any, ctl: Any, signum: int = signal.SIGINT) -> None:
+def _interrupted(wd: Any, ctl: Any, signum: int = signal.SIGINT, checkpoint_wait: float = 240.0) -> None:
     """Ctrl-C, SIGTERM or SIGHUP: stop the trainer (SIGTERM: it saves; a second signal kills it) and record
-    the run as stopped, with what stopped it. A ``watchdog run`` owns its trainer: it never leaves it
-    running unwatched."""
-    name = STOP_SIGNALS.get(signum, f"signal {signum}")
-    for sig in STOP_SIGNALS:  # before it is said: a second signal right after the line below kills the trainer
+    the run as stopped, with what stopped it. SIGUSR1: ask the trainer for a checkpoint (the protocol's
+    ``stop`` command), give it ``checkpoint_wait`` seconds, then the same. A ``watchdog run`` owns its
+    trainer: it never leaves it running unwatched."""
+    name = STOP_SIGNALS.get(signum, signal.Signals(signum).name)
+    for sig in (*STOP_SIGNALS, CHECKPOINT_STOP_SIGNAL):  # before it is said: a second signal kills the trainer
         signal.signal(sig, _raise_interrupt)
     code: int | None = None
+    saved = ""
     try:
-        console.print(f"interrupted: stopping the trainer ({name}; it saves a checkpoint first; Ctrl-C or {name} "
-                      "again kills it)")
-        code = wd.actuator.stop(ctl.h)
+        if signum == CHECKPOINT_STOP_SIGNAL:
+            console.print(f"{name}: asking the trainer to save a checkpoint and stop (up to {checkpoint_wait:g} s; "
+                          "Ctrl-C or a second signal kills it)")
+            saved, code = wd.actuator.checkpoint_and_stop(ctl.h, f"{name}: the allocation's time limit is near",
+                                                          checkpoint_wait)
+        else:
+            console.print(f"interrupted: stopping the trainer ({name}; it saves a checkpoint first; Ctrl-C or {name} "
+                          "again kills it)")
+            code = wd.actuator.stop(ctl.h)
     except KeyboardInterrupt:
         console.print("interrupted again: killing the trainer")
         if ctl.h.proc is not None:
             ctl.h.proc.signal(signal.SIGKILL)
     alive = ctl.h.proc is not None and ctl.h.proc.alive()
     step = ctl.run.last_step if ctl.run.last_step is not None else 0
-    outcome = (f"watchdog stopped by {name}: trainer stopped (exit {code})" if not alive else
+    outcome = (f"watchdog stopped by {name}: {saved or f'trainer stopped (exit {code})'}" if not alive else
                f"watchdog stopped by {name}: trainer pid {ctl.h.proc.pid} still alive, UNSUPERVISED")
     wd.store.add_decision(ctl.run.run_id, step, "watchdog:shutdown", "escalate", [], {"signal": float(signum)},
                           "warning", outcome, status="applied", outcome=outcome)
@@ -443,7 +459,10 @@ def status_cmd(
         firing = sorted(n for n, s in engine.get("rules", {}).items() if s.get("status") == RuleStatus.FIRING)
         open_n = len(store.open_actions(r.run_id))
         watcher, trainer = supervision(r.run_dir)
-        rows.append({"run": r.run_id, "phase": r.phase, "pid": r.pid, "job_id": r.job_id, "last_step": r.last_step,
+        # Why a run ended stopped or failed: its newest escalation's outcome (a signal, a verdict, a give-up).
+        ended = [d for d in store.decisions(r.run_id) if d["kind"] == "escalate"] if r.phase in (
+            Phase.STOPPED, Phase.FAILED) else []
+        rows.append({"why": (ended[-1]["outcome"] or ended[-1]["message"]) if ended else None,"run": r.run_id, "phase": r.phase, "pid": r.pid, "job_id": r.job_id, "last_step": r.last_step,
                      "control_version": r.control_version, "restarts": r.restarts, "oom_retries": r.oom_retries,
                      "open_actions": open_n, "firing": firing, "overrides": r.overrides, "run_dir": r.run_dir,
                      "watchdog": watcher, "trainer_alive": trainer is not None,
@@ -465,6 +484,8 @@ def status_cmd(
     for row in rows:
         if str(row["supervised"]).startswith("UNSUPERVISED"):
             console.print(f"{row['run']}: {row['supervised']}", style="red")
+        if row["why"]:
+            console.print(f"{row['run']}: {row['phase']}: {row['why']}")
 
 
 def supervision(run_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:

@@ -48,7 +48,7 @@ from ppo_watchdog.backends.local import (
 from ppo_watchdog.control.store import UNWATCHED, ActionRecord, BadSpan, Phase, RunRecord, Store
 from ppo_watchdog.core.planner import clip_bound_sets, config_value, snap_sets
 from ppo_watchdog.core.vocabulary import ActionStatus, JournalKind
-from ppo_watchdog.protocol import hydra, inputs
+from ppo_watchdog.protocol import hydra, inputs, rundir
 from ppo_watchdog.protocol.catalog import (
     CLIP_HIGH_KEY,
     CLIP_LOW_KEY,
@@ -90,6 +90,18 @@ def restart_command(base: Sequence[str], overrides: Mapping[str, Any], resume_pa
     if resume_path and not fresh:
         resume = {RESUME_MODE_KEY: "resume_path", RESUME_PATH_KEY: resume_path}
     return hydra.with_overrides(base, overrides, [hydra.format_override(k, v) for k, v in resume.items()])
+
+
+def launch_command(run_dir: str | Path, base: Sequence[str], overrides: Mapping[str, Any], resume_path: str | None,
+                   fresh: bool = False, once: Sequence[str] = ()) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) of a launch: :func:`restart_command` plus ``once``, with the run directory in
+    ``$WATCHDOG_RUN_DIR``; where run.json says ``"launch_args": "env"`` (a user's own script, whose argv is
+    its own), the command as it is and the ``key=value`` arguments in ``$WATCHDOG_LAUNCH_ARGS`` instead."""
+    env = {rundir.RUN_DIR_ENV: str(Path(run_dir).resolve())}
+    if RunInfo.read(run_dir).launch_args != "env":
+        return restart_command(base, overrides, resume_path, fresh=fresh) + list(once), env
+    env[rundir.LAUNCH_ARGS_ENV] = json.dumps(restart_command([], overrides, resume_path, fresh=fresh) + list(once))
+    return list(base), env
 
 
 def choose_known_good(checkpoints: Sequence[Any], spans: Sequence[BadSpan]) -> Any | None:
@@ -386,9 +398,10 @@ class Actuator:
         if not h.run.command:
             raise ActuatorError(f"run {h.run.run_id}: no command to launch (a watched run without a restart command)")
         overrides = {**h.run.overrides, **launch_clip_bounds(h.run.run_dir, h.run.overrides)}
-        cmd = restart_command(h.run.command, overrides, resume_path, fresh=fresh) + list(once)
+        cmd, env = launch_command(h.run.run_dir, h.run.command, overrides, resume_path, fresh, once)
         # verl: its file logger, checkpoint dir and KL coefficient carried over; the protocol: as it is.
-        cmd, env = h.dialect.prepare_launch(cmd, h.run.overrides, resume_path)
+        cmd, more = h.dialect.prepare_launch(cmd, h.run.overrides, resume_path)
+        env.update(more or {})
         backend = h.backend or self.backend
         log_path = Path(h.run.run_dir) / self.config.log_name
         if isinstance(backend, LocalBackend):
@@ -420,6 +433,42 @@ class Actuator:
         if h.proc is None:
             return None
         return h.proc.stop(self.config.stop_grace_s)
+
+    def checkpoint_and_stop(self, h: RunHandle, reason: str, wait_s: float, poll_s: float = 0.2) -> tuple[str, int | None]:
+        """Ask the trainer to save a checkpoint and stop (the protocol's ``stop`` command, journaled: it saves at
+        its next step boundary, then exits 0), wait up to ``wait_s`` seconds for it, then stop what is left
+        (:meth:`stop`); a trainer that reads no control.json (an unmodified verl) is stopped at once.
+        Returns (the outcome in words, the trainer's exit code)."""
+        info = RunInfo.read(h.run.run_dir)
+        asks = (h.dialect.live and h.proc is not None and h.proc.alive()
+                and (info.commands is None or "stop" in info.commands))
+        since = time.time()
+        entry = None
+        if asks:
+            payload = {"rule": "watchdog:checkpoint_stop", "reason": reason, "command": {"id": "", "kind": "stop"}}
+            aid = self.store.add_action(h.run.run_id, JournalKind.COMMAND, payload)
+            self.store.update_action(aid, payload={**payload, "command": {"id": f"c{aid}", "kind": "stop"}})
+            entry = self.store.get_action(aid)
+            assert entry is not None
+            self.drive(h, entry, since)  # control.json with the command, then SIGUSR1
+            deadline = time.monotonic() + wait_s
+            while h.proc is not None and h.proc.alive() and time.monotonic() < deadline:
+                time.sleep(poll_s)
+        code = self.stop(h)  # what is left: all of a trainer that cannot be asked, else its stragglers
+        saved = [e.step for e in rundir.iter_events(h.run.run_dir, ["checkpoint"])
+                 if e.ts is not None and e.ts >= since and e.step is not None]
+        latest = self._resolve_checkpoint(h, "latest")
+        resumes = f"resumes from step {latest.step}" if latest is not None else "resumes from the start (no checkpoint)"
+        if saved:
+            outcome = f"checkpoint at step {saved[-1]} saved, trainer stopped (exit {code}); {resumes}"
+        elif asks:
+            outcome = f"no checkpoint saved within {wait_s:g} s: trainer stopped (exit {code}); {resumes}"
+        else:
+            outcome = (f"the trainer reads no control.json, so it cannot be asked for a checkpoint: stopped (exit "
+                       f"{code}); {resumes}")
+        if entry is not None:
+            self._finish(h, entry, "done" if saved else "failed", outcome=outcome, exit_code=code)
+        return outcome, code
 
     # -- journal driving -------------------------------------------------------------
 

@@ -23,7 +23,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,28 @@ EXIT_STOPPED = 0
 #: Exit code of a trainer that rejected its configuration before training (unknown key, bad
 #: value): relaunching the same command cannot help, so a supervisor gives up instead of retrying.
 EXIT_USAGE = 2
+
+#: The run directory, in the environment of every trainer the watchdog launches (a script finds its run here).
+RUN_DIR_ENV = "WATCHDOG_RUN_DIR"
+#: A relaunch's ``key=value`` arguments (overrides, resume), as a JSON list of strings, for a trainer whose
+#: run.json says ``"launch_args": "env"`` (a user's own script, whose argv is its own): its command is
+#: relaunched as it is, with the arguments here instead of appended to it.
+LAUNCH_ARGS_ENV = "WATCHDOG_LAUNCH_ARGS"
+
+
+def launch_args(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The ``key=value`` arguments in ``$WATCHDOG_LAUNCH_ARGS`` (empty when unset); ValueError naming the
+    variable when it is not a JSON list of strings."""
+    raw = (os.environ if environ is None else environ).get(LAUNCH_ARGS_ENV, "")
+    if not raw.strip():
+        return []
+    try:
+        args = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"${LAUNCH_ARGS_ENV}: not JSON ({exc.msg})") from None
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise ValueError(f"${LAUNCH_ARGS_ENV}: expected a JSON list of key=value strings, got {short_repr(args)}")
+    return args
 
 
 class PathError(ValueError):

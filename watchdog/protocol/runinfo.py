@@ -77,6 +77,7 @@ _CHECKS: dict[str, tuple[str, Any]] = {
     "sft_dir": ("a string", lambda v: isinstance(v, str)),
     "exit_codes": ("an object of integers", lambda v: isinstance(v, dict) and all(_int(x) for x in v.values())),
     "skip_batches_key": ("a string", lambda v: isinstance(v, str)),
+    "launch_args": ("argv or env", lambda v: v in ("argv", "env")),
     "ray_job_id": ("a string", lambda v: isinstance(v, str)),
     "launches": ("a list of objects", lambda v: isinstance(v, list) and all(isinstance(x, dict) for x in v)),
 }
@@ -127,6 +128,9 @@ class RunInfo:
     """The trainer's exit codes by meaning (``oom``, ``stopped``)."""
     skip_batches_key: str | None = None
     """The config key a rollback by restart sets to skip the batches that led to the spike."""
+    launch_args: str | None = None
+    """How a relaunch passes its ``key=value`` arguments: ``argv`` (appended to the command; the default) or
+    ``env`` (the command as it is, the arguments in ``$WATCHDOG_LAUNCH_ARGS``: a user's own script)."""
     ray_job_id: str | None = None
     launches: list[dict[str, Any]] = field(default_factory=list)
     """Zero-patch: the last launches (attempt, command, resume_from)."""
