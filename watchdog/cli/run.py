@@ -481,8 +481,8 @@ def status_cmd(
     for row in rows:
         if str(row["supervised"]).startswith("UNSUPERVISED"):
             console.print(f"{row['run']}: {row['supervised']}", style="red")
-        if row["waiting_approval"]:
-            console.print(f"{row['run']}: {', '.join(map(str, row['waiting_approval']))} waits for a person: `watchdog history "
+        if isinstance(waits := row["waiting_approval"], list) and waits:
+            console.print(f"{row['run']}: {', '.join(map(str, waits))} waits for a person: `watchdog history "
                           f"{row['run']} --advised` says what and why; `watchdog approve {row['run']}` or `deny`",
                           style="yellow")
 
