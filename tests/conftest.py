@@ -8,10 +8,13 @@ the session's temp directory (nothing under ~/.cache is touched).
 
 from __future__ import annotations
 
+import json
 import os
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
 import pytest
@@ -111,3 +114,27 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
             return "ray" if Path(path).name.startswith(RAY_FILES) else path
 
     return RayFilesTogether(config, log)
+
+
+class _Hook(BaseHTTPRequestHandler):
+    received: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).received.append({"path": self.path, "ctype": self.headers["Content-Type"],
+                                    "body": json.loads(body)})
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *a):
+        pass
+
+
+@pytest.fixture
+def webhook() -> Iterator[tuple[str, list[dict]]]:
+    """A real Alertmanager-style receiver on 127.0.0.1: (its URL, the payloads it received, oldest first)."""
+    _Hook.received = []
+    server = HTTPServer(("127.0.0.1", 0), _Hook)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/alert", _Hook.received
+    server.shutdown()

@@ -12,9 +12,7 @@ import json
 import signal
 import sys
 import textwrap
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -181,29 +179,6 @@ FAKE_TRAINER = textwrap.dedent('''
         time.sleep(0.05)
     rundir.append_event(run_dir, "finished", step)
 ''')
-
-
-class _Hook(BaseHTTPRequestHandler):
-    received: list[dict] = []
-
-    def do_POST(self):  # noqa: N802 (http.server's name)
-        body = self.rfile.read(int(self.headers["Content-Length"]))
-        type(self).received.append({"path": self.path, "ctype": self.headers["Content-Type"],
-                                    "body": json.loads(body)})
-        self.send_response(200)
-        self.end_headers()
-
-    def log_message(self, *a):
-        pass
-
-
-@pytest.fixture
-def webhook():
-    _Hook.received = []
-    server = HTTPServer(("127.0.0.1", 0), _Hook)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_port}/alert", _Hook.received
-    server.shutdown()
 
 
 def _setup(tmp_path: Path, rule_yaml: str, **kw):

@@ -166,6 +166,8 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus_scraping_a_re
                 wd.data_age(run, 0.5 * (n % 3))
                 wd.last_tick(time.time())
                 wd.action(run, "kl_high", "set", "applied")
+                wd.action(run, "kl_high", "rollback", "advised")
+                wd.approvals_waiting(run, 1 + n % 2)
                 if n % 3 == 0:
                     wd.escalation(run, "kl_high")
                     wd.error(run, "ingest")

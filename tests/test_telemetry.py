@@ -38,6 +38,7 @@ def busy_metrics() -> WatchdogMetrics:
     m.eval_seconds(0.003)
     m.eval_seconds(0.2)
     m.data_age("run-a", 4.5)
+    m.approvals_waiting("run-a", 1)
     m.runs_watched(2)
     m.last_tick(1_700_000_000.0)
     m.error("run-b", "ingest")
@@ -125,6 +126,7 @@ def test_forgetting_a_run_drops_its_gauges() -> None:
     get = m.registry.get_sample_value
     assert get("watchdog_rule_state", {"run": "run-a", "rule": "kl_high"}) is None
     assert get("watchdog_data_age_seconds", {"run": "run-a"}) is None
+    assert get("watchdog_approvals_waiting", {"run": "run-a"}) is None
     assert get("watchdog_rule_state", {"run": "run-b", "rule": "kl_high"}) == 0
 
 

@@ -14,7 +14,7 @@ The controller and the actuator call these methods and never ask which dialect i
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -71,8 +71,9 @@ class Dialect(Protocol):
         """How the trainer ended: finished | oom | usage | crash."""
         ...
 
-    def protect(self, is_bad: IsBad) -> list[int]:
-        """Keep the last known-good checkpoints out of reach of the trainer's own pruning; their steps."""
+    def protect(self, is_bad: IsBad, hold: Collection[int] = ()) -> list[int]:
+        """Keep the last known-good checkpoints, and those of the steps in ``hold`` (a rollback waiting for
+        approval chose it), out of reach of the trainer's own pruning; their steps."""
         ...
 
     def close(self) -> None:
@@ -101,11 +102,13 @@ def merge_kept(own: Iterable[ckpt.CheckpointInfo], kept: Iterable[ckpt.Checkpoin
 
 
 def protect_known_good(root: Path, candidates: Iterable[ckpt.CheckpointInfo], is_bad: IsBad,
-                       keep: int = KEEP_KNOWN_GOOD) -> list[int]:
-    """Hard-link the newest ``keep`` complete checkpoints ``is_bad`` clears into ``root/.watchdog_kept``
-    and drop older kept copies (they are no longer the last known-good); returns their steps."""
-    good = [c for c in sorted(candidates, key=lambda c: c.step, reverse=True)
-            if c.complete and not is_bad(c.step, c.ts)][:keep]
+                       keep: int = KEEP_KNOWN_GOOD, hold: Collection[int] = ()) -> list[int]:
+    """Hard-link the newest ``keep`` complete checkpoints ``is_bad`` clears, and the complete ones of the steps
+    in ``hold``, into ``root/.watchdog_kept`` and drop older kept copies (they are no longer the last
+    known-good); returns their steps."""
+    ordered = sorted(candidates, key=lambda c: c.step, reverse=True)
+    good = [c for c in ordered if c.complete and not is_bad(c.step, c.ts)][:keep]
+    good += [c for c in ordered if c.complete and c.step in hold and c not in good]
     kept_dir = ckpt.kept_root(root).resolve()
     for c in good:
         if c.path.resolve().parent != kept_dir:
@@ -162,7 +165,7 @@ class ProtocolDialect:
         root = self.checkpoint_root
         return merge_kept(ckpt.list_checkpoints(root), ckpt.list_checkpoints(ckpt.kept_root(root)))
 
-    def protect(self, is_bad: IsBad) -> list[int]:
+    def protect(self, is_bad: IsBad, hold: Collection[int] = ()) -> list[int]:
         """The in-process verl glue's checkpoints (manifests over verl's layout) under verl's own pruning."""
         config = RunInfo.read(self.run_dir).config  # (the cached read's own object while run.json is unchanged)
         if self._pruning is None or self._pruning[0] is not config:
@@ -177,7 +180,7 @@ class ProtocolDialect:
         # Cheap: manifests read and files stat'ed, nothing hashed (a pruned actor/ leaves its manifest).
         own = [c for c in ckpt.list_checkpoints(root, verify=False) if c.complete and ckpt.files_present(c.path)]
         return protect_known_good(root, merge_kept(own, ckpt.list_checkpoints(ckpt.kept_root(root), verify=False)),
-                                  is_bad)
+                                  is_bad, hold=hold)
 
     def poll(self, proc: Any, watch_exit: bool) -> None:
         return None

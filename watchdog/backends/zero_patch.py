@@ -33,7 +33,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -587,12 +587,12 @@ class VerlGlue:
         return [ckpt.verl_checkpoint_info(p, int(p.name.rsplit("_", 1)[1]), self.world_size, self.components)
                 for p in sorted(where.iterdir()) if p.is_dir() and _step_of(str(p)) is not None]
 
-    def protect(self, is_bad: IsBad) -> list[int]:
-        """With ``trainer.max_*_ckpt_to_keep`` set, keep the last known-good checkpoints as hard links
-        verl's pruning cannot reach (:func:`ppo_watchdog.backends.dialect.protect_known_good`)."""
+    def protect(self, is_bad: IsBad, hold: Collection[int] = ()) -> list[int]:
+        """With ``trainer.max_*_ckpt_to_keep`` set, keep the last known-good checkpoints (and ``hold``'s steps)
+        as hard links verl's pruning cannot reach (:func:`ppo_watchdog.backends.dialect.protect_known_good`)."""
         if not self.prunes:
             return []
-        return protect_known_good(self.ckpt_dir, self.checkpoints(), is_bad)
+        return protect_known_good(self.ckpt_dir, self.checkpoints(), is_bad, hold=hold)
 
     def poll(self, proc: Any, watch_exit: bool = True) -> None:
         """One tick: relay new metric lines, record new checkpoints, classify an ended attempt."""

@@ -1,4 +1,5 @@
-"""CLI: ``watchdog run | daemon | status | history | resume | report`` (registered by ppo_watchdog.cli)."""
+"""CLI: ``watchdog run | daemon | status | history | resume | approve | deny | report`` (registered by
+ppo_watchdog.cli)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ppo_watchdog.backends.local import SupervisorError
+from ppo_watchdog.control.actuator import duration_text
 from ppo_watchdog.control.controller import DONE_PHASES, RULE_CONFIG
 from ppo_watchdog.control.daemon import (
     DaemonConfigError,
@@ -31,7 +33,7 @@ from ppo_watchdog.control.daemon import (
 from ppo_watchdog.control.store import NoState, Phase, Store, StoreError
 from ppo_watchdog.core.engine import evidence_text
 from ppo_watchdog.core.pricing import cost_text
-from ppo_watchdog.core.vocabulary import ActionStatus, JournalKind, RuleStatus
+from ppo_watchdog.core.vocabulary import ActionStatus, DecisionStatus, JournalKind, RuleStatus
 from ppo_watchdog.protocol import hydra
 from ppo_watchdog.protocol import lock as locks
 from ppo_watchdog.sources.prometheus import PROMETHEUS_URL_ENV, source_config
@@ -205,6 +207,13 @@ def run_cmd(
         "--advise", help="Advise mode: every decision is made, priced, journaled and announced (console, webhook, "
                          "Grafana, report, history) as what the watchdog WOULD do, and nothing is carried out: "
                          "no signal, control.json, stop, relaunch, rollback or pause. The run is never touched.")] = False,
+    approve: Annotated[str, typer.Option(
+        "--approve", help="Actions that wait for a person: a comma list of rollback, relaunch, pause, stop. Each is "
+                          "said (console, webhook) with why, what it would cost and the command to answer it; "
+                          "`watchdog approve RUN` carries it out, `watchdog deny RUN` refuses it and the run "
+                          "carries on. Actions of other kinds go on meanwhile.")] = "",
+    approve_timeout: Annotated[float, typer.Option(
+        "--approve-timeout", help="Seconds an action waits for `watchdog approve` before it is denied, said.")] = 1800.0,
     report: Annotated[bool, typer.Option(help="Write report.html and report.png into the run dir.")] = True,
     checkpoint_wait: Annotated[float, typer.Option(
         "--checkpoint-wait", min=0.0, help="On SIGUSR1 (a batch system's warning before its time limit, e.g. "
@@ -258,7 +267,8 @@ def run_cmd(
             controller={"restart_budget": restart_budget, "oom_retry_budget": oom_retries,
                         "heartbeat_min_s": heartbeat_min, "startup_timeout_s": startup_timeout,
                         "tuning_relaunch_every": tuning_relaunch_every, "startup_s": startup_s,
-                        "on_escalate": on_escalate, "pause_timeout_s": pause_timeout, "advise": advise},
+                        "on_escalate": on_escalate, "pause_timeout_s": pause_timeout, "advise": advise,
+                        "approve": approve, "approve_timeout_s": approve_timeout},
             actuator={"live_timeout_s": live_timeout, "stop_grace_s": stop_grace},
             metrics_port=metrics_port, crash_hook=_crash_hook(), webhook_url_file=webhook_url_file,
             exclusive=True,
@@ -277,6 +287,9 @@ def run_cmd(
     console.print(Text.assemble("watchdog: run ", (ctl.run.run_id, "bold"), f" in {rd} (state {wd.store.path})"))
     if advise:
         console.print("advise mode: every decision is said as what the watchdog would do; nothing is carried out")
+    elif ctl.config.approve:
+        console.print(f"approval: each {', '.join(ctl.config.approve)} waits for `watchdog approve {ctl.run.run_id}` "
+                      f"(or `deny`) up to {duration_text(approve_timeout)}")
     try:
         wd.serve_forever(tick, until_done=True, stop=stop.event)
     except KeyboardInterrupt:  # a second signal while the scheduler was finishing its tick
@@ -462,11 +475,15 @@ def status_cmd(
         # Why a run ended stopped or failed: its newest escalation's outcome (a signal, a verdict, a give-up).
         ended = [d for d in store.decisions(r.run_id) if d["kind"] == "escalate"] if r.phase in (
             Phase.STOPPED, Phase.FAILED) else []
-        rows.append({"why": (ended[-1]["outcome"] or ended[-1]["message"]) if ended else None,"run": r.run_id, "phase": r.phase, "pid": r.pid, "job_id": r.job_id, "last_step": r.last_step,
+        waiting = [f"{j.kind} (decision {j.decision_id})" for j in store.awaiting(r.run_id)]
+        rows.append({"why": (ended[-1]["outcome"] or ended[-1]["message"]) if ended else None,
+                     "run": r.run_id, "phase": r.phase, "pid": r.pid, "job_id": r.job_id, "last_step": r.last_step,
                      "control_version": r.control_version, "restarts": r.restarts, "oom_retries": r.oom_retries,
                      "open_actions": open_n, "firing": firing, "overrides": r.overrides, "run_dir": r.run_dir,
                      "watchdog": watcher, "trainer_alive": trainer is not None,
-                     "supervised": _supervised_text(r.phase, watcher, trainer)})
+                     "supervised": _supervised_text(r.phase, watcher, trainer),
+                     "waiting_approval": waiting,
+                     "advised": store.decision_counts(r.run_id).get(DecisionStatus.ADVISED.value, 0)})
     if as_json:
         typer.echo(json.dumps(rows, indent=2, sort_keys=True))
         return
@@ -475,7 +492,7 @@ def status_cmd(
         return
     t = Table(title="watchdog runs")
     cols = ("run", "phase", "pid", "last_step", "control_version", "restarts", "oom_retries", "open_actions",
-            "firing", "supervised")
+            "firing", "waiting_approval", "advised", "supervised")
     for col in cols:
         t.add_column(col, overflow="fold")
     for row in rows:
@@ -486,6 +503,10 @@ def status_cmd(
             console.print(f"{row['run']}: {row['supervised']}", style="red")
         if row["why"]:
             console.print(f"{row['run']}: {row['phase']}: {row['why']}")
+        if isinstance(waits := row["waiting_approval"], list) and waits:
+            console.print(f"{row['run']}: {', '.join(map(str, waits))} waits for a person: `watchdog history "
+                          f"{row['run']} --advised` says what and why; `watchdog approve {row['run']}` or `deny`",
+                          style="yellow")
 
 
 def supervision(run_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -551,17 +572,141 @@ def history_cmd(
     state_dir: StateDir = "",
     as_json: Annotated[bool, typer.Option("--json", help="One JSON list: step, rule, inputs, outcome, journal.")] = False,
     all_decisions: Annotated[bool, typer.Option("--all", help="Include resolves and no-op decisions.")] = False,
+    advised: Annotated[bool, typer.Option(
+        "--advised", help="What the watchdog would have done: each advised, waiting or denied decision with its "
+                          "step, rule, the action in words and what it would have cost; totals.")] = False,
 ) -> None:
     """Every remediation with its step, rule, inputs and outcome."""
     store = _store(state_dir)
     if run and store.get_run(run) is None:
         console.print(f"{store.path}: no run {run!r}", style="red")
         raise typer.Exit(2)
+    if advised:
+        rows, totals = would_have_done(store.decisions(run))
+        if as_json:
+            typer.echo(json.dumps({"decisions": rows, "totals": totals}, indent=2, sort_keys=True))
+        else:
+            _print_would_have_done(rows, totals, run)
+        return
     decisions = [d for d in store.decisions(run) if all_decisions or shown_in_history(d)]
     if as_json:
         typer.echo(json.dumps(_history_rows(decisions), indent=2, sort_keys=True))
     else:
         _print_history(decisions, title=f"history of {run or 'all runs'}", by_run=run is None)
+
+
+#: Decisions whose actions were not carried out by the watchdog itself: advised, waiting for a person, denied.
+NOT_DONE = (DecisionStatus.ADVISED.value, DecisionStatus.WAITING.value, DecisionStatus.DENIED.value)
+
+
+def would_have_done(decisions: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``history --advised``: per advised, waiting or denied decision, its step, rule, status, each action in
+    words and what it would have cost; and the totals (decisions, actions by kind, relaunches, the seconds and
+    steps they would have cost)."""
+    rows: list[dict[str, Any]] = []
+    by_kind: dict[str, int] = {}
+    seconds, steps, relaunches = 0.0, 0, 0
+    for d in decisions:
+        if d["status"] not in NOT_DONE:
+            continue
+        entries = [j for j in d["journal"] if j["status"] in (ActionStatus.ADVISED, ActionStatus.AWAITING,
+                                                               ActionStatus.DENIED)]
+        said = []
+        for j in entries:
+            by_kind[j["kind"]] = by_kind.get(j["kind"], 0) + 1
+            words = str(j["result"].get("would") or j["result"].get("outcome") or j["kind"])
+            said.append(words.removeprefix("would "))
+            cost = j["payload"].get("cost")
+            if isinstance(cost, dict) and cost.get("relaunch"):
+                relaunches += 1
+                seconds += float(cost.get("seconds") or 0.0)
+                steps += int(cost.get("steps_lost") or 0)
+        rows.append({"decision": d["id"], "run": d["run_id"], "step": d["step"], "rule": d["rule"],
+                     "status": d["status"], "actions": said, "cost": cost_text(d["journal"]),
+                     "outcome": d["outcome"]})
+    totals = {"decisions": len(rows), "actions": by_kind, "relaunches": relaunches,
+              "relaunch_seconds": round(seconds, 3), "steps_trained_again": steps}
+    return rows, totals
+
+
+def _print_would_have_done(rows: list[dict[str, Any]], totals: dict[str, Any], run: str | None) -> None:
+    t = Table(title=f"What the watchdog would have done in {f'run {run}' if run else 'all runs'}")
+    for col in ("decision",) + ("run",) * (run is None) + ("step", "rule", "status", "action", "cost"):
+        t.add_column(col, overflow="fold")
+    for r in rows:
+        t.add_row(str(r["decision"]), *(r["run"],) * (run is None), str(r["step"]), r["rule"], r["status"],
+                  "; ".join(r["actions"]) or "-", r["cost"])
+    console.print(t)
+    kinds = ", ".join(f"{n} {k}" for k, n in sorted(totals["actions"].items())) or "no action"
+    console.print(f"{totals['decisions']} decision(s) not carried out: {kinds}; {totals['relaunches']} relaunch(es) "
+                  f"that would have cost ~{totals['relaunch_seconds']:.0f} s and {totals['steps_trained_again']} "
+                  "step(s) trained again")
+
+
+def _answer(run: str, decision: int | None, state_dir: str, approved: bool, reason: str) -> None:
+    """``approve`` / ``deny``: the answer written into the state, once, for the watchdog watching the run to
+    carry out at its next tick (as ``resume`` reaches it)."""
+    verb = "approve" if approved else "deny"
+    store = _store(state_dir, read_only=False)
+    try:
+        r = store.require_run(run)
+        entries = store.awaiting(run)
+    except StoreError as exc:
+        console.print(f"{exc}", style="red")
+        raise typer.Exit(2) from exc
+    waiting = sorted({e.decision_id for e in entries if e.decision_id is not None})
+    listed = ", ".join(f"{e.decision_id} ({e.kind}: {e.result.get('would', '')})" for e in entries)
+    if decision is not None:
+        entries = [e for e in entries if e.decision_id == decision]
+    if not entries:
+        what = f"decision {decision} of run {run}" if decision is not None else f"run {run}"
+        console.print(f"nothing to {verb}: no action of {what} waits for approval"
+                      + (f" (waiting: {listed})" if listed else ""), style="red")
+        raise typer.Exit(2)
+    if decision is None and len(waiting) > 1:
+        console.print(f"run {run}: {len(waiting)} decisions wait for approval: {listed}; name one "
+                      f"(`watchdog {verb} {run} DECISION`)", style="red")
+        raise typer.Exit(2)
+    who = os.environ.get("USER") or os.environ.get("LOGNAME") or f"uid {os.getuid()}"
+    answer = {"approved": approved, "by": who, "ts": time.time(), **({"reason": reason} if reason else {})}
+    said = []
+    try:
+        for e in entries:
+            if store.answer_approval(e.id, answer):
+                said.append(f"{e.kind} (decision {e.decision_id}, journal {e.id}): {e.result.get('would', e.kind)}")
+    except StoreError as exc:  # locked past the timeout by a writer: said, nothing recorded
+        console.print(f"{exc}", style="red")
+        raise typer.Exit(2) from exc
+    if not said:  # the deadline or another person answered between the read and the write
+        console.print(f"nothing to {verb}: the action of run {run} was answered meanwhile "
+                      f"(`watchdog history {run}` says how)", style="red")
+        raise typer.Exit(2)
+    watcher, _ = supervision(r.run_dir)
+    when = ("the watchdog carries it out at its next tick" if approved else
+            "the watchdog closes it at its next tick, alerted, and the run carries on")
+    if watcher is None:
+        when += " (no watchdog watches this run now: the one that next does)"
+    console.print(f"{'approved' if approved else 'denied'} by {who}: " + "; ".join(said) + f"; {when}")
+
+
+Decision = Annotated[int | None, typer.Argument(help="The decision (its id in `watchdog history`); default: the "
+                                                     "one that waits.")]
+
+
+@run_app.command("approve")
+def approve_cmd(run: Annotated[str, typer.Argument(help="Run id.")], decision: Decision = None,
+                state_dir: StateDir = "",
+                reason: Annotated[str, typer.Option("--reason", help="Why, for the record.")] = "") -> None:
+    """Carry out an action that waits for approval (--approve): at the watchdog's next tick."""
+    _answer(run, decision, state_dir, True, reason)
+
+
+@run_app.command("deny")
+def deny_cmd(run: Annotated[str, typer.Argument(help="Run id.")], decision: Decision = None,
+             state_dir: StateDir = "",
+             reason: Annotated[str, typer.Option("--reason", help="Why, for the record.")] = "") -> None:
+    """Refuse an action that waits for approval: it is never carried out, the run carries on, alerted."""
+    _answer(run, decision, state_dir, False, reason)
 
 
 @run_app.command("resume")

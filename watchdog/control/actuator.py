@@ -16,6 +16,10 @@ restarted re-drives the open entries and nothing is lost or done twice:
 - ``rollback``: in process (a control.json ``rollback`` command) while the trainer
   lives, else by restart from the last known-good checkpoint; then the follow-on sets.
 - ``pause`` / ``resume`` / ``notify``: commands plus an Alertmanager-compatible webhook.
+
+Two modes change :meth:`Actuator.drive`, the one place every action reaches a run through: advise mode
+says each entry as what would be done and does none; approval (``--approve KINDS``) holds an entry of
+those kinds for a person's ``watchdog approve`` or ``deny``, and carries it out, or not, once answered.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import json
 import logging
 import math
 import os
+import shlex
 import signal
 import time
 import urllib.error
@@ -46,8 +51,10 @@ from ppo_watchdog.backends.local import (
     TrainerProcess,
 )
 from ppo_watchdog.control.store import UNWATCHED, ActionRecord, BadSpan, Phase, RunRecord, Store
+from ppo_watchdog.core.engine import evidence_text
 from ppo_watchdog.core.planner import clip_bound_sets, config_value, snap_sets
-from ppo_watchdog.core.vocabulary import ActionStatus, JournalKind
+from ppo_watchdog.core.pricing import Cost
+from ppo_watchdog.core.vocabulary import APPROVE_KINDS, ActionStatus, JournalKind
 from ppo_watchdog.protocol import hydra, inputs, rundir
 from ppo_watchdog.protocol.catalog import (
     CLIP_HIGH_KEY,
@@ -115,17 +122,46 @@ def choose_known_good(checkpoints: Sequence[Any], spans: Sequence[BadSpan]) -> A
     return None
 
 
+def approval_kind(kind: str, payload: Mapping[str, Any]) -> str | None:
+    """Which of :data:`APPROVE_KINDS` a journal entry is (None: none, it never waits for a person)."""
+    if kind == JournalKind.ROLLBACK:
+        return "rollback"
+    if kind == JournalKind.RESTART:
+        return "relaunch"
+    if kind == JournalKind.STOP:
+        return "stop"
+    if kind == JournalKind.COMMAND and (payload.get("command") or {}).get("kind") == "pause":
+        return "pause"
+    return None
+
+
+def check_approve(kinds: Sequence[str] | str) -> tuple[str, ...]:
+    """``--approve``'s kinds (a list, or one comma-separated text), checked; ValueError naming an unknown one."""
+    items = kinds.split(",") if isinstance(kinds, str) else list(kinds)
+    out = []
+    for k in (str(k).strip() for k in items):
+        if not k:
+            continue
+        if k not in APPROVE_KINDS:
+            raise ValueError(f"approve: {inputs.short_repr(k, 40)} is not an action that can wait for approval "
+                             f"(one of {', '.join(APPROVE_KINDS)})")
+        if k not in out:
+            out.append(k)
+    return tuple(out)
+
+
 def alert_payload(
     run_id: str, rule: str, severity: str, summary: str, description: str,
-    status: str = "firing", now: float | None = None, external_url: str = "", advised: bool = False,
+    status: str = "firing", now: float | None = None, external_url: str = "", mode: str = "",
 ) -> dict[str, Any]:
     """One alert in Alertmanager's webhook format (version 4), so existing receivers take it as is.
-    ``advised``: what the watchdog would have done in advise mode (label ``mode="advise"``, so a receiver
-    can route it apart)."""
+    ``mode``: ``advise`` (what the watchdog would have done in advise mode), ``approve`` (an action that waits
+    for a person), ``denied`` (one a person refused, or nobody answered in time): the label ``mode``, so a
+    receiver can route them apart."""
     ts = datetime.fromtimestamp(now if now is not None else time.time(), tz=timezone.utc)
     labels = {"alertname": "PPOWatchdogEscalation", "run": run_id, "rule": rule, "severity": severity or "critical"}
-    if advised:
-        labels["mode"] = "advise"
+    if mode:
+        labels["mode"] = mode
     fingerprint = hashlib.sha256(json.dumps(labels, sort_keys=True).encode()).hexdigest()[:16]
     alert = {
         "status": status,
@@ -260,9 +296,16 @@ class RunHandle:
     an unmodified verl run."""
     advise: bool = False
     """Advise mode: every entry is said as what would be done and none is carried out (:meth:`Actuator.drive`)."""
+    approve: tuple[str, ...] = ()
+    """Kinds of :data:`APPROVE_KINDS` whose entries wait for a person's ``watchdog approve`` or ``deny``."""
+    approve_timeout_s: float = 1800.0
+    """An entry unanswered this long is denied, said."""
     on_live_timeout: Callable[[ActionRecord, str], int | None] = field(default=lambda entry, message: None)
     """A live change the running trainer did not apply in time: the controller's restart instead
     (counted against its restart budget); returns its journal id, None when the budget is spent."""
+    on_answer: Callable[[ActionRecord, bool], None] = field(default=lambda entry, approved: None)
+    """A person's answer (or the deadline's) to an entry that waited, as it is carried out: the controller
+    records what the action's journaling left for then (a relaunch expected, a pause)."""
 
     def __post_init__(self) -> None:
         if self.dialect is None:
@@ -483,6 +526,17 @@ class Actuator:
                 log.exception("%s: advice %d (%s) failed", h.run.run_id, entry.id, entry.kind)
                 self._finish(h, entry, "failed", error=f"{type(exc).__name__}: {exc}")
             return
+        if entry.status == ActionStatus.AWAITING or (entry.status == ActionStatus.INTENT
+                                                      and needs_approval(h, entry.kind, entry.payload)):
+            # The one gate of approval, beside advise mode's: held for a person, then carried out (below, once
+            # approved) or closed as denied. Nothing of the action reaches the run while it waits.
+            try:
+                if not self._await_approval(h, entry, now):
+                    return
+            except Exception as exc:  # recorded and the loop goes on, as a failed action is
+                log.exception("%s: approval of %d (%s) failed", h.run.run_id, entry.id, entry.kind)
+                self._finish(h, entry, "failed", error=f"{type(exc).__name__}: {exc}")
+                return
         handler = getattr(self, f"_drive_{entry.kind}", None)
         if handler is None:
             self._finish(h, entry, "failed", error=f"unknown action kind {entry.kind!r}")
@@ -533,7 +587,7 @@ class Actuator:
         description = str(p.get("description") or p.get("reason") or p.get("verdict") or "")
         sent = self.notifier.notify(alert_payload(
             h.run.run_id, str(p.get("rule", "")), str(p.get("severity") or "warning"), f"advise: {would}",
-            description or summary, now=now, advised=True))
+            description or summary, now=now, mode="advise"))
         result = {**entry.result, "outcome": would, "announced": sent}
         self.store.update_action(entry.id, status=ActionStatus.ADVISED, result=result)
         entry.status, entry.result = ActionStatus.ADVISED, result
@@ -542,10 +596,106 @@ class Actuator:
         run, rule, kind = h.run.run_id, p.get("rule", ""), entry.kind
         self.store.after_commit(lambda: self._on_action(run, rule, kind, ActionStatus.ADVISED.value))
 
+    # -- approval ------------------------------------------------------------------------
+
+    def _await_approval(self, h: RunHandle, entry: ActionRecord, now: float) -> bool:
+        """An entry of a kind ``--approve`` names: held (said once, with why, the cost and the commands), then
+        each tick its answer looked for: approved, it goes on as it would have (True: drive it now); denied, or
+        unanswered past its deadline, it is closed as ``denied`` and the run carries on, alerted (False)."""
+        if entry.status == ActionStatus.INTENT:
+            self._hold(h, entry, now)
+            return False
+        answer = entry.payload.get("answer")
+        if answer is None and entry.deadline is not None and now > entry.deadline:
+            expired = {"approved": False, "by": "the deadline", "expired": True, "ts": now}
+            if not self.store.answer_approval(entry.id, expired):  # a person answered first: theirs stands
+                fresh = self.store.get_action(entry.id)
+                entry.payload = fresh.payload if fresh is not None else entry.payload
+            else:
+                entry.payload = {**entry.payload, "answer": expired}
+            answer = entry.payload.get("answer")
+        if answer is None:
+            return False
+        p, what = entry.payload, entry.result.get("would", entry.kind)
+        who = str(answer.get("by") or "someone")
+        why = f" ({answer['reason']})" if answer.get("reason") else ""
+        run, rule, kind = h.run.run_id, str(p.get("rule", "")), entry.kind
+        resolved = alert_payload(run, rule, str(p.get("severity") or "critical"), f"approval needed: {what}",
+                                 "answered", status="resolved", now=now, mode="approve")
+        if answer.get("approved"):
+            self.notifier.notify(resolved)
+            log.warning("%s: %s approved by %s%s: carrying it out", run, what, who, why)
+            self.store.update_action(entry.id, status=ActionStatus.INTENT, deadline=None,
+                                     result={**entry.result, "approved_by": who})
+            entry.status, entry.deadline = ActionStatus.INTENT, None
+            entry.result = {**entry.result, "approved_by": who}
+            if entry.decision_id is not None:
+                self.store.set_decision(entry.decision_id, "pending", f"approved by {who}{why}: {what}")
+            h.on_answer(entry, True)
+            return True
+        if answer.get("expired"):
+            limit = h.approve_timeout_s
+            outcome = (f"denied: nobody approved it within {duration_text(limit)} (--approve-timeout); "
+                       f"not carried out: {what}; the run carries on")
+        else:
+            outcome = f"denied by {who}{why}: not carried out: {what}; the run carries on"
+        self.notifier.notify(resolved)
+        announced = self.notifier.notify(alert_payload(
+            run, rule, str(p.get("severity") or "critical"), f"{rule}: {outcome}",
+            entry.result.get("why", ""), now=now, mode="denied"))
+        log.warning("%s: %s", run, outcome)
+        result = {**entry.result, "outcome": outcome, "announced": announced}
+        self.store.update_action(entry.id, status=ActionStatus.DENIED, deadline=None, result=result)
+        entry.status, entry.result = ActionStatus.DENIED, result
+        if entry.decision_id is not None:
+            self.store.settle_decision(entry.decision_id)
+        self.store.after_commit(lambda: self._on_action(run, rule, kind, ActionStatus.DENIED.value))
+        h.on_answer(entry, False)
+        return False
+
+    def _hold(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
+        """Hold ``entry`` for a person: the checkpoint a rollback would go to is chosen now (and kept from
+        pruning while it waits: the payload's ``chosen_step``), and what waits, why, what it would
+        cost and the exact commands go to the console and the webhook (label ``mode="approve"``)."""
+        p = dict(entry.payload)
+        checkpoint = self._advised_checkpoint(h, entry)
+        if entry.kind == JournalKind.ROLLBACK:
+            p["chosen_step"] = checkpoint.step if checkpoint is not None else None
+        what = advice_text(entry.kind, p, checkpoint, h.dialect.live).removeprefix("would ")
+        decision = self.store.get_decision(entry.decision_id) if entry.decision_id is not None else None
+        why = str(p.get("reason") or p.get("verdict") or "")
+        if decision is not None:
+            evidence = evidence_text(decision["inputs"])
+            said = decision["message"] or f"{decision['rule']} at step {decision['step']}"
+            why = "; ".join(x for x in (said, evidence and f"evidence {evidence}", why) if x)
+        cost = p.get("cost")
+        priced = Cost(**cost).describe() if isinstance(cost, Mapping) else "not priced"
+        target = f"{shlex.quote(h.run.run_id)}" + (f" {entry.decision_id}" if entry.decision_id is not None else "")
+        state = shlex.quote(str(self.store.path.parent))
+        limit = h.approve_timeout_s
+        commands = (f"approve: watchdog approve {target} --state-dir {state}; deny: watchdog deny {target} "
+                    f"--state-dir {state}; unanswered, it is denied in {duration_text(limit)}")
+        deadline = now + limit
+        result = {**entry.result, "outcome": f"waits for approval: {what}", "would": what, "why": why,
+                  "priced": priced}
+        self.store.update_action(entry.id, status=ActionStatus.AWAITING, deadline=deadline, payload=p, result=result)
+        entry.status, entry.deadline, entry.payload, entry.result = ActionStatus.AWAITING, deadline, p, result
+        if entry.decision_id is not None:
+            self.store.settle_decision(entry.decision_id)
+        log.warning("%s: waits for approval: %s. Why: %s. Cost: %s. To answer: %s", h.run.run_id, what,
+                    why or "-", priced, commands)
+        announced = self.notifier.notify(alert_payload(
+            h.run.run_id, str(p.get("rule", "")), str(p.get("severity") or "critical"), f"approval needed: {what}",
+            f"Why: {why or '-'}. Cost: {priced}. To answer: {commands}.", now=now, mode="approve"))
+        self.store.update_action(entry.id, result={**result, "announced": announced})
+        entry.result = {**result, "announced": announced}
+        run, rule, kind = h.run.run_id, p.get("rule", ""), entry.kind
+        self.store.after_commit(lambda: self._on_action(run, rule, kind, ActionStatus.AWAITING.value))
+
     def _advised_checkpoint(self, h: RunHandle, entry: ActionRecord) -> Any | None:
         """The checkpoint a relaunch of ``entry`` would resume from (read, nothing moved or kept)."""
         if entry.kind == JournalKind.ROLLBACK:
-            return self._resolve_checkpoint(h, "known_good")
+            return self._chosen_checkpoint(h, entry.payload) or self._resolve_checkpoint(h, "known_good")
         if entry.kind == JournalKind.RESTART and entry.payload.get("resume") != "scratch":
             return self._resolve_checkpoint(h, str(entry.payload.get("resume", "latest")))
         return None
@@ -701,10 +851,23 @@ class Actuator:
         log.warning("%s: run stopped by the watchdog: %s", h.run.run_id, verdict)
         self._finish(h, entry, "done", outcome=f"run stopped (trainer exit {code}): {verdict}", exit_code=code)
 
+    def _chosen_checkpoint(self, h: RunHandle, payload: Mapping[str, Any]) -> Any | None:
+        """The checkpoint a rollback that waited for approval chose when it was held (None: none chosen, or
+        it is not complete any more)."""
+        step = payload.get("chosen_step")
+        if not isinstance(step, int):
+            return None
+        found = next((c for c in h.dialect.checkpoints() if c.complete and c.step == step), None)
+        if found is None:
+            log.warning("%s: the step-%d checkpoint chosen for the rollback is gone: the last known-good instead",
+                        h.run.run_id, step)
+        return found
+
     def _drive_rollback(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
         p = dict(entry.payload)
         if entry.status == ActionStatus.INTENT:
-            info = self._resolve_checkpoint(h, "known_good")
+            # Approved after waiting: the checkpoint chosen when it was decided, not one found since.
+            info = self._chosen_checkpoint(h, p) or self._resolve_checkpoint(h, "known_good")
             unwatched = [] if info else [s for s in self.store.bad_spans(h.run.run_id) if s.rule == UNWATCHED]
             if unwatched:
                 # The watchdog started on a run already under way (or resumed from an unwatched one): it
@@ -812,6 +975,22 @@ class Actuator:
         """Micro-batch sizes must divide their share of the batch (each data-parallel rank's, for verl);
         round down to one that does."""
         return snap_sets(sets, run_config(h.run.run_dir), run_world_size(h.run.run_dir))
+
+
+def duration_text(seconds: float) -> str:
+    """``45 s``, ``30 min``, ``2.5 h``: a wait in the unit a person reads it in."""
+    if seconds < 120:
+        return f"{seconds:g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h"
+
+
+def needs_approval(h: RunHandle, kind: str, payload: Mapping[str, Any]) -> bool:
+    """An entry of a kind the run's ``--approve`` names, not answered yet (one handed on from an approved
+    entry, a rollback's restart, carries its answer). Advise mode carries out nothing, so holds nothing."""
+    return (bool(h.approve) and not h.advise and approval_kind(kind, payload) in h.approve
+            and "answer" not in payload)
 
 
 def _sets_text(sets: Mapping[str, Any], old: Mapping[str, Any]) -> str:

@@ -37,7 +37,9 @@ from ppo_watchdog.control.actuator import (
     Actuator,
     RunHandle,
     alert_payload,
+    check_approve,
     check_finite,
+    needs_approval,
     run_config,
     run_world_size,
 )
@@ -118,9 +120,17 @@ class ControllerConfig:
     """Advise mode: every decision is made, priced, journaled and announced, worded as what the watchdog would
     do, and none is carried out (no signal, control.json, stop, relaunch, rollback or pause): the run is never
     touched (``watchdog run --advise``; the daemon's ``advise: true``)."""
+    approve: tuple[str, ...] = ()
+    """Actions that wait for a person (``--approve rollback,relaunch,pause,stop``; the daemon's ``approve:``):
+    held, announced with why and what they cost, carried out on ``watchdog approve``, closed on ``deny``."""
+    approve_timeout_s: float = 1800.0
+    """An action unanswered this long is denied, said (``--approve-timeout``)."""
 
     def __post_init__(self) -> None:
         check_finite(self)
+        self.approve = check_approve(self.approve)  # (a YAML list or a comma text; said when unknown)
+        if not self.approve_timeout_s > 0:
+            raise ValueError(f"approve_timeout_s must be > 0 seconds, got {self.approve_timeout_s!r}")
         if self.heartbeat_min_s <= 0 or self.heartbeat_factor <= 0:
             raise ValueError(f"heartbeat_min_s and heartbeat_factor must be > 0, got "
                              f"{self.heartbeat_min_s}, {self.heartbeat_factor}")
@@ -321,7 +331,9 @@ class RunController:
         self.setup = setup if setup is not None else _RunSetup.read(run.run_dir)
         """run.json as this attach read it, and the mode, dialect and checkpoint directory that follow."""
         self.h = RunHandle(run, backend=backend, dialect=self.setup.dialect(run_id),
-                           on_live_timeout=self._on_live_timeout, advise=self.config.advise)
+                           on_live_timeout=self._on_live_timeout, advise=self.config.advise,
+                           approve=self.config.approve, approve_timeout_s=self.config.approve_timeout_s,
+                           on_answer=self._on_answer)
         from ppo_watchdog.sources.ingest import RunTailer
 
         saved = store.load_engine_state(run_id) or {}
@@ -370,8 +382,11 @@ class RunController:
         # True from a rollback (or restart from a checkpoint) being decided until the metrics show
         # the trainer back on an earlier step: divergence rules keep firing on the abandoned steps
         # meanwhile, and those fires are the same divergence, not a new one.
-        self._rewind_pending = any(e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART) and e.status != ActionStatus.WAITING
+        self._rewind_pending = any(e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART)
+                                   and e.status not in (ActionStatus.WAITING, ActionStatus.AWAITING)
                                    for e in store.open_actions(run_id))
+        self._published_awaiting = 0
+        """Entries of this run waiting for a person, as last set on the telemetry gauge."""
         self._rewind_to: int | None = None
         """Step the trainer went back to (its rollback / started event); the next step there ends the wait."""
         # launched_ts of the launch whose first step has been seen; until then the (long)
@@ -628,6 +643,11 @@ class RunController:
                     self.store.settle_decision(entry.decision_id)
                 continue
             self.actuator.drive(self.h, entry, now)
+        if entries or self._published_awaiting:
+            awaiting = sum(e.status == ActionStatus.AWAITING for e in self.store.open_actions(self.run.run_id))
+            if awaiting != self._published_awaiting:  # (set on a change only: most runs never hold one)
+                self.telemetry.approvals_waiting(self.run.run_id, awaiting)
+                self._published_awaiting = awaiting
         if self.latest:
             self.telemetry.data_age(self.run.run_id, max(0.0, now - (self.run.last_progress_ts or now)))
         self._publish_rule_states()
@@ -973,15 +993,19 @@ class RunController:
             self.store.set_decision(did, "pending", "deferred: waits for the next checkpoint (a relaunch "
                                                     "loses the steps since the last one)")
             return
+        held = needs_approval(self.h, p.kind, payload)  # (it waits for a person: what follows, once approved)
+        if held and payload.get("pause"):
+            payload["escalation"] = escalation
         if p.relaunch:
-            self._expect_relaunch()
+            if not held:
+                self._expect_relaunch()
             payload = self._absorb_waiting(payload)
         aid = self.store.add_action(self.run.run_id, p.kind, payload, decision_id=did)
         if p.kind == "command":
             self.store.update_action(aid, payload={**payload, "command": {**payload["command"], "id": f"c{aid}"}})
         if p.relaunch:
             self._settle_absorbed(aid)
-        if payload.get("pause") and not self.h.advise:  # (advise mode: the run is not paused, it trains on)
+        if payload.get("pause") and not self.h.advise and not held:  # (advise mode: the run trains on)
             self._set_phase(Phase.ESCALATED if escalation else Phase.PAUSED)
 
     def _expect_relaunch(self, counter: str | None = None) -> None:
@@ -1002,6 +1026,34 @@ class RunController:
             setattr(self.run, counter, getattr(self.run, counter) + 1)
             self.store.update_run(self.run.run_id, **{counter: getattr(self.run, counter)}, phase=Phase.RESTARTING)
             self.run.phase = Phase.RESTARTING
+
+    def _relaunch_journaled(self, payload: Mapping[str, Any], counter: str | None = None) -> None:
+        """A restart just journaled: expected now (:meth:`_expect_relaunch`), or, when it waits for a person,
+        once approved (:meth:`_on_answer`: the ``counter`` it counts against is in its payload)."""
+        if not needs_approval(self.h, JournalKind.RESTART, payload):
+            self._expect_relaunch(counter)
+
+    def _on_answer(self, entry: ActionRecord, approved: bool) -> None:
+        """A person answered an action that waited (or its deadline did). Approved: what its journaling left
+        for then (a relaunch expected and counted, the run paused). Denied: the run carries on as it is; a
+        denied rollback leaves the steps it would have undone to the run (their divergence span closes here,
+        so the checkpoints from now on count as known-good again); a denied relaunch of a trainer that has
+        ended ends the run (nothing else will relaunch it); a denied stop restarts the pause timeout."""
+        p = entry.payload
+        if approved:
+            if entry.kind in (JournalKind.RESTART, JournalKind.ROLLBACK):
+                self._expect_relaunch(p.get("counter"))
+            if p.get("pause"):
+                self._set_phase(Phase.ESCALATED if p.get("escalation") else Phase.PAUSED)
+            return
+        if entry.kind == JournalKind.ROLLBACK:
+            self.store.close_bad_spans(self.run.run_id, self.run.last_step or 0)
+        elif entry.kind == JournalKind.STOP:
+            self._paused_since = None
+        alive = self.h.proc is not None and self.h.proc.alive()
+        if entry.kind == JournalKind.RESTART and self.run.managed and not alive and self.run.phase not in DONE_PHASES:
+            self._give_up(str(p.get("rule") or RULE_CRASH), f"the relaunch was denied ({entry.result.get('outcome')}) "
+                                                            "and the trainer has ended")
 
     # -- deferred tuning relaunches -------------------------------------------------------
 
@@ -1064,7 +1116,7 @@ class RunController:
         for w in rel.carry[1:]:
             self._close(w.id, "done", f"merged into the tuning relaunch of journal {first.id}")
         self._last_tuning_clock = self.state.clock
-        self._expect_relaunch()
+        self._relaunch_journaled(payload)
         log.info("%s: %s", self.run.run_id, payload["reason"])
 
     def _drop(self, dropped: Sequence[Waiting]) -> None:
@@ -1092,8 +1144,9 @@ class RunController:
         log.info("%s: relaunch took %.1f s (stop to first new step)", self.run.run_id, startup)
 
     def _protect_known_good(self) -> None:
-        """Keep the last known-good checkpoints out of reach of the trainer's own pruning (verl's
-        ``max_*_ckpt_to_keep``); the bad spans are read only when the dialect has something to judge."""
+        """Keep the last known-good checkpoints, and the one a rollback waiting for approval chose, out of reach
+        of the trainer's own pruning (verl's ``max_*_ckpt_to_keep``); the bad spans are read only when the
+        dialect has something to judge."""
         spans: list[Any] | None = None
 
         def is_bad(step: int, ts: float | None) -> bool:
@@ -1102,8 +1155,11 @@ class RunController:
                 spans = self.store.bad_spans(self.run.run_id)
             return any(s.covers(step, ts) for s in spans)
 
+        # A rollback that waits for a person goes, once approved, to the checkpoint it chose: kept meanwhile.
+        hold = [e.payload["chosen_step"] for e in self.store.open_actions(self.run.run_id)
+                if e.kind == JournalKind.ROLLBACK and isinstance(e.payload.get("chosen_step"), int)]
         try:
-            self.h.dialect.protect(is_bad)
+            self.h.dialect.protect(is_bad, hold)
         except OSError as exc:  # a full disk, a permission: said, and the run goes on
             log.warning("%s: cannot keep the known-good checkpoint out of the trainer's pruning: %s",
                         self.run.run_id, exc)
@@ -1147,8 +1203,9 @@ class RunController:
 
     def _rollback_in_flight(self) -> bool:
         """A rollback or restart is open, or done but the trainer's metrics do not show it yet."""
+        # (One that waits for a person is not under way: the run trains on, and other actions go on meanwhile.)
         statuses = [s for s in self.store.journal_statuses(self.run.run_id, (JournalKind.ROLLBACK, JournalKind.RESTART))
-                    if s not in (ActionStatus.WAITING, ActionStatus.DROPPED)]
+                    if s not in (ActionStatus.WAITING, ActionStatus.DROPPED, ActionStatus.AWAITING, ActionStatus.DENIED)]
         if any(s in OPEN_ACTION_STATUSES for s in statuses):
             return True
         return self._rewind_pending and bool(statuses) and statuses[-1] == ActionStatus.DONE
@@ -1259,9 +1316,10 @@ class RunController:
                                                f"{', '.join(f'{k}={v}' for k, v in sets.items()) or 'the same settings'}",
                                      inputs)
             payload = self._absorb_waiting({"rule": RULE_OOM, "resume": "latest", "set": sets, "reason": "oom",
-                                            "cost": self.cost_model().relaunch(self._steps_since_checkpoint()).to_json()})
+                                            "cost": self.cost_model().relaunch(self._steps_since_checkpoint()).to_json(),
+                                            "counter": "oom_retries"})
             self._settle_absorbed(self.store.add_action(self.run.run_id, "restart", payload, decision_id=did))
-            self._expect_relaunch("oom_retries")
+            self._relaunch_journaled(payload, "oom_retries")
 
     def _on_crash(self, rule: str, message: str, inputs: dict[str, Any], resume: str = "known_good") -> int | None:
         """A restart counted against the restart budget (a crash, a hang, a live change not applied);
@@ -1276,10 +1334,11 @@ class RunController:
         with self.store.transaction():
             did = self._own_decision(rule, message, inputs)
             payload = self._absorb_waiting({"rule": rule, "resume": resume, "reason": message,
-                                            "cost": self.cost_model().relaunch(self._steps_since_checkpoint()).to_json()})
+                                            "cost": self.cost_model().relaunch(self._steps_since_checkpoint()).to_json(),
+                                            "counter": "restarts"})
             rid = self.store.add_action(self.run.run_id, "restart", payload, decision_id=did)
             self._settle_absorbed(rid)
-            self._expect_relaunch("restarts")
+            self._relaunch_journaled(payload, "restarts")
         return rid
 
     def _on_live_timeout(self, entry: ActionRecord, message: str) -> int | None:

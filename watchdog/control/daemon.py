@@ -39,6 +39,7 @@ from ppo_watchdog.control.actuator import (
     ActuatorConfig,
     Notifier,
     alert_payload,
+    check_approve,
     resolve_webhook_url,
     webhook_target,
 )
@@ -149,6 +150,9 @@ class RunSpec:
     advise: bool | None = None
     """Advise mode for this run: decide and announce what would be done, carry out nothing (default: the
     daemon's ``advise``)."""
+    approve: list[str] | None = None
+    """Actions of this run that wait for a person's ``watchdog approve`` or ``deny``: some of rollback,
+    relaunch, pause, stop (default: the daemon's ``approve``; ``[]``: none)."""
 
     def shard_key(self) -> str:
         """What this run's shard is decided on: the id the daemon gives it, ``id`` else the directory's name
@@ -194,6 +198,10 @@ class DaemonConfig:
     advise: bool = False
     """Advise mode for every run (a run's own ``advise`` wins): each decision is made, priced, journaled and
     announced as what the watchdog would do, and none is carried out; the runs are never touched."""
+    approve: list[str] = field(default_factory=list)
+    """Actions that wait for a person's ``watchdog approve`` or ``deny`` in every run (a run's own ``approve``
+    wins): some of rollback, relaunch, pause, stop; unanswered after ``controller.approve_timeout_s`` (30 min)
+    they are denied."""
     shards: int = 1
     """Daemon processes sharing the runs (1 .. 256), all on the one state database: for more runs than one
     core ticks in time. The process started is shard 0 and starts shards 1..N-1 as its children; each run is
@@ -207,6 +215,10 @@ class DaemonConfig:
             raise DaemonConfigError(f"metrics_port must be 0 (any free port) .. 65535, got {self.metrics_port!r}")
         if self.source not in SOURCES:
             raise DaemonConfigError(f"source must be one of {', '.join(SOURCES)}, got {self.source!r}")
+        try:
+            check_approve(self.approve)
+        except ValueError as exc:
+            raise DaemonConfigError(str(exc)) from exc
         if not (isinstance(self.shards, int) and not isinstance(self.shards, bool) and 1 <= self.shards <= MAX_SHARDS):
             raise DaemonConfigError(f"shards must be an integer from 1 to {MAX_SHARDS} (daemon processes), "
                                     f"got {self.shards!r}")
@@ -279,6 +291,11 @@ def load_daemon_config(path: Path | str) -> DaemonConfig:
                                     f"got {spec.on_escalate!r}")
         if spec.ray_token_file is not None and not spec.ray_address:
             raise DaemonConfigError(f"{path}: runs[{i}].ray_token_file is for a Ray cluster: give ray_address too")
+        if spec.approve is not None:
+            try:
+                check_approve(spec.approve)
+            except ValueError as exc:
+                raise DaemonConfigError(f"{path}: runs[{i}].{exc}") from exc
         _say_if_meant_from_the_config(path, i, spec.run_dir)
     if cfg.webhook_url:
         try:
@@ -425,7 +442,8 @@ class Watchdog:
                 ray_token_file: Path | str | None = None, source: SourceConfig | None = None,
                 mode: str | None = None,
                 run_metrics_port: int | None = None, retry_ended: bool = True,
-                on_escalate: str | None = None, advise: bool | None = None) -> RunController:
+                on_escalate: str | None = None, advise: bool | None = None,
+                approve: Sequence[str] | None = None) -> RunController:
         """Register (or take back from the store) a run and build its controller.
 
         ``ray_address``: launch the trainer as Ray Jobs on that cluster instead of as a local process.
@@ -439,7 +457,8 @@ class Watchdog:
         on the same directory: the user asks for a new attempt); the daemon passes False, so
         restarting the daemon does not relaunch the runs of its config that already ended.
         ``on_escalate``: this run's escalation policy (default: the controller config's).
-        ``advise``: this run in advise mode, or not (default: the controller config's ``advise``)."""
+        ``advise``: this run in advise mode, or not (default: the controller config's ``advise``).
+        ``approve``: the actions of this run that wait for a person (default: the controller config's)."""
         try:
             run_dir = Path(run_dir).resolve()
         except (OSError, RuntimeError) as exc:  # (Python 3.11's resolve raises RuntimeError on a symlink loop)
@@ -460,7 +479,7 @@ class Watchdog:
         held = self._hold_run_dir(run_dir, existing, managed and bool(command)) if self.exclusive else None
         try:
             ctl = self._add_run(run_dir, run_id, existing, command, managed, ray_address, ray_token_file, source,
-                                mode, run_metrics_port, retry_ended, on_escalate, advise)
+                                mode, run_metrics_port, retry_ended, on_escalate, advise, approve)
         except BaseException:
             if held is not None:
                 held.release()
@@ -472,7 +491,8 @@ class Watchdog:
     def _add_run(self, run_dir: Path, run_id: str, existing: RunRecord | None, command: Sequence[str] | None,
                  managed: bool, ray_address: str | None, ray_token_file: Path | str | None,
                  source: SourceConfig | None, mode: str | None, run_metrics_port: int | None, retry_ended: bool,
-                 on_escalate: str | None, advise: bool | None = None) -> RunController:
+                 on_escalate: str | None, advise: bool | None = None,
+                 approve: Sequence[str] | None = None) -> RunController:
         # The one read of run.json for this attach (or the one write, for mode verl): the mode, dialect,
         # checkpoint directory and the trainer to adopt all come from this RunSetup, handed down.
         if mode is not None:
@@ -501,6 +521,8 @@ class Watchdog:
             config = replace(config, on_escalate=on_escalate)
         if advise is not None:
             config = replace(config, advise=advise)
+        if approve is not None:
+            config = replace(config, approve=tuple(approve))
         ctl = RunController(self.store, run_id, self.rules, self.actuator, config, self.telemetry,
                             backend, source=make_source(source, run_dir, run_id, self.telemetry), setup=setup)
         self.controllers[run_id] = ctl
@@ -982,7 +1004,8 @@ def prepare_daemon(cfg: DaemonConfig, exclusive: bool = True, shard: int | None 
     """
     if exclusive:
         _raise_fd_limit(len(cfg.runs) + 256)
-    controller = {**cfg.controller, "advise": True} if cfg.advise else cfg.controller
+    controller = {**cfg.controller, **({"advise": True} if cfg.advise else {}),
+                  **({"approve": cfg.approve} if cfg.approve else {})}
     wd = build_watchdog(cfg.state_dir, cfg.rules, cfg.webhook_url, controller, cfg.actuator,
                         cfg.metrics_port, cfg.metrics_addr, grafana_url=cfg.grafana_url,
                         webhook_url_file=cfg.webhook_url_file, exclusive=exclusive, shard=shard)
@@ -1021,7 +1044,7 @@ def _add_spec(wd: Watchdog, cfg: DaemonConfig, spec: RunSpec) -> RunController:
     ctl = wd.add_run(spec.run_dir, spec.id, cmd, managed=bool(cmd), ray_address=spec.ray_address,
                      ray_token_file=spec.ray_token_file, source=cfg.source_for(spec), mode=spec.mode,
                      run_metrics_port=spec.run_metrics_port, retry_ended=False, on_escalate=spec.on_escalate,
-                     advise=spec.advise)
+                     advise=spec.advise, approve=spec.approve)
     if cmd and ctl.run.phase == Phase.NEW and spec.ray_address:
         # run.json's pid is a process on the Ray head, not one this machine can watch: its job id.
         _adopt_ray_job(wd, ctl)

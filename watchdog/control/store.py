@@ -9,7 +9,7 @@ doubling an action:
 - ``rule_states``: the rules engine's serialised state (cooldowns, budgets, pending
   counters) with its version.
 - ``decisions``: every decision with its inputs, its status (pending / applied / failed /
-  skipped / advised) and its outcome, the audit log ``watchdog history`` prints.
+  skipped / advised / waiting / denied) and its outcome, the audit log ``watchdog history`` prints.
 - ``journal``: the actions journal. An action's intent is written (in the same
   transaction as the decision and the engine state) before it is carried out and marked
   done only after confirmation; a restarted watchdog re-drives open entries, which are
@@ -47,7 +47,7 @@ from ppo_watchdog.core.vocabulary import (
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 _JOURNAL_TABLE = """
 CREATE TABLE IF NOT EXISTS journal (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -55,7 +55,8 @@ CREATE TABLE IF NOT EXISTS journal (
     decision_id INTEGER,
     kind TEXT NOT NULL,
     payload TEXT NOT NULL DEFAULT '{}',
-    status TEXT NOT NULL CHECK (status IN ('intent', 'sent', 'waiting', 'done', 'failed', 'dropped', 'advised')),
+    status TEXT NOT NULL CHECK (status IN ('intent', 'sent', 'waiting', 'done', 'failed', 'dropped', 'advised',
+                                           'awaiting', 'denied')),
     control_version INTEGER,
     deadline REAL,
     result TEXT NOT NULL DEFAULT '{}',
@@ -73,7 +74,8 @@ CREATE TABLE IF NOT EXISTS decisions (
     message TEXT NOT NULL DEFAULT '',
     actions TEXT NOT NULL DEFAULT '[]',
     inputs TEXT NOT NULL DEFAULT '{}',
-    status TEXT NOT NULL CHECK (status IN ('pending', 'applied', 'failed', 'skipped', 'advised')),
+    status TEXT NOT NULL CHECK (status IN ('pending', 'applied', 'failed', 'skipped', 'advised', 'waiting',
+                                           'denied')),
     outcome TEXT NOT NULL DEFAULT '',
     created REAL NOT NULL,
     updated REAL NOT NULL,
@@ -83,6 +85,25 @@ _JOURNAL_COLUMNS = ("id, run_id, decision_id, kind, payload, status, control_ver
                     " updated")
 _DECISION_COLUMNS = ("id, run_id, step, rule, kind, severity, message, actions, inputs, status, outcome, created,"
                      " updated, signals")
+
+
+def _rebuild_statuses(old: int) -> tuple[str, ...]:
+    """Journal and decisions rebuilt with the statuses of this version: SQLite changes a CHECK only by
+    rebuilding its table."""
+    return (
+        f"ALTER TABLE journal RENAME TO journal_v{old}",
+        _JOURNAL_TABLE,
+        f"INSERT INTO journal ({_JOURNAL_COLUMNS}) SELECT {_JOURNAL_COLUMNS} FROM journal_v{old}",
+        f"DROP TABLE journal_v{old}",
+        "CREATE INDEX IF NOT EXISTS journal_open ON journal (run_id, status)",
+        f"ALTER TABLE decisions RENAME TO decisions_v{old}",
+        _DECISIONS_TABLE,
+        f"INSERT INTO decisions ({_DECISION_COLUMNS}) SELECT {_DECISION_COLUMNS} FROM decisions_v{old}",
+        f"DROP TABLE decisions_v{old}",
+        "CREATE INDEX IF NOT EXISTS decisions_run ON decisions (run_id, step)",
+    )
+
+
 #: What brings a database of version N-1 to version N, applied in the opening transaction.
 _MIGRATIONS: dict[int, tuple[str, ...]] = {
     2: ("ALTER TABLE runs ADD COLUMN job_id TEXT",),  # the Ray Job a run's trainer runs as
@@ -106,20 +127,11 @@ _MIGRATIONS: dict[int, tuple[str, ...]] = {
     # take the first's record and tail the first's files). Fails, naming both, if a v3 state has one
     # directory under two run ids.
     4: ("CREATE UNIQUE INDEX IF NOT EXISTS runs_dir ON runs (run_dir)",),
-    # Advise mode: decisions and journal entries gain 'advised' (said as what would be done, never done);
-    # SQLite changes a CHECK only by rebuilding its table.
-    5: (
-        "ALTER TABLE journal RENAME TO journal_v4",
-        _JOURNAL_TABLE,
-        f"INSERT INTO journal ({_JOURNAL_COLUMNS}) SELECT {_JOURNAL_COLUMNS} FROM journal_v4",
-        "DROP TABLE journal_v4",
-        "CREATE INDEX IF NOT EXISTS journal_open ON journal (run_id, status)",
-        "ALTER TABLE decisions RENAME TO decisions_v4",
-        _DECISIONS_TABLE,
-        f"INSERT INTO decisions ({_DECISION_COLUMNS}) SELECT {_DECISION_COLUMNS} FROM decisions_v4",
-        "DROP TABLE decisions_v4",
-        "CREATE INDEX IF NOT EXISTS decisions_run ON decisions (run_id, step)",
-    ),
+    # Advise mode: decisions and journal entries gain 'advised' (said as what would be done, never done).
+    5: _rebuild_statuses(4),
+    # Approval (--approve): journal entries gain 'awaiting' (held for a person) and 'denied', decisions
+    # 'waiting' and 'denied'.
+    6: _rebuild_statuses(5),
 }
 _INDEXES = (
     # A decision's journal entries, read each time one of them ends (settle_decision): without it each read
@@ -129,6 +141,8 @@ _INDEXES = (
 """Indexes every database of this schema version gets when a watchdog opens it to write, after any migration:
 only reads are faster, so a watchdog of the same version without them reads the same data."""
 DB_NAME = "watchdog.db"
+_OPEN_SQL = "(" + ", ".join(f"'{s}'" for s in OPEN_ACTION_STATUSES) + ")"
+"""The open statuses as an SQL list (constants of the vocabulary, never input)."""
 WRITER_GATE = "-writer"
 """The suffix of the file next to the database that writers of this code take a ``flock`` on around each
 write transaction (:class:`_WriterGate`)."""
@@ -805,10 +819,7 @@ class Store:
                 by_decision.setdefault(j["decision_id"], []).append(_action_dict(_action_from_row(j)))
         out = []
         for r in rows:
-            d = dict(r)
-            d["actions"] = json.loads(d["actions"])
-            d["inputs"] = json.loads(d["inputs"])
-            d["signals"] = json.loads(d["signals"])
+            d = _decision_from_row(r)
             d["journal"] = by_decision.get(d["id"], [])
             out.append(d)
         return out
@@ -888,7 +899,7 @@ class Store:
             if run_id in self._no_open:
                 return []  # (a daemon asks two or three times a tick, for every run; most have none)
             rows = self._db.execute(
-                "SELECT * FROM journal WHERE run_id=? AND status IN ('intent', 'sent', 'waiting') ORDER BY id",
+                f"SELECT * FROM journal WHERE run_id=? AND status IN {_OPEN_SQL} ORDER BY id",
                 (run_id,),
             ).fetchall()
             if not rows:
@@ -905,7 +916,7 @@ class Store:
                 part = list(run_ids[i:i + 500])
                 rows = self._db.execute(
                     f"SELECT DISTINCT run_id FROM journal WHERE run_id IN ({', '.join('?' * len(part))})"
-                    " AND status IN ('intent', 'sent', 'waiting')", part).fetchall()
+                    f" AND status IN {_OPEN_SQL}", part).fetchall()
                 found.update(r["run_id"] for r in rows)
             self._no_open.update(r for r in run_ids if r not in found)
 
@@ -924,8 +935,15 @@ class Store:
     def settle_decision(self, decision_id: int) -> str:
         """Derive a decision's status from its journal entries; returns the status."""
         with self._lock:
-            rows = self._db.execute("SELECT status, result FROM journal WHERE decision_id=?", (decision_id,)).fetchall()
+            rows = self._db.execute("SELECT status, result, kind FROM journal WHERE decision_id=?",
+                                    (decision_id,)).fetchall()
         statuses = [r["status"] for r in rows]
+        if any(s == ActionStatus.AWAITING for s in statuses):
+            # What waits says so (its outcome: "waits for approval: roll back to step 4 ..."), whatever else
+            # of the decision is done.
+            waits = [json.loads(r["result"]).get("outcome", "") for r in rows if r["status"] == ActionStatus.AWAITING]
+            self.set_decision(decision_id, "waiting", "; ".join(o for o in waits if o) or "waits for approval")
+            return "waiting"
         if any(s in OPEN_ACTION_STATUSES for s in statuses):
             return "pending"
         if any(s == ActionStatus.FAILED for s in statuses):
@@ -936,11 +954,55 @@ class Store:
         if statuses and all(s == ActionStatus.ADVISED for s in statuses):
             self.set_decision(decision_id, "advised", "; ".join(o for o in outcomes if o) or "advised")
             return "advised"
+        if ActionStatus.DENIED in statuses and all(r["status"] == ActionStatus.DENIED or r["kind"] == "notify"
+                                                   for r in rows):
+            # Refused (or unanswered in time): nothing of it was carried out but its alert.
+            denied = [json.loads(r["result"]).get("outcome", "") for r in rows if r["status"] == ActionStatus.DENIED]
+            self.set_decision(decision_id, "denied", "; ".join(o for o in denied if o) or "denied")
+            return "denied"
         if statuses and all(s == ActionStatus.DROPPED for s in statuses):
             self.set_decision(decision_id, "skipped", "; ".join(o for o in outcomes if o) or "dropped")
             return "skipped"
         self.set_decision(decision_id, "applied", "; ".join(o for o in outcomes if o) or "applied")
         return "applied"
+
+    def answer_approval(self, action_id: int, answer: dict[str, Any]) -> bool:
+        """Record a person's answer (or the deadline's) to an entry that waits for approval, once: the first
+        answer written wins, whoever writes it (``watchdog approve``/``deny`` in one process, the watchdog's
+        expiry in another); False when the entry waits no more or was answered already. The watchdog carries
+        the answer out at its next tick."""
+        with self.transaction() as db:
+            cur = db.execute(
+                "UPDATE journal SET payload=json_set(payload, '$.answer', json(?)), updated=? "
+                "WHERE id=? AND status=? AND json_extract(payload, '$.answer') IS NULL",
+                (json.dumps(answer, sort_keys=True), _now(), action_id, ActionStatus.AWAITING.value),
+            )
+            return cur.rowcount == 1
+
+    def awaiting(self, run_id: str | None = None) -> list[ActionRecord]:
+        """Journal entries that wait for a person's answer (unanswered yet), oldest first."""
+        where = "status=? AND json_extract(payload, '$.answer') IS NULL"
+        with self._lock:
+            if run_id is None:
+                rows = self._db.execute(f"SELECT * FROM journal WHERE {where} ORDER BY id",
+                                        (ActionStatus.AWAITING.value,)).fetchall()
+            else:
+                rows = self._db.execute(f"SELECT * FROM journal WHERE run_id=? AND {where} ORDER BY id",
+                                        (run_id, ActionStatus.AWAITING.value)).fetchall()
+        return [_action_from_row(r) for r in rows]
+
+    def get_decision(self, decision_id: int) -> dict[str, Any] | None:
+        """One decision as :meth:`decisions` gives it (without its journal), or None."""
+        with self._lock:
+            row = self._db.execute("SELECT * FROM decisions WHERE id=?", (decision_id,)).fetchone()
+        return _decision_from_row(row) if row is not None else None
+
+    def decision_counts(self, run_id: str) -> dict[str, int]:
+        """A run's decisions counted by status."""
+        with self._lock:
+            rows = self._db.execute("SELECT status, count(*) AS n FROM decisions WHERE run_id=? GROUP BY status",
+                                    (run_id,)).fetchall()
+        return {r["status"]: int(r["n"]) for r in rows}
 
     # -- control versions ---------------------------------------------------------------
 
@@ -1070,6 +1132,13 @@ def _run_from_row(row: sqlite3.Row) -> RunRecord:
         d[name] = json.loads(d[name])
     d["managed"] = bool(d["managed"])
     return RunRecord(**d)
+
+
+def _decision_from_row(row: sqlite3.Row) -> dict[str, Any]:
+    d = dict(row)
+    for name in ("actions", "inputs", "signals"):
+        d[name] = json.loads(d[name])
+    return d
 
 
 def _action_from_row(row: sqlite3.Row) -> ActionRecord:

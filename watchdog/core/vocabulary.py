@@ -36,13 +36,16 @@ class DecisionKind(Word):
 class DecisionStatus(Word):
     """A decision's status. ``skipped``: nothing to do (a resolve, an action already covered, a dropped set).
     ``advised``: decided in advise mode: its actions were journaled and announced as what the watchdog would
-    do, and none was carried out."""
+    do, and none was carried out. ``waiting``: an action of it waits for a person (``--approve``: ``watchdog
+    approve`` or ``deny``). ``denied``: a person refused its actions, or nobody answered in time."""
 
     PENDING = "pending"
     APPLIED = "applied"
     FAILED = "failed"
     SKIPPED = "skipped"
     ADVISED = "advised"
+    WAITING = "waiting"
+    DENIED = "denied"
 
 
 class ActionStatus(Word):
@@ -60,6 +63,10 @@ class ActionStatus(Word):
     """A waiting set whose condition cleared before its relaunch."""
     ADVISED = "advised"
     """Advise mode: said as what would be done (its outcome: "would roll back to step 55 ..."), never done."""
+    AWAITING = "awaiting"
+    """Held for a person's ``watchdog approve`` or ``deny`` (``--approve KINDS``), until its deadline."""
+    DENIED = "denied"
+    """Refused by a person, or unanswered past its deadline: never carried out."""
 
 
 class JournalKind(Word):
@@ -76,4 +83,7 @@ class JournalKind(Word):
 
 DECISION_STATUSES = tuple(s.value for s in DecisionStatus)
 ACTION_STATUSES = tuple(s.value for s in ActionStatus)
-OPEN_ACTION_STATUSES = (ActionStatus.INTENT.value, ActionStatus.SENT.value, ActionStatus.WAITING.value)
+OPEN_ACTION_STATUSES = (ActionStatus.INTENT.value, ActionStatus.SENT.value, ActionStatus.WAITING.value,
+                        ActionStatus.AWAITING.value)
+APPROVE_KINDS = ("rollback", "relaunch", "pause", "stop")
+"""What ``--approve`` may hold for a person: a rollback, a relaunch (a restart of the trainer), a pause, a stop."""

@@ -233,7 +233,8 @@ def ppo_run() -> dict[str, Any]:
 
 
 def watchdog() -> dict[str, Any]:
-    """The "Watchdog" dashboard: rule states, actions, evaluation time (tick and by phase), data age, runs watched."""
+    """The "Watchdog" dashboard: rule states, actions (advised and waiting for approval too), evaluation time (tick
+    and by phase), data age, runs watched."""
     ids = _Ids()
     t = telemetry
 
@@ -288,6 +289,15 @@ def watchdog() -> dict[str, Any]:
             [(f"sum by (rule) (increase({t.ESCALATIONS.name}{{{RUN_SEL}}}[$__rate_interval]))", "escalated {{rule}}"),
              (f"sum by (where) (increase({t.ERRORS.name}{{{RUN_SEL}}}[$__rate_interval]))", "error in {{where}}")],
             w=12, bars=True,
+        ))
+        .with_panel(_series(
+            ids, "Advised and waiting for approval", "Actions said as what the watchdog would do (advise mode), "
+            "actions waiting now for a person's `watchdog approve` or `deny` (--approve), and those denied or "
+            "left unanswered past their deadline.",
+            [(f"sum by (run) ({t.APPROVALS_WAITING.name}{{{RUN_SEL}}})", "{{run}} waiting for approval"),
+             (f'sum by (run, kind, outcome) (increase({t.ACTIONS.name}{{{RUN_SEL}, outcome=~"advised|denied"}}'
+              f"[$__rate_interval]))", "{{run}} {{kind}} {{outcome}}")],
+            w=24, bars=True,
         ))
         .with_panel(_series(
             ids, "Evaluation time", "Wall time of one evaluation tick over all runs (quantiles and mean; with "

@@ -28,7 +28,7 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("actor/reward_kl_penalty_coeff", "kl_coef"),
 )
 _OUTCOME_COLOUR = {"applied": "tab:green", "failed": "tab:red", "pending": "tab:orange", "skipped": "tab:gray",
-                   "advised": "tab:purple"}
+                   "advised": "tab:purple", "waiting": "tab:blue", "denied": "tab:brown"}
 
 
 class ReportError(ValueError):

@@ -63,7 +63,12 @@ RULE_STATE = TelemetryMetric(
 )
 ACTIONS = TelemetryMetric(
     "watchdog_actions_total", "counter", ("run", "rule", "kind", "outcome"),
-    "Remediation actions taken, by rule, action kind and outcome.",
+    "Remediation actions taken, by rule, action kind and outcome (ok, failed; advised: said as what would be "
+    "done in advise mode; awaiting: held for a person's approval; denied: refused, or unanswered in time).",
+)
+APPROVALS_WAITING = TelemetryMetric(
+    "watchdog_approvals_waiting", "gauge", ("run",),
+    "Actions of a run waiting now for a person's `watchdog approve` or `deny` (--approve).",
 )
 ESCALATIONS = TelemetryMetric(
     "watchdog_escalations_total", "counter", ("run", "rule"),
@@ -100,7 +105,8 @@ ERRORS = TelemetryMetric(
 
 #: Every metric this module defines.
 METRICS: tuple[TelemetryMetric, ...] = (
-    RULE_STATE, ACTIONS, ESCALATIONS, EVALUATION, TICK_PHASE, DATA_AGE, RUNS_WATCHED, LAST_TICK, ERRORS,
+    RULE_STATE, ACTIONS, APPROVALS_WAITING, ESCALATIONS, EVALUATION, TICK_PHASE, DATA_AGE, RUNS_WATCHED, LAST_TICK,
+    ERRORS,
 )
 
 
@@ -192,6 +198,7 @@ class WatchdogMetrics:
         self._phase_acc = dict.fromkeys(TICK_PHASES, 0.0)
         self._data_age = Gauge(DATA_AGE.name, DATA_AGE.help, DATA_AGE.labels, registry=r)
         self._age_children: dict[str, Any] = {}
+        self._waiting = Gauge(APPROVALS_WAITING.name, APPROVALS_WAITING.help, APPROVALS_WAITING.labels, registry=r)
         self._runs = Gauge(RUNS_WATCHED.name, RUNS_WATCHED.help, registry=r)
         self._last_tick = Gauge(LAST_TICK.name, LAST_TICK.help, registry=r)
         self._errors = Counter(_base(ERRORS.name), ERRORS.help, ERRORS.labels, registry=r)
@@ -216,6 +223,10 @@ class WatchdogMetrics:
     def action(self, run: str, rule: str, kind: str, outcome: str) -> None:
         """Count one action (``kind``: set/rollback/restart/...; ``outcome``: applied/failed/...)."""
         self._actions.labels(run=run, rule=rule, kind=kind, outcome=outcome).inc()
+
+    def approvals_waiting(self, run: str, n: int) -> None:
+        """Set how many of a run's actions wait for a person now."""
+        self._waiting.labels(run=run).set(n)
 
     def escalation(self, run: str, rule: str) -> None:
         """Count one escalation to a human."""
@@ -258,10 +269,11 @@ class WatchdogMetrics:
         """Drop a run's gauges once it is no longer watched, so dashboards don't show stale states."""
         self._rules.forget(run, rules)
         self._age_children.pop(run, None)
-        try:
-            self._data_age.remove(run)
-        except KeyError:
-            pass
+        for gauge in (self._data_age, self._waiting):
+            try:
+                gauge.remove(run)
+            except KeyError:
+                pass
 
     def serve(self, port: int = 0, addr: str = "127.0.0.1") -> int:
         """Serve /metrics on ``addr:port`` (0 picks a free port) in a thread; returns the bound port."""
