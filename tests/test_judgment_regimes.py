@@ -5,7 +5,7 @@ A healthy GRPO run with ``beta`` 0 (TRL's default) and 4 completions of each of 
 loss and gradient are then exactly zero. Logged every 10 steps (transformers' ``logging_steps``
 default), each record holds the window's mean score and the gradient norm of its last step only.
 The runs here are drawn from that model with a seeded generator, the way TRL's callback writes them
-(``ppo_watchdog.trainer.trl_glue.callback.verl_metrics`` keys), and replayed through the default pack.
+(``ppo_watchdog.protocol.catalog.trl_metrics`` keys), and replayed through the default pack.
 """
 
 from __future__ import annotations

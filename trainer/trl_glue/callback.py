@@ -23,7 +23,7 @@ given its settings and argv. The hooks:
   ``checkpoint`` / ``pause`` / ``resume`` / ``stop``; a ``rollback`` is left unconfirmed (the
   watchdog relaunches from the known-good checkpoint); then injected faults;
 - ``on_optimizer_step``: the lr the step really used (the scheduler's logged lr lags by one);
-- ``on_log``: TRL's logged values under the catalog's verl keys (:func:`verl_metrics`), TRL's
+- ``on_log``: TRL's logged values under the catalog's verl keys (:func:`~ppo_watchdog.protocol.catalog.trl_metrics`), TRL's
   own values kept beside them as ``trl/<name>``;
 - ``on_save``: transformers' ``checkpoint-N`` becomes ``checkpoints/global_step_N`` with a
   manifest (the watchdog counts it), verl's marker, a ``checkpoint`` event; old ones are pruned
@@ -110,47 +110,6 @@ def live_keys(run: TRLRun) -> tuple[str, ...]:
     if run.algorithm == GRPO:
         keys.append(ENTROPY_COEFF)
     return tuple(keys)
-
-
-#: TRL log key -> verl key (catalog), for both trainers; the KL keys depend on the trainer.
-_COMMON = {
-    "entropy": "actor/entropy",
-    "reward": "critic/score/mean",
-    "reward_std": "critic/score/std",
-    "grad_norm": "actor/grad_norm",
-    "completions/mean_length": "response_length/mean",
-    "completions/max_length": "response_length/max",
-    "completions/clipped_ratio": "response_length/clip_ratio",
-    "clip_ratio/region_mean": "actor/pg_clipfrac",
-    "entropy_coef": "actor/entropy_coeff",
-}
-
-
-def verl_metrics(logs: Mapping[str, Any], algorithm: str, beta: float) -> dict[str, float]:
-    """One step of TRL's logs under verl's keys, plus each TRL value as ``trl/<name>``.
-
-    KL resolved to the kind the trainer computes: GRPO's k3 KL is a loss term (``actor/kl_loss``,
-    coefficient ``actor/kl_coef``), RLOO's is subtracted from the reward
-    (``actor/reward_kl_penalty``, ``actor/reward_kl_penalty_coeff``). TRL logs no KL while beta is 0.
-    The policy loss is TRL's ``policy_loss`` when it logs one (entropy bonus on), else ``loss``
-    (which then includes beta x KL, as TRL computes it).
-    """
-    out: dict[str, float] = {}
-    for key, value in logs.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        out[f"trl/{key}"] = float(value)
-        if key in _COMMON:
-            out[_COMMON[key]] = float(value)
-    if "trl/kl" in out:
-        kl_key, coef_key = (("actor/kl_loss", "actor/kl_coef") if algorithm == GRPO
-                            else ("actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff"))
-        out[kl_key] = out["trl/kl"]
-        out[coef_key] = float(beta)
-    loss = out.get("trl/policy_loss", out.get("trl/loss"))
-    if loss is not None:
-        out["actor/pg_loss"] = loss
-    return out
 
 
 class LiveSettings:
@@ -450,7 +409,7 @@ class WatchdogCallback(TrainerCallback):
             return  # the end-of-training summary, or an evaluation
         step = int(state.global_step)
         beta = float(getattr(self.trainer, "beta", self.run.beta)) if self.trainer is not None else self.run.beta
-        data = verl_metrics(logs, self.run.algorithm, beta)
+        data = catalog.trl_metrics(logs, kl_in_reward=self.run.algorithm != GRPO, beta=beta)
         if self._lr_used is not None:
             data["actor/lr"] = self._lr_used
         if self._t0 is not None:

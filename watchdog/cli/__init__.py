@@ -1,6 +1,6 @@
 """The ``watchdog`` command line (Typer): one group per module, joined here with plain imports.
 
-- :mod:`~ppo_watchdog.cli.rules`: ``rules list|check|test|explain|calibrate``, ``replay``, ``eval``;
+- :mod:`~ppo_watchdog.cli.rules`: ``rules list|check|test|explain|calibrate``, ``replay``, ``check``, ``eval``;
 - :mod:`~ppo_watchdog.cli.run`: ``run``, ``daemon``, ``status``, ``history``, ``resume``, ``report``;
 - :mod:`~ppo_watchdog.cli.dashboards`: ``dashboards export|push``.
 

@@ -1,4 +1,4 @@
-"""`watchdog rules ...`, `watchdog replay` and `watchdog eval`: rule packs and recorded runs.
+"""`watchdog rules ...`, `watchdog replay`, `watchdog check` and `watchdog eval`: rule packs and recorded runs.
 
 Exit codes (the convention of every command, see ppo_watchdog.cli): 0 success; 1 the thing judged
 failed (a rule test, a labelled run of ``eval``); 2 bad input or usage (a missing file, an
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
@@ -21,8 +19,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ppo_watchdog.cli.console import CliConsole
 from ppo_watchdog.core.actions import value_problem
-from ppo_watchdog.core.rulefile import RULES_ENV, default_rules_paths
+from ppo_watchdog.core.rulefile import DEFAULT_PACK, RULES_ENV, rule_paths
 from ppo_watchdog.core.vocabulary import DecisionKind
 from ppo_watchdog.protocol import catalog, hydra, rundir
 from ppo_watchdog.protocol.events import Event
@@ -42,10 +41,9 @@ commands = typer.Typer()
 
 
 def _console(stderr: bool = False) -> Console:
-    # Not a terminal (pipes, CliRunner): a wide fixed width so tables are not cut to 80 columns.
-    width = None if sys.stdout.isatty() else max(shutil.get_terminal_size((160, 40)).columns, 160)
-    # No markup: rule descriptions, metric names and log names are printed as they are ("[/x]" too).
-    return Console(stderr=stderr, width=width, soft_wrap=False, markup=False)
+    # $COLUMNS, else the terminal's width, else wide (ppo_watchdog.cli.console); no markup: rule descriptions,
+    # metric names and log names are printed as they are ("[/x]" too).
+    return CliConsole(stderr=stderr, soft_wrap=False)
 
 
 def _fail(message: str, code: int = 2) -> NoReturn:
@@ -69,12 +67,13 @@ def _expand(paths: Sequence[Path]) -> list[Path]:
     return out
 
 
-def _load(paths: Sequence[Path] | None) -> Any:
-    """Load a rule set; every error on stderr as file:line:col and exit 2."""
+def _load(paths: Sequence[Path] | None, extra: Sequence[Path] | None = None) -> Any:
+    """Load a rule set (``--rules``, ``default`` by name, then ``--extra-rules``); every error on stderr as
+    file:line:col and exit 2."""
     from ppo_watchdog.core.rulefile import RuleFileError, load_rules
 
     try:
-        files = _expand(paths) if paths else default_rules_paths()
+        files = _expand(rule_paths(paths, extra or ()))
     except FileNotFoundError as exc:
         _fail(str(exc))
     if not files:
@@ -152,7 +151,14 @@ def _describe_action(a: Any) -> str:
 
 RulesOpt = Annotated[
     list[Path] | None,
-    typer.Option("--rules", "-r", help=f"Rule file or directory (repeatable). Default: rules/default.yaml, or ${RULES_ENV}."),
+    typer.Option("--rules", "-r", help=f"Rule file or directory (repeatable); '{DEFAULT_PACK}' names the shipped "
+                                       f"default pack. Default: ${RULES_ENV}, else the default pack. Replaces the pack: "
+                                       "to add to it, --extra-rules."),
+]
+ExtraRulesOpt = Annotated[
+    list[Path] | None,
+    typer.Option("--extra-rules", help="Rule file or overlay added to the pack (repeatable), after --rules or the "
+                                       "default pack: your rules beside its NaN, KL and OOM protection."),
 ]
 
 
@@ -186,7 +192,7 @@ def rules_check(
     """Validate rule files: every error is printed as file:line:col; exit 2 when any (bad input)."""
     from ppo_watchdog.core.rulefile import RuleFileError, load_rules
 
-    paths = _expand(files)
+    paths = _expand(rule_paths(files))
     if not paths:
         _fail("no rule files found in " + ", ".join(map(str, files)))
     try:
@@ -203,7 +209,8 @@ def rules_check(
 
 @rules_app.command("test")
 def rules_test(
-    paths: Annotated[list[Path], typer.Argument(help="Rule test files or directories of them (e.g. rules/tests/).")],
+    paths: Annotated[list[Path], typer.Argument(help="Rule test files or directories of them (e.g. rules/); the rule "
+                                                     "packs in a directory are left out.")],
 ) -> None:
     """Run promtool-style rule unit tests: input series per step, expected decisions at given steps.
 
@@ -228,9 +235,10 @@ def rules_test(
 def rules_explain(
     name: Annotated[str, typer.Argument(help="Rule name (see `watchdog rules list`).")],
     rules: RulesOpt = None,
+    extra_rules: ExtraRulesOpt = None,
 ) -> None:
     """Explain one rule: rationale, condition, actions, and the metrics it reads."""
-    all_rules = _rules_of(_load(rules))
+    all_rules = _rules_of(_load(rules, extra_rules))
     by_name = {r.name: r for r in all_rules}
     rule = by_name.get(name)
     if rule is None:
@@ -279,6 +287,7 @@ def rules_calibrate(
     logs: Annotated[list[Path], typer.Argument(help="Healthy runs of one family (model, task, algorithm): "
                                                     "console logs, FileLogger JSONL, metrics.jsonl or run dirs.")],
     rules: RulesOpt = None,
+    extra_rules: ExtraRulesOpt = None,
     out: Annotated[Path | None, typer.Option("--out", "-o", help="Write the overlay pack here.")] = None,
 ) -> None:
     """Propose the baseline-relative thresholds for a family from its healthy runs, as an overlay pack."""
@@ -289,7 +298,7 @@ def rules_calibrate(
     from ppo_watchdog.judge import evaluation as ev
     from ppo_watchdog.sources import ingest
 
-    ruleset = _load(rules)
+    ruleset = _load(rules, extra_rules)
     base = [str(p) for p in ruleset.sources]
     for p in logs:
         if not p.exists():
@@ -372,20 +381,9 @@ def _fmt_num(v: Any) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
-@commands.command("replay")
-def replay_cmd(
-    source: Annotated[Path, typer.Argument(
-        help="Recorded run: verl FileLogger JSONL, the trainer's metrics.jsonl, verl's console log, or a run directory.")],
-    rules: RulesOpt = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the decisions as a JSON list (nothing else on stdout).")] = False,
-    sets: Annotated[list[str] | None, typer.Option(
-        "--set", help="Current value of a config key the log does not show, KEY=VALUE (repeatable), "
-                      "e.g. --set actor_rollout_ref.actor.ppo_epochs=1.")] = None,
-    events_file: Annotated[Path | None, typer.Option(
-        "--events", help="events.jsonl to replay with the metrics (default: the run directory's).")] = None,
-    show_resolve: Annotated[bool, typer.Option("--resolve/--no-resolve", help="Show resolve decisions in the table.")] = True,
-) -> None:
-    """Run the rules over a recorded run, step by step, and print what would have fired and what it would set."""
+def _replayed(source: Path, ruleset: Any, sets: Sequence[str], events_file: Path | None) -> tuple[Any, Any]:
+    """(what was read, the replay) of a recorded run: ``watchdog replay``'s and ``watchdog check``'s one path
+    from a file to decisions (a run directory's run.json and events.jsonl with it; exit 2 naming what is bad)."""
     from ppo_watchdog.core import replay
     from ppo_watchdog.sources import ingest
 
@@ -394,13 +392,12 @@ def replay_cmd(
     except ingest.IngestError as exc:
         _fail(str(exc))
     if not res.records:
-        _fail(f"{res.path}: no metric records found (expected verl FileLogger JSONL or console "
-              f"'step:N - key:value' lines)")
-    ruleset = _load(rules)
+        _fail(f"{res.path}: no metric records found (expected verl FileLogger JSONL, console 'step:N - key:value' "
+              "lines, TRL's trainer_state.json or TRL's printed logs)")
     config: dict[str, Any] = {}
     events: list[Event] = list(res.events)  # e.g. an OOM traceback in a console log
     try:
-        if source.is_dir():
+        if source.is_dir() and res.path.name == rundir.METRICS:
             config = replay.flatten_config(RunInfo.read(source).config)
             events = ingest.read_events(source)
         if events_file is not None:
@@ -415,11 +412,50 @@ def replay_cmd(
     if events_file is not None:
         for e in chunk.errors:
             typer.echo(f"warning: skipped {e}", err=True)
-    config.update(_parse_sets(sets or []))
+    config.update(_parse_sets(sets))
     try:
-        out = replay.replay(res.records, ruleset, events=events, config=config)
+        return res, replay.replay(res.records, ruleset, events=events, config=config)
     except ValueError as exc:
         _fail(f"replay failed: {exc}")
+
+
+def _actions_text(d: Any, limit: int | None = 120) -> str:
+    """What a replayed decision would do, its sets with their values (``0.0003 -> 0.00015``); a text past
+    ``limit`` cut (an escalation's notice carries its whole rationale; --json has it all)."""
+    acts = []
+    for a in d.actions:
+        text = str(a.get("text", a.get("kind", "?")))
+        if limit is not None and len(text) > limit:
+            text = text[:limit - 3] + "..."
+        if "to" in a and "from" in a:
+            text += f": {_fmt_num(a['from'])} -> {_fmt_num(a['to'])}"
+        acts.append(text)
+    return "; ".join(acts)
+
+
+SourceArg = Annotated[Path, typer.Argument(
+    help="Recorded run: verl's console log or FileLogger JSONL, a run's metrics.jsonl, TRL's trainer_state.json or "
+         "printed logs, a run directory or a TRL output directory.")]
+SetsOpt = Annotated[list[str] | None, typer.Option(
+    "--set", help="Current value of a config key the log does not show, KEY=VALUE (repeatable), "
+                  "e.g. --set actor_rollout_ref.actor.ppo_epochs=1.")]
+EventsOpt = Annotated[Path | None, typer.Option(
+    "--events", help="events.jsonl to replay with the metrics (default: the run directory's).")]
+
+
+@commands.command("replay")
+def replay_cmd(
+    source: SourceArg,
+    rules: RulesOpt = None,
+    extra_rules: ExtraRulesOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the decisions as a JSON list (nothing else on stdout).")] = False,
+    sets: SetsOpt = None,
+    events_file: EventsOpt = None,
+    show_resolve: Annotated[bool, typer.Option("--resolve/--no-resolve", help="Show resolve decisions in the table.")] = True,
+) -> None:
+    """Run the rules over a recorded run, step by step, and print what would have fired and what it would set."""
+    ruleset = _load(rules, extra_rules)
+    res, out = _replayed(source, ruleset, sets or [], events_file)
     from ppo_watchdog.core.engine import describe_blind, evidence_text
 
     for line in describe_blind(out.blind):
@@ -442,22 +478,45 @@ def replay_cmd(
     for d in out.decisions:
         if d.kind == DecisionKind.RESOLVE and not show_resolve:
             continue
-        inputs = evidence_text(d.inputs)
-        acts = []
-        for a in d.actions:
-            text = str(a.get("text", a.get("kind", "?")))
-            if len(text) > 120:  # escalation notices carry the whole rationale; --json has it all
-                text = text[:117] + "..."
-            if "to" in a and "from" in a:
-                text += f": {_fmt_num(a['from'])} -> {_fmt_num(a['to'])}"
-            acts.append(text)
         style = {"fire": "yellow", "escalate": "red", "resolve": "green"}.get(d.kind, "")
-        t.add_row(str(d.step), d.rule, Text(d.kind, style), d.severity,
-                  inputs, "; ".join(acts))
+        t.add_row(str(d.step), d.rule, Text(d.kind, style), d.severity, evidence_text(d.inputs), _actions_text(d))
     summary = ", ".join(f"{rule}: " + " ".join(f"{n} {k}" for k, n in kinds.items())
                         for rule, kinds in out.counts().items())
     t.caption = summary or "no rule fired"
     con.print(t)
+
+
+# -- check --------------------------------------------------------------------------------
+
+
+@commands.command("check")
+def check_cmd(
+    source: SourceArg,
+    rules: RulesOpt = None,
+    extra_rules: ExtraRulesOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the check as one JSON object (nothing else on "
+                                                         "stdout).")] = False,
+    sets: SetsOpt = None,
+    events_file: EventsOpt = None,
+) -> None:
+    """Pre-flight on a log you already have: the metrics found and under which keys, the rules blind for lack of one,
+    the logging cadence and steps, and what the pack would have done, in words (``watchdog replay`` has the table)."""
+    from ppo_watchdog.cli import check
+
+    ruleset = _load(rules, extra_rules)
+    res, out = _replayed(source, ruleset, sets or [], events_file)
+    report = check.build(res, out, ruleset)
+    for line in out.ignored:
+        typer.echo(f"warning: {line}", err=True)
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=2))
+        return
+    con = _console()
+    for line in report.head():
+        con.print(line, highlight=False)
+    con.print(check.metrics_table(report))
+    for line in report.tail(_actions_text):
+        con.print(line, highlight=False)
 
 
 # -- eval ---------------------------------------------------------------------------------
@@ -467,6 +526,7 @@ def replay_cmd(
 def eval_cmd(
     labels: Annotated[Path, typer.Argument(help="Labels file (labels.yaml): each recorded run and its verdict.")],
     rules: RulesOpt = None,
+    extra_rules: ExtraRulesOpt = None,
     mode: Annotated[str, typer.Option("--mode", help="Run mode to price: verl (zero-patch, every set a relaunch) "
                                                      "or embedded (live sets).")] = "verl",
     as_json: Annotated[bool, typer.Option("--json", help="Print the whole evaluation as JSON (nothing else on "
@@ -488,7 +548,7 @@ def eval_cmd(
         items = ev.load_labels(labels)
     except (ValueError, ev.LabelsError) as exc:
         _fail(str(exc))
-    ruleset = _load(rules)
+    ruleset = _load(rules, extra_rules)
     err = _console(stderr=True)
     with Progress(console=err, transient=True, disable=not sys.stderr.isatty() or len(items) < 5) as bar:
         task = bar.add_task("eval", total=len(items))

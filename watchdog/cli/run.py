@@ -16,13 +16,14 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperCommand
 
 from ppo_watchdog.backends.local import SupervisorError
+from ppo_watchdog.cli.console import CliConsole
 from ppo_watchdog.control.actuator import duration_text
-from ppo_watchdog.control.controller import DONE_PHASES, RULE_CONFIG
+from ppo_watchdog.control.controller import DONE_PHASES, RULE_CONFIG, EngineRules
 from ppo_watchdog.control.daemon import (
     DaemonConfigError,
     build_watchdog,
@@ -33,6 +34,14 @@ from ppo_watchdog.control.daemon import (
 from ppo_watchdog.control.store import NoState, Phase, Store, StoreError
 from ppo_watchdog.core.engine import evidence_text
 from ppo_watchdog.core.pricing import cost_text
+from ppo_watchdog.core.rulefile import (
+    DEFAULT_PACK,
+    RULES_ENV,
+    RuleFileError,
+    load_rules,
+    packs_text,
+    rule_paths,
+)
 from ppo_watchdog.core.vocabulary import ActionStatus, DecisionStatus, JournalKind, RuleStatus
 from ppo_watchdog.protocol import hydra
 from ppo_watchdog.protocol import lock as locks
@@ -40,10 +49,9 @@ from ppo_watchdog.sources.prometheus import PROMETHEUS_URL_ENV, source_config
 
 run_app = typer.Typer(help="Supervise and remediate training runs.", no_args_is_help=True)
 log = logging.getLogger(__name__)
-# Wide enough for the history table when output goes to a file or a CI log.
-# No console markup: what is printed carries run ids, paths and messages from files, and a "[/x]" in one
-# must print as it is, not fail (styles are given as ``style=``, emphasis as rich Text).
-console = Console(width=None if sys.stdout.isatty() else 150, markup=False)
+# $COLUMNS, else the terminal's width, else wide enough for the history table in a file or a CI log; no
+# markup (styles are given as ``style=``, emphasis as rich Text): ppo_watchdog.cli.console.
+console = CliConsole()
 
 StateDir = Annotated[str, typer.Option("--state-dir", help="Watchdog state directory (SQLite); "
                                        "default $WATCHDOG_STATE_DIR or ./.watchdog.")]
@@ -141,88 +149,163 @@ def _restoring_signals(fn: Any) -> Any:
     return wrapper
 
 
-@run_app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+#: Where :class:`RunCommand` leaves the trainer command (the words after ``--``; None: no ``--``).
+TRAINER_COMMAND = "trainer_command"
+
+
+class RunCommand(TyperCommand):
+    """``watchdog run``'s parsing: the trainer command is everything after the first ``--``, taken before the
+    options are parsed, so a word before it is the watchdog's: an unknown option is refused with a did-you-mean
+    (``--rule`` is not a trainer command), and a word that is no option says the trainer command goes after ``--``."""
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        if "--" in args:
+            cut = args.index("--")
+            ctx.meta[TRAINER_COMMAND] = args[cut + 1:]
+            args = args[:cut]
+        else:
+            ctx.meta[TRAINER_COMMAND] = None
+        try:
+            return super().parse_args(ctx, args)
+        except typer.BadParameter:
+            raise
+        except Exception as exc:  # click's UsageError: an extra word is a trainer command without its --
+            if getattr(exc, "message", "").startswith("Got unexpected extra argument"):
+                exc.message += ("; a trainer command goes after --: watchdog run [OPTIONS] -- COMMAND ..."  # type: ignore[attr-defined]
+                                " (with no command, the embedded demo trainer runs)")
+            raise
+
+
+P_TRAINER, P_RULES, P_SOURCE, P_RAY, P_TIMING, P_OUT = (
+    "Trainer", "Rules and remediation", "Where the metrics come from", "Ray cluster", "Timing and budgets",
+    "Alerts and output")
+
+RUN_EPILOG = """Examples:
+
+watchdog run                                                      the embedded demo trainer (make run adds faults)
+
+watchdog run -- python3 -m verl.trainer.main_ppo ...              an unmodified verl run (zero-patch)
+
+watchdog run --extra-rules mine.yaml -- COMMAND ...               the default pack and your rules
+
+watchdog run --rules default --rules family.yaml -- COMMAND ...   the default pack and a calibrated overlay
+
+watchdog run --advise -- COMMAND ...                              say what it would do, do nothing
+
+watchdog check LOG_OR_RUN_DIR                                     first: what the pack makes of a log you have"""
+
+
+@run_app.command("run", cls=RunCommand, options_metavar="[OPTIONS] [-- TRAINER COMMAND ...]", epilog=RUN_EPILOG)
 @_restoring_signals
 def run_cmd(
-    command: Annotated[list[str] | None, typer.Argument(help="Trainer command after `--` (default: the "
-                                                        "embedded trainer).")] = None,
-    rules: Annotated[list[str] | None, typer.Option("--rules", help="Rule file(s); default rules/default.yaml.")] = None,
-    run_dir: Annotated[str | None, typer.Option("--run-dir", help="Run directory (default runs/run-<time>).")] = None,
-    tick: Annotated[float, typer.Option("--tick", help="Seconds between evaluations.")] = 1.0,
+    ctx: typer.Context,
+    run_dir: Annotated[str | None, typer.Option("--run-dir", help="Run directory (default runs/run-<time>).",
+                                                rich_help_panel=P_TRAINER)] = None,
+    tick: Annotated[float, typer.Option("--tick", help="Seconds between evaluations.", rich_help_panel=P_TIMING)] = 1.0,
     state_dir: StateDir = "",
-    faults: Annotated[str, typer.Option("--faults", help="Embedded trainer: fault schedule "
-                                        "(trainer.faults), e.g. 'kl_collapse@8,oom@20,lr_spike@30:x20'.")] = "",
-    sets: Annotated[list[str] | None, typer.Option("--set", help="Embedded trainer: extra KEY=VALUE.")] = None,
+    faults: Annotated[str, typer.Option("--faults", help="Embedded demo trainer: fault schedule "
+                                        "(trainer.faults), e.g. 'kl_collapse@8,oom@20,lr_spike@30:x20'.",
+                                        rich_help_panel=P_TRAINER)] = "",
+    sets: Annotated[list[str] | None, typer.Option("--set", help="Embedded demo trainer: extra KEY=VALUE.",
+                                                   rich_help_panel=P_TRAINER)] = None,
     mode: Annotated[str, typer.Option("--mode", help="auto | embedded | verl. verl (zero-patch): an unmodified "
                                       "`python -m verl.trainer.main_ppo ...`, metrics through verl's file "
                                       "logger, every change by restart with resume. auto: verl for a "
-                                      "verl.trainer.main_ppo command, else embedded.")] = "auto",
+                                      "verl.trainer.main_ppo command, else embedded.", rich_help_panel=P_TRAINER)] = "auto",
+    rules: Annotated[list[str] | None, typer.Option(
+        "--rules", help=f"Rule file(s) (repeatable); '{DEFAULT_PACK}' names the shipped default pack. Default: "
+                        f"${RULES_ENV}, else the default pack. Replaces the pack: to add to it, --extra-rules.",
+        rich_help_panel=P_RULES)] = None,
+    extra_rules: Annotated[list[str] | None, typer.Option(
+        "--extra-rules", help="Rule file or overlay added to the pack (repeatable), after --rules or the default "
+                              "pack: your rules beside its NaN, KL and OOM protection.", rich_help_panel=P_RULES)] = None,
     run_metrics_port: Annotated[int | None, typer.Option(
         "--run-metrics-port", help="verl mode: the watchdog serves the run's metrics (catalog names) on "
-                                   "127.0.0.1:PORT (-1: any free port; written to run.json).")] = None,
+                                   "127.0.0.1:PORT (-1: any free port; written to run.json).",
+        rich_help_panel=P_SOURCE)] = None,
     webhook_url_file: Annotated[Path | None, typer.Option(
         "--webhook-url-file", help="A file whose first line is the Alertmanager-compatible webhook URL "
                                    "(default $WATCHDOG_WEBHOOK_URL_FILE, else $WATCHDOG_WEBHOOK_URL; never argv: "
-                                   "a URL there is readable by every user of the machine).")] = None,
+                                   "a URL there is readable by every user of the machine).",
+        rich_help_panel=P_OUT)] = None,
     metrics_port: Annotated[int | None, typer.Option("--metrics-port", help="Serve the watchdog's "
-                                                     "/metrics on 127.0.0.1:PORT.")] = None,
+                                                     "/metrics on 127.0.0.1:PORT.", rich_help_panel=P_OUT)] = None,
     ray_address: Annotated[str | None, typer.Option(
         "--ray-address", envvar="RAY_ADDRESS", show_envvar=True,
         help="Ray job server (http://HEAD:8265): run the trainer there as a Ray Job, resubmitted for "
-             "restarts. The run directory must be a path the head shares.")] = None,
+             "restarts. The run directory must be a path the head shares.", rich_help_panel=P_RAY)] = None,
     ray_token_file: Annotated[Path | None, typer.Option(
         "--ray-token-file", help="A file holding the Ray cluster's auth token (token authentication, on by "
                                  "default in current Ray). Default: where Ray looks ($RAY_AUTH_TOKEN, "
                                  "$RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token). Never argv: a token there is "
-                                 "readable by every user of the machine.")] = None,
+                                 "readable by every user of the machine.", rich_help_panel=P_RAY)] = None,
     source: Annotated[str, typer.Option("--source", help="Where the rules read the run's metrics: files "
                                         "(run_dir/metrics.jsonl), prometheus (Prometheus's HTTP API, aligned "
                                         "to steps by ppo_global_step; events still from events.jsonl) or "
                                         "rl_insight (the same, from verl's own RL-Insight series, by "
-                                        "trainer.experiment_name: no second exporter).")] = "files",
+                                        "trainer.experiment_name: no second exporter).",
+                                        rich_help_panel=P_SOURCE)] = "files",
     prometheus_url: Annotated[str | None, typer.Option(
         "--prometheus-url", envvar=PROMETHEUS_URL_ENV, show_envvar=True,
-        help="Prometheus base URL for --source prometheus, e.g. http://127.0.0.1:9090.")] = None,
+        help="Prometheus base URL for --source prometheus, e.g. http://127.0.0.1:9090.",
+        rich_help_panel=P_SOURCE)] = None,
     file_sd_dir: Annotated[str | None, typer.Option(
         "--file-sd-dir", help="--source prometheus: announce the trainer's /metrics in this Prometheus "
-                              "file_sd directory (withdrawn when the run ends).")] = None,
-    restart_budget: Annotated[int, typer.Option(help="Crash/hang restarts before giving up.")] = 3,
-    oom_retries: Annotated[int, typer.Option(help="OOM restarts before giving up.")] = 3,
-    heartbeat_min: Annotated[float, typer.Option(help="Hang timeout floor in seconds.")] = 30.0,
-    startup_timeout: Annotated[float, typer.Option(help="Seconds allowed until the first step.")] = 600.0,
-    live_timeout: Annotated[float, typer.Option(help="Seconds for a live change to be applied.")] = 60.0,
-    stop_grace: Annotated[float, typer.Option(help="SIGTERM grace before SIGKILL.")] = 15.0,
+                              "file_sd directory (withdrawn when the run ends).", rich_help_panel=P_SOURCE)] = None,
+    restart_budget: Annotated[int, typer.Option(help="Crash/hang restarts before giving up.",
+                                                rich_help_panel=P_TIMING)] = 3,
+    oom_retries: Annotated[int, typer.Option(help="OOM restarts before giving up.", rich_help_panel=P_TIMING)] = 3,
+    heartbeat_min: Annotated[float, typer.Option(help="Hang timeout floor in seconds.",
+                                                 rich_help_panel=P_TIMING)] = 30.0,
+    startup_timeout: Annotated[float, typer.Option(help="Seconds allowed until the first step.",
+                                                   rich_help_panel=P_TIMING)] = 600.0,
+    live_timeout: Annotated[float, typer.Option(help="Seconds for a live change to be applied.",
+                                                rich_help_panel=P_TIMING)] = 60.0,
+    stop_grace: Annotated[float, typer.Option(help="SIGTERM grace before SIGKILL.", rich_help_panel=P_TIMING)] = 15.0,
     tuning_relaunch_every: Annotated[int, typer.Option(
         min=0, help="Steps trained between two relaunches made only for tuning sets (they wait for the next "
-                    "checkpoint and are merged); divergence and OOM relaunches go at once.")] = 100,
+                    "checkpoint and are merged); divergence and OOM relaunches go at once.",
+        rich_help_panel=P_RULES)] = 100,
     startup_s: Annotated[float, typer.Option(
-        min=0.0, help="Seconds a relaunch costs before the run has measured its own (pricing).")] = 240.0,
+        min=0.0, help="Seconds a relaunch costs before the run has measured its own (pricing).",
+        rich_help_panel=P_RULES)] = 240.0,
     on_escalate: Annotated[str, typer.Option(
         "--on-escalate", help="When a human is needed: pause (wait for `watchdog resume`), stop (end the run "
-                              "with a verdict), or continue (alert only).")] = "pause",
+                              "with a verdict), or continue (alert only).", rich_help_panel=P_RULES)] = "pause",
     pause_timeout: Annotated[float | None, typer.Option(
         help="Seconds a pause for a human may last unresumed before the run is stopped with a verdict "
-             "(default: wait).")] = None,
+             "(default: wait).", rich_help_panel=P_RULES)] = None,
     advise: Annotated[bool, typer.Option(
         "--advise", help="Advise mode: every decision is made, priced, journaled and announced (console, webhook, "
                          "Grafana, report, history) as what the watchdog WOULD do, and nothing is carried out: "
-                         "no signal, control.json, stop, relaunch, rollback or pause. The run is never touched.")] = False,
+                         "no signal, control.json, stop, relaunch, rollback or pause. The run is never touched.",
+        rich_help_panel=P_RULES)] = False,
     approve: Annotated[str, typer.Option(
         "--approve", help="Actions that wait for a person: a comma list of rollback, relaunch, pause, stop. Each is "
                           "said (console, webhook) with why, what it would cost and the command to answer it; "
                           "`watchdog approve RUN` carries it out, `watchdog deny RUN` refuses it and the run "
-                          "carries on. Actions of other kinds go on meanwhile.")] = "",
+                          "carries on. Actions of other kinds go on meanwhile.", rich_help_panel=P_RULES)] = "",
     approve_timeout: Annotated[float, typer.Option(
-        "--approve-timeout", help="Seconds an action waits for `watchdog approve` before it is denied, said.")] = 1800.0,
-    report: Annotated[bool, typer.Option(help="Write report.html and report.png into the run dir.")] = True,
+        "--approve-timeout", help="Seconds an action waits for `watchdog approve` before it is denied, said.",
+        rich_help_panel=P_RULES)] = 1800.0,
+    report: Annotated[bool, typer.Option(help="Write report.html and report.png into the run dir.",
+                                         rich_help_panel=P_OUT)] = True,
     checkpoint_wait: Annotated[float, typer.Option(
         "--checkpoint-wait", min=0.0, help="On SIGUSR1 (a batch system's warning before its time limit, e.g. "
                                            "Slurm's --signal=B:USR1@300): seconds the trainer has to save a "
-                                           "checkpoint and stop before it is stopped.")] = 240.0,
-    verbose: Annotated[bool, typer.Option("--verbose", "-v")] = False,
+                                           "checkpoint and stop before it is stopped.", rich_help_panel=P_TRAINER)] = 240.0,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", rich_help_panel=P_OUT)] = False,
 ) -> None:
-    """Start a trainer, watch it and remediate until it finishes; then summarise."""
+    """Start a trainer, watch it and remediate until it finishes; then summarise.
+
+    The trainer command goes after `--`; with none, the embedded demo trainer (a tiny CPU PPO) runs.
+    """
     _logging(verbose)
+    command: list[str] | None = ctx.meta.get(TRAINER_COMMAND)
+    if command is not None and not command:  # an empty $CMD: never the demo trainer in its place
+        console.print("nothing after --: give the trainer command after it (watchdog run [OPTIONS] -- COMMAND ...), "
+                      "or leave -- out to train the embedded demo trainer", style="red")
+        raise typer.Exit(2)
     # Ctrl-C (SIGINT), SIGTERM (what `timeout`, systemd, docker and Kubernetes send) and SIGHUP (the
     # terminal closed) all stop the run cleanly, even when this process was started in the background
     # by a shell, which starts it with SIGINT ignored (a supervisor's `kill -INT` must still work).
@@ -263,7 +346,7 @@ def run_cmd(
     _check_mode(mode, cmd)
     try:
         wd = build_watchdog(
-            state_dir or state_dir_default(), rules, None,
+            state_dir or state_dir_default(), rule_paths(rules, extra_rules or ()), None,
             controller={"restart_budget": restart_budget, "oom_retry_budget": oom_retries,
                         "heartbeat_min_s": heartbeat_min, "startup_timeout_s": startup_timeout,
                         "tuning_relaunch_every": tuning_relaunch_every, "startup_s": startup_s,
@@ -276,6 +359,9 @@ def run_cmd(
     except (ValueError, StoreError, locks.LockHeld) as exc:  # a bad setting (--on-escalate maybe), a state dir
         console.print(f"{exc}", style="red")                   # that is a file, one another watchdog holds
         raise typer.Exit(2) from exc
+    except (FileNotFoundError, OSError) as exc:  # a --rules file that is not there
+        console.print(f"{exc}", style="red")
+        raise typer.Exit(2) from exc
     try:
         # Shared with the daemon: the run dir is taken, then set up for its mode, then registered.
         ctl = wd.add_run(rd, command=cmd, ray_address=ray_address, ray_token_file=ray_token_file, source=src,
@@ -285,6 +371,11 @@ def run_cmd(
         console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc
     console.print(Text.assemble("watchdog: run ", (ctl.run.run_id, "bold"), f" in {rd} (state {wd.store.path})"))
+    if isinstance(wd.rules, EngineRules):  # (what build_watchdog builds; the protocol has no files)
+        console.print(packs_text(wd.rules.ruleset))
+    if not command:
+        console.print("no trainer command (after --): training the embedded demo trainer (python -m ppo_watchdog.trainer"
+                      f"{', faults ' + faults if faults else ''}); its console is in {rd / wd.actuator.config.log_name}")
     if advise:
         console.print("advise mode: every decision is said as what the watchdog would do; nothing is carried out")
     elif ctl.config.approve:
@@ -426,6 +517,16 @@ def daemon_cmd(
     if shard is None:
         console.print(f"watchdog daemon: {len(cfg.runs)} run(s), tick {cfg.tick_s}s, state {cfg.state_dir}"
                       + (f", {cfg.shards} shards (processes)" if cfg.shards > 1 else ""))
+        try:  # said, and refused whole with every error, before anything is started
+            console.print(packs_text(load_rules(rule_paths(cfg.rules))))
+        except RuleFileError as exc:
+            for err in exc.errors:
+                console.print(f"{err}", style="red")
+            console.print(f"{config}: rules: {len(exc.errors)} error(s) in rule files", style="red")
+            raise typer.Exit(2) from exc
+        except FileNotFoundError as exc:
+            console.print(f"{config}: rules: {exc}", style="red")
+            raise typer.Exit(2) from exc
     stop = _stop_on_signals()
     try:
         wd = run_daemon(cfg, stop=stop.event, config_path=config, shard=shard,

@@ -62,7 +62,7 @@ from ppo_watchdog.control.shards import (
 )
 from ppo_watchdog.control.store import Phase, RunRecord, Store, StoreError
 from ppo_watchdog.core.planner import ON_ESCALATE
-from ppo_watchdog.core.rulefile import default_rules_paths
+from ppo_watchdog.core.rulefile import rule_paths as resolve_rule_paths
 from ppo_watchdog.observe.telemetry import WatchdogMetrics
 from ppo_watchdog.protocol import inputs
 from ppo_watchdog.protocol import lock as locks
@@ -167,7 +167,8 @@ class DaemonConfig:
     runs: list[RunSpec] = field(default_factory=list)
     """Run directories to watch."""
     rules: list[str] = field(default_factory=list)
-    """Rule files (default: rules/default.yaml)."""
+    """Rule files (default: $WATCHDOG_RULES, else the default pack); ``default`` names the shipped default pack, so
+    ``[default, family.yaml]`` adds to it."""
     state_dir: str = field(default_factory=state_dir_default)
     """Where the SQLite state lives."""
     tick_s: float = 5.0
@@ -832,7 +833,7 @@ def build_watchdog(
     DaemonConfigError (someone meant to configure one). ``shard``: a sharded daemon's child K, which
     holds its shard's lock instead of the state's (:func:`hold_state`).
     """
-    rules = EngineRules(list(rule_paths) if rule_paths else default_rules_paths())
+    rules = EngineRules(resolve_rule_paths(rule_paths))  # ('default' by name: the shipped pack)
     try:
         notifier = Notifier(resolve_webhook_url(webhook_url_file, configured=webhook_url))
     except ValueError as exc:

@@ -74,24 +74,62 @@ RULES_ENV = "WATCHDOG_RULES"
 """Environment variable naming the rule files used when none are given (os.pathsep-separated)."""
 
 
-def default_rules_paths() -> list[Path]:
-    """The rule files used when none are given: $WATCHDOG_RULES, else the repo's rules/default.yaml.
+DEFAULT_PACK = "default"
+"""The name ``--rules`` (and a daemon config's ``rules:``) takes for the shipped default pack, beside file paths."""
 
-    Searched in order: ``$WATCHDOG_RULES`` (os.pathsep-separated), ``rules/default.yaml``
-    beside the ``watchdog`` package (an editable install or a checkout), the copy a wheel
-    installs (``<prefix>/share/ppo-watchdog/rules/default.yaml``), and ``./rules/default.yaml``.
-    FileNotFoundError when none exists.
-    """
-    env = os.environ.get(RULES_ENV)
-    if env:
-        return [Path(p) for p in env.split(os.pathsep) if p]
+
+def shipped_default_pack() -> Path:
+    """The default pack that ships with the watchdog: ``rules/default.yaml`` beside the ``watchdog`` package
+    (an editable install or a checkout), else the copy a wheel installs
+    (``<prefix>/share/ppo-watchdog/rules/default.yaml``), else ``./rules/default.yaml``.
+    FileNotFoundError when none exists."""
     here = Path(__file__).resolve().parents[1]  # the watchdog package
     for cand in (here.parent / "rules" / "default.yaml", Path(sys.prefix) / INSTALLED_RULES / "default.yaml",
                  Path.cwd() / "rules" / "default.yaml"):
         if cand.is_file():
-            return [cand]
+            return cand
     raise FileNotFoundError(f"no default rule pack found (looked beside the package and in ./rules); "
                             f"pass --rules FILE or set {RULES_ENV}")
+
+
+def default_rules_paths() -> list[Path]:
+    """The rule files used when none are given: $WATCHDOG_RULES (os.pathsep-separated), else the shipped
+    default pack (:func:`shipped_default_pack`). FileNotFoundError when none exists."""
+    env = os.environ.get(RULES_ENV)
+    if env:
+        return [Path(p) for p in env.split(os.pathsep) if p]
+    return [shipped_default_pack()]
+
+
+def rule_paths(given: Sequence[str | Path] | None = None, extra: Sequence[str | Path] = ()) -> list[Path]:
+    """The rule files a command loads: ``given`` (``--rules``; none: :func:`default_rules_paths`), where the name
+    ``default`` is the shipped default pack (a file called ``default`` in the working directory is still that
+    file), then ``extra`` (``--extra-rules``), which adds to the pack instead of replacing it."""
+    paths: list[Path] = []
+    for p in (given or default_rules_paths()):
+        paths.append(shipped_default_pack() if str(p) == DEFAULT_PACK and not Path(p).exists() else Path(p))
+    return paths + [Path(p) for p in extra]
+
+
+def packs_text(ruleset: RuleSet) -> str:
+    """The packs of a rule set in one line, each with its rule count (an overlay with its parameters):
+    ``rules: default.yaml (23 rules), family.yaml (overlay: 2 params)``."""
+    rules: dict[str, int] = {}
+    for r in ruleset.rules:
+        f = r.source.rsplit(":", 1)[0]
+        rules[f] = rules.get(f, 0) + 1
+    params: dict[str, int] = {}
+    for prm in ruleset.params:
+        if prm.overridden_by:
+            f = prm.overridden_by.rsplit(":", 1)[0]
+            params[f] = params.get(f, 0) + 1
+    parts = []
+    for f in ruleset.sources:
+        n = rules.get(f, 0)
+        k = params.get(f, 0)
+        what = f"{n} rule{'s' * (n != 1)}" if n or not k else f"overlay: {k} param{'s' * (k != 1)}"
+        parts.append(f"{Path(f).name} ({what})")
+    return "rules: " + ", ".join(parts)
 
 
 @dataclass(frozen=True)

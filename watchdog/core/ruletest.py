@@ -296,18 +296,40 @@ def run_test(rules: RuleSet, test: dict[str, Any], file: str = "") -> RuleTestRe
     return RuleTestResult(file, test["name"], not failures, failures, decisions)
 
 
+def is_rule_pack(path: Path) -> bool:
+    """True when ``path`` is a rule pack (a top-level ``rules:`` or ``params:`` and no ``tests:``), not a file
+    of rule unit tests; a file that cannot be read or parsed is not called a pack (read as a test, it fails
+    with its error)."""
+    try:
+        text = inputs.read_text(path, MAX_FILE_BYTES, stream_ok=True)
+    except (OSError, UnicodeDecodeError):
+        return False
+    root = YamlReader(str(path)).compose(text)
+    if not isinstance(root, yaml.MappingNode):
+        return False
+    keys = {k.value for k, _ in root.value if isinstance(k, yaml.ScalarNode)}
+    return bool(keys & {"rules", "params"}) and not keys & {"tests", "rule_files"}
+
+
 def _expand(paths: Sequence[str | Path]) -> list[Path]:
+    """The test files of ``paths``: a directory gives its *.yaml / *.yml (recursively) that are not rule packs (a
+    repository's rules/ holds both); a rule pack named on its own is a ValueError saying so."""
     out: list[Path] = []
     for p in [Path(x) for x in paths]:
         if p.is_dir():
-            out += sorted(x for x in p.rglob("*") if x.suffix in (".yaml", ".yml") and x.is_file())
+            out += sorted(x for x in p.rglob("*") if x.suffix in (".yaml", ".yml") and x.is_file()
+                          and not is_rule_pack(x))
+        elif is_rule_pack(p):
+            raise ValueError(f"{p}: a rule pack, not a file of rule tests (those have rule_files: and tests:); "
+                             f"check a pack with `watchdog rules check {p}`")
         else:
             out.append(p)
     return out
 
 
 def run_rule_tests(paths: Sequence[str | Path]) -> list[RuleTestResult]:
-    """Run every test in the given files (directories: their *.yaml); a broken file is one failed result."""
+    """Run every test in the given files (directories: their test files, rule packs left out); a broken file is one
+    failed result."""
     results: list[RuleTestResult] = []
     for path in _expand(paths):
         rules, tests, errors = _read_test_file(path)

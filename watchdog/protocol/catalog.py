@@ -388,3 +388,55 @@ def names(kind: str = "short") -> Iterable[str]:
 def is_finite(value: float) -> bool:
     """True for a real, finite number."""
     return not (math.isnan(value) or math.isinf(value))
+
+
+# -- Hugging Face TRL (GRPOTrainer, RLOOTrainer) ------------------------------------------------
+#
+# TRL logs one dict a logging step (transformers' Trainer.log: trainer_state.json's ``log_history``,
+# printed on the console, passed to callbacks' ``on_log``). The TRL glue's callback and the readers of a
+# user's TRL logs (``ppo_watchdog.sources.ingest``) put it under verl's keys with this one mapping.
+
+#: TRL log name -> verl key, the same for both trainers (the KL is mapped by :func:`trl_metrics`).
+TRL_KEYS: dict[str, str] = {
+    "entropy": "actor/entropy",
+    "reward": "critic/score/mean",
+    "reward_std": "critic/score/std",
+    "grad_norm": "actor/grad_norm",
+    "learning_rate": "actor/lr",
+    "completions/mean_length": "response_length/mean",
+    "completions/max_length": "response_length/max",
+    "completions/min_length": "response_length/min",
+    "completions/clipped_ratio": "response_length/clip_ratio",
+    "clip_ratio/region_mean": "actor/pg_clipfrac",
+    "entropy_coef": "actor/entropy_coeff",
+    "epoch": "training/epoch",
+}
+#: Prefix of TRL's own values kept beside the verl keys (``trl/kl``), so nothing it logged is lost.
+TRL_PREFIX = "trl/"
+
+
+def trl_metrics(logs: Mapping[str, object], kl_in_reward: bool = False, beta: float | None = None) -> dict[str, float]:
+    """One step of TRL's logs under verl's keys, plus each TRL value as ``trl/<name>``.
+
+    The KL goes where the trainer computes it: GRPO's k3 KL is a loss term (``actor/kl_loss``, coefficient
+    ``actor/kl_coef``), RLOO's is subtracted from the reward (``kl_in_reward``: ``actor/reward_kl_penalty``,
+    ``actor/reward_kl_penalty_coeff``); the coefficient only when ``beta`` is known (TRL does not log it).
+    TRL logs no KL while beta is 0. The policy loss is TRL's ``policy_loss`` when it logs one (entropy bonus
+    on), else ``loss`` (which then includes beta x KL, as TRL computes it)."""
+    out: dict[str, float] = {}
+    for key, value in logs.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        out[TRL_PREFIX + key] = float(value)
+        if key in TRL_KEYS:
+            out[TRL_KEYS[key]] = float(value)
+    if TRL_PREFIX + "kl" in out:
+        kl_key, coef_key = (("actor/reward_kl_penalty", "actor/reward_kl_penalty_coeff") if kl_in_reward
+                            else ("actor/kl_loss", "actor/kl_coef"))
+        out[kl_key] = out[TRL_PREFIX + "kl"]
+        if beta is not None:
+            out[coef_key] = float(beta)
+    loss = out.get(TRL_PREFIX + "policy_loss", out.get(TRL_PREFIX + "loss"))
+    if loss is not None:
+        out["actor/pg_loss"] = loss
+    return out

@@ -1,6 +1,6 @@
 """Read a run's per-step metrics and events: whole files for replay, or tailed for live runs.
 
-Three sources are understood, detected from the content, not the file name:
+These sources are understood, detected from the content, not the file name:
 
 - verl's FileLogger JSONL (``VERL_FILE_LOGGER_PATH``) and the trainer's ``metrics.jsonl``:
   one ``{"step": N, "data": {...}}`` object a line. verl writes it with orjson, which
@@ -9,7 +9,13 @@ Three sources are understood, detected from the content, not the file name:
 - verl's console logger: ``step:N - key:value - key:value ...`` lines among any other
   output, possibly behind ANSI colour codes and Ray's ``(TaskRunner pid=...)`` prefix,
   with values like ``nan``, ``-inf``, ``1e-06`` or ``np.float64(0.1)``.
-- a run directory: its ``metrics.jsonl`` (and ``events.jsonl`` via :func:`read_events`).
+- Hugging Face TRL's ``trainer_state.json`` (its ``log_history``: one dict a logging step, with its
+  ``step``), and TRL's printed logs (transformers prints each logging step's dict,
+  ``{'loss': '0.0123', 'reward': '1.25', ..., 'epoch': '0.0078'}``, without its step: the records are
+  numbered 1, 2, ... in order, :attr:`ReadResult.steps_counted`). Both go under verl's keys through
+  :func:`ppo_watchdog.protocol.catalog.trl_metrics`, TRL's own names kept as ``trl/<name>``.
+- a run directory: its ``metrics.jsonl`` (and ``events.jsonl`` via :func:`read_events`); a TRL output
+  directory: its ``trainer_state.json``, else its newest ``checkpoint-N/trainer_state.json``.
 
 Steps are deduplicated the way a training engineer reads a log: a later line for a
 step replaces the earlier one (a resumed run rewrites steps), a step that goes back
@@ -35,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ppo_watchdog.protocol import inputs, rundir
+from ppo_watchdog.protocol import catalog, inputs, rundir
 from ppo_watchdog.protocol.events import MAX_STEP, Event
 
 try:  # a dependency (pyproject): decodes and type-checks a metrics line in one C pass; an install without
@@ -48,6 +54,16 @@ log = logging.getLogger(__name__)
 
 FORMAT_JSONL = "jsonl"
 FORMAT_CONSOLE = "console"
+FORMAT_TRL_STATE = "trl_state"
+FORMAT_TRL_PRINTED = "trl_printed"
+#: What each format is, for a person (``watchdog check``).
+FORMAT_NAMES = {
+    FORMAT_JSONL: "FileLogger JSONL (verl's file logger or a run's metrics.jsonl)",
+    FORMAT_CONSOLE: "verl console log (step:N - key:value lines)",
+    FORMAT_TRL_STATE: "TRL trainer_state.json (log_history)",
+    FORMAT_TRL_PRINTED: "TRL printed logs (one dict a logging step)",
+}
+TRL_STATE = "trainer_state.json"
 
 # CSI sequences (colours, cursor moves) and the two-byte escapes terminals also accept.
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
@@ -107,6 +123,8 @@ class ReadResult:
     """Raw step lines seen, before deduplication."""
     events: list[Event] = field(default_factory=list)
     """Events found in a console log (``oom`` with ``device`` cuda|host), at the last step logged before them."""
+    steps_counted: bool = False
+    """The log names no steps (TRL's printed logs): its records were numbered 1, 2, ... in file order."""
 
 
 # ---------------------------------------------------------------------------
@@ -244,12 +262,25 @@ def _resolve(path: Path | str) -> Path:
     p = Path(path)
     if p.is_dir():
         metrics = p / rundir.METRICS
-        if not metrics.exists():
-            raise IngestError(p, f"a directory without {rundir.METRICS}: not a run directory")
-        return metrics
+        if metrics.exists():
+            return metrics
+        state = _trl_state_of(p)
+        if state is None:
+            raise IngestError(p, f"a directory without {rundir.METRICS} or TRL's {TRL_STATE}: not a run directory")
+        return state
     if not p.exists():
         raise IngestError(p, "no such file")
     return p
+
+
+def _trl_state_of(d: Path) -> Path | None:
+    """A TRL output directory's ``trainer_state.json`` (written by ``save_state``), else its newest
+    ``checkpoint-N``'s (each holds the whole log history up to N), else None."""
+    if (d / TRL_STATE).is_file():
+        return d / TRL_STATE
+    found = [(int(c.name.rpartition("-")[2]), c / TRL_STATE) for c in d.glob("checkpoint-*")
+             if c.name.rpartition("-")[2].isdigit() and (c / TRL_STATE).is_file()]
+    return max(found)[1] if found else None
 
 
 def record_from_json(obj: Any) -> tuple[dict[str, Any] | None, str | None]:
@@ -362,6 +393,76 @@ def _parse_console(
     return raw, issues, events
 
 
+def _trl_record(logs: Mapping[str, Any]) -> dict[str, float] | None:
+    """One TRL log dict's metrics under verl's keys, or None when it is not a training step's (the end of
+    training's summary, an evaluation)."""
+    if "train_runtime" in logs or not any(k in logs for k in ("loss", "kl", *catalog.TRL_KEYS)):
+        return None
+    return catalog.trl_metrics({k: v for k, v in normalize_data(logs).items() if k != "step"})
+
+
+def _parse_trl_state(path: Path, text: str) -> tuple[list[dict[str, Any]], list[ParseIssue]] | None:
+    """trainer_state.json's ``log_history`` as records; None when the text is not such a file."""
+    if not text.lstrip().startswith("{"):
+        return None
+    try:
+        obj = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("log_history"), list):
+        return None
+    raw: list[dict[str, Any]] = []
+    issues: list[ParseIssue] = []
+    for i, entry in enumerate(obj["log_history"]):
+        data = _trl_record(entry) if isinstance(entry, dict) else None
+        if data is None:
+            continue
+        step = entry.get("step")
+        if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+            issues.append(ParseIssue(str(path), 1, f"log_history[{i}]: 'step' must be an integer >= 0, got "
+                                                   f"{inputs.short_repr(step, 40)}"))
+            continue
+        raw.append({"step": step, "data": data})
+    return raw, issues
+
+
+# A dict transformers printed: its keys quoted, flat (a nested dict is a config, not a step's logs).
+_PRINTED = re.compile(r"\{'[^{}]*\}")
+_PRINTED_ITEM = re.compile(r"'((?:[^'\\]|\\.)*)'\s*:\s*('(?:[^'\\]|\\.)*'|[^,}]+)")
+
+
+def _parse_trl_printed(path: Path, lines: Sequence[str]) -> tuple[list[dict[str, Any]], list[ParseIssue], bool]:
+    """TRL's printed logs: each line holding a flat dict with ``epoch`` and a training value is a step's logs,
+    numbered 1, 2, ... (transformers prints no step), or by its ``step`` where it has one; (records, issues,
+    whether any was numbered)."""
+    raw: list[dict[str, Any]] = []
+    issues: list[ParseIssue] = []
+    counted = False
+    for n, line in enumerate(lines, start=1):
+        if "{'" not in line:
+            continue  # cheap pre-check: most lines of a log hold no dict
+        m = _PRINTED.search(_ANSI.sub("", line))
+        if m is None:
+            continue
+        logs: dict[str, Any] = {}
+        for key, value in _PRINTED_ITEM.findall(m.group(0)):
+            parsed = parse_value(value[1:-1] if value.startswith("'") else value)
+            if parsed is not None:
+                logs[key] = parsed
+        if "epoch" not in logs:
+            continue  # not transformers' (it adds the epoch to every log it prints)
+        data = _trl_record(logs)
+        if data is None:
+            continue
+        step = logs.get("step")
+        if step is not None and not (float(step).is_integer() and 0 <= step <= MAX_STEP):
+            issues.append(ParseIssue(str(path), n, f"'step' must be an integer >= 0, got {step!r}"))
+            continue
+        counted = counted or step is None
+        raw.append({"step": int(step) if step is not None else len(raw) + 1, "data": data})
+    return raw, issues, counted
+
+
 def read_run(path: Path | str) -> ReadResult:
     """Read a metrics file or run directory whole; raises :class:`IngestError` when unreadable."""
     p = _resolve(path)
@@ -369,6 +470,9 @@ def read_run(path: Path | str) -> ReadResult:
         text = inputs.read_text(p, errors="replace")
     except OSError as exc:
         raise IngestError(p, f"cannot read ({exc.strerror or exc})") from exc
+    state = _parse_trl_state(p, text)
+    if state is not None:  # a whole JSON document, not lines
+        return ReadResult(dedup_records(state[0]), FORMAT_TRL_STATE, p, state[1], len(state[0]))
     # Newlines only, as the daemon's reader splits (a JSON string may hold U+2028, which splitlines() splits at).
     lines = [ln[:-1] if ln.endswith("\r") else ln for ln in text.split("\n")]
     # The format is the one more lines parse in, not the first line's: one garbage line (a banner, a
@@ -380,9 +484,13 @@ def read_run(path: Path | str) -> ReadResult:
     looks_json = any(ln.lstrip().startswith("{") for ln in lines) or not any(ln.strip() for ln in lines)
     if len(c_raw) > len(raw) or (not raw and not c_raw and not looks_json):
         fmt, raw, issues, events = FORMAT_CONSOLE, c_raw, c_issues, c_events
+    t_raw, t_issues, t_counted = _parse_trl_printed(p, lines)
+    counted = False
+    if len(t_raw) > len(raw):
+        fmt, raw, issues, events, counted = FORMAT_TRL_PRINTED, t_raw, t_issues, [], t_counted
     for issue in issues:
         log.debug("skipped %s", issue)  # returned to the caller, who reports them
-    return ReadResult(dedup_records(raw), fmt, p, issues, len(raw), events)
+    return ReadResult(dedup_records(raw), fmt, p, issues, len(raw), events, counted)
 
 
 def read_records(path: Path | str) -> list[dict[str, Any]]:
