@@ -275,3 +275,47 @@ def test_a_known_good_checkpoint_removed_before_its_relaunch_falls_back_to_the_o
         if ctl.h.proc is not None:
             ctl.h.proc.stop(5)
         wd.close()
+
+
+# -- 8. TRL: a resume checkpoint that fails verification ---------------------------------------------
+
+
+def _trl_checkpoints(run: Path, steps: tuple[int, ...]) -> Path:
+    root = run / rundir.CHECKPOINTS
+    for step in steps:
+        path = ckpt.save_checkpoint(root, step, 0, {"actor": {"w": step}})
+        (path / "trainer_state.json").write_text("{}")
+    return root
+
+
+def test_a_trl_resume_checkpoint_that_fails_verification_falls_back_to_the_one_before_not_a_config_error(
+        tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    from ppo_watchdog.trainer.trl_glue.config import TRLRun
+    from ppo_watchdog.trainer.trl_glue.runner import resume_point
+
+    run = tmp_path / "run"
+    root = _trl_checkpoints(run, (4, 8))
+    (ckpt.step_dir(root, 8) / "manifest.json").write_text("{torn")  # the watchdog's relaunch names step 8
+    trl = TRLRun(model_path=str(tmp_path), resume_mode="resume_path", resume_from_path=str(ckpt.step_dir(root, 8)))
+    assert resume_point(trl, root) == ckpt.step_dir(root, 4)
+    (err,) = [e for e in rundir.read_jsonl(run / rundir.EVENTS).records if e["kind"] == "error"]
+    assert "global_step_8" in err["message"] and "step 4" in err["message"], err
+    # Nothing usable before it: the initial weights, said the same way.
+    shutil.rmtree(ckpt.step_dir(root, 4))
+    (ckpt.step_dir(root, 8)).mkdir(exist_ok=True)
+    (ckpt.step_dir(root, 8) / "manifest.json").write_text("{torn")
+    assert resume_point(trl, root) is None
+    assert "initial weights" in rundir.read_jsonl(run / rundir.EVENTS).records[-1]["message"]
+
+
+def test_a_trl_resume_checkpoint_a_person_names_outside_the_run_is_still_a_config_error(tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    from ppo_watchdog.trainer.trl_glue.config import TRLRun
+    from ppo_watchdog.trainer.trl_glue.runner import resume_point
+
+    mine = _trl_checkpoints(tmp_path / "elsewhere", (3,))
+    (ckpt.step_dir(mine, 3) / "manifest.json").write_text("{torn")
+    trl = TRLRun(model_path=str(tmp_path), resume_mode="resume_path", resume_from_path=str(ckpt.step_dir(mine, 3)))
+    with pytest.raises(ckpt.CheckpointError):
+        resume_point(trl, tmp_path / "run" / rundir.CHECKPOINTS)
