@@ -83,6 +83,21 @@ CELLS = [
     ("a garbled run.json beside 10 healthy runs in one daemon",
      "tests/test_reliability_v2.py::test_a_daemon_with_ten_healthy_runs_and_one_garbled_watches_all_ten",
      "bad run, not bad daemon"),
+    # issue 48
+    *[(f"hand-written control.json over a waiting live set ({how})",
+       "tests/test_reliability_v3.py::test_a_hand_written_control_json_landing_before_the_step_boundary_never_hides"
+       f"_the_watchdogs_set[{how}]", "a foreign version never hides the watchdog's change")
+      for how in ("same-version", "next-version")],
+    ("a relaunch-only key in the desired state",
+     "tests/test_reliability_v3.py::test_a_relaunch_only_key_in_the_desired_state_never_reaches_control_json_so_live"
+     "_sets_still_apply", "live control outlives a relaunch-only set"),
+    *[(f"{name} with the console's reader gone (output piped to tee)",
+       f"tests/test_reliability_v3.py::test_a_stop_signal_after_the_consoles_reader_is_gone_still_stops_the_trainer_and"
+       f"_records_the_run[{name}]", "no unsupervised run")
+      for name in ("Ctrl-C", "SIGTERM")],
+    ("known-good checkpoint removed before its relaunch",
+     "tests/test_reliability_v3.py::test_a_known_good_checkpoint_removed_before_its_relaunch_falls_back_to_the_one"
+     "_before_with_an_alert", "never a torn load"),
 ]
 
 

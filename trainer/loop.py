@@ -789,9 +789,7 @@ def run_cli(cfg: Config, args: Sequence[str]) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     run_dir = Path(cfg.trainer.run_dir)
     try:  # the run directory is where everything goes: a read-only one is a config error, said at once
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / ".trainer-write-test").write_bytes(b"")
-        (run_dir / ".trainer-write-test").unlink()
+        rundir.check_writable(run_dir)
     except OSError as exc:
         sys.stderr.write(f"config error: trainer.run_dir {run_dir}: cannot be written ({exc.strerror or exc})\n")
         return rundir.EXIT_USAGE

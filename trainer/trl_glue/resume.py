@@ -7,33 +7,62 @@ watchdog abandoned).
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ppo_watchdog.protocol import checkpoint as ckpt
+from ppo_watchdog.protocol import rundir
 from ppo_watchdog.trainer.trl_glue.config import TRLRun
+
+log = logging.getLogger(__name__)
 
 
 def resume_point(run: TRLRun, root: Path) -> Path | None:
-    """The checkpoint to resume from, verified (CheckpointError when a named one is unusable).
+    """The checkpoint to resume from, verified.
 
     resume_path: that checkpoint; the abandoned timeline after it (under the same root) is
-    discarded so nothing later resumes it. auto: the newest complete checkpoint under ``root``.
+    discarded so nothing later resumes it. One of the run's own (what a watchdog relaunch names)
+    that fails verification falls back to the newest usable one before it, else the initial
+    weights, said in an ``error`` event: a torn checkpoint is no configuration error, and exit 2
+    would give the whole run up. One a person named elsewhere stays their error (CheckpointError).
+    auto: the newest complete checkpoint under ``root``.
     """
     if run.resume_mode == "disable":
         return None
     if run.resume_mode == "resume_path":
-        info = ckpt.verify_checkpoint(run.resume_from_path)
-        if not (info.path / "trainer_state.json").is_file():
-            raise ckpt.CheckpointError(info.path, "not a TRL checkpoint (no trainer_state.json)")
+        named = Path(run.resume_from_path)
+        try:
+            info = ckpt.verify_checkpoint(named)
+            if not (info.path / "trainer_state.json").is_file():
+                raise ckpt.CheckpointError(info.path, "not a TRL checkpoint (no trainer_state.json)")
+        except ckpt.CheckpointError as exc:
+            if named.parent.resolve() != root.resolve():
+                raise
+            step = next((c.step for c in ckpt.list_checkpoints(root, verify=False)
+                         if c.path.resolve() == named.resolve()), None)
+            back = _newest_usable(root, below=step)
+            where = f"step {back.step} ({back.path})" if back is not None else "the initial weights"
+            message = (f"trainer.resume_from_path: {exc}; resuming from {where}, the newest usable checkpoint "
+                       "before it, instead")
+            log.error("%s", message)
+            rundir.append_event(root.parent, "error", step, message=message, source="resume")
+            ckpt.discard_newer(root, back.step if back is not None else -1)
+            return back.path if back is not None else None
         if info.path.parent.resolve() == root.resolve():
             ckpt.discard_newer(root, info.step)
         return info.path
+    back = _newest_usable(root)
+    return back.path if back is not None else None
+
+
+def _newest_usable(root: Path, below: int | None = None) -> ckpt.CheckpointInfo | None:
+    """The newest complete TRL checkpoint under ``root`` (before step ``below``, when given)."""
     for info in reversed([c for c in ckpt.list_checkpoints(root) if c.complete]):
-        if (info.path / "trainer_state.json").is_file():
-            return info.path
+        if (below is None or info.step < below) and (info.path / "trainer_state.json").is_file():
+            return info
     return None
 
 

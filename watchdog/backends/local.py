@@ -387,7 +387,8 @@ class LocalBackend:
         try:
             if log_path is not None:
                 Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-                out = open(log_path, "ab")
+                # Appended to, never through a symlink put in its place (:func:`inputs.open_nofollow`).
+                out = os.fdopen(inputs.open_nofollow(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
             popen = subprocess.Popen(
                 list(command), env=full_env, cwd=str(cwd) if cwd else None,
                 stdin=subprocess.DEVNULL, stdout=out if out else subprocess.DEVNULL,

@@ -383,7 +383,8 @@ class _LogSink:
                     self._copied = _copied_so_far(self.path, self._header)
                 if self._file is None:
                     self.path.parent.mkdir(parents=True, exist_ok=True)
-                    self._file = open(self.path, "ab")  # noqa: SIM115 - held open while the job's log flows
+                    # Held open while the job's log flows; never through a symlink put in its place.
+                    self._file = os.fdopen(inputs.open_nofollow(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
                 if self._copied < 0:
                     self._file.write(self._header)
                     self._copied = 0

@@ -43,15 +43,71 @@ from ppo_watchdog.core.rulefile import (
     rule_paths,
 )
 from ppo_watchdog.core.vocabulary import ActionStatus, DecisionStatus, JournalKind, RuleStatus
-from ppo_watchdog.protocol import hydra
+from ppo_watchdog.protocol import hydra, rundir
 from ppo_watchdog.protocol import lock as locks
 from ppo_watchdog.sources.prometheus import PROMETHEUS_URL_ENV, source_config
 
 run_app = typer.Typer(help="Supervise and remediate training runs.", no_args_is_help=True)
 log = logging.getLogger(__name__)
+
+
+class ReaderSafeStdout:
+    """``sys.stdout`` as it is at each write (a test's runner swaps it), outliving its reader.
+
+    ``watchdog run ... | tee run.log`` and Ctrl-C: the terminal's SIGINT ends tee first, and the next
+    write raises BrokenPipeError. Raised in the stop path, it would leave the trainer training on
+    unsupervised; so once the reader is gone, stdout (and stderr, when it is the same pipe: ``2>&1``) is
+    pointed at /dev/null, every later write goes nowhere, and the interpreter's last flush succeeds too.
+    """
+
+    def write(self, text: str) -> int:
+        try:
+            return sys.stdout.write(text)
+        except BrokenPipeError:
+            reader_gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            reader_gone()
+
+    def isatty(self) -> bool:
+        return sys.stdout.isatty()
+
+    def fileno(self) -> int:
+        return sys.stdout.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(sys.stdout, "encoding", None) or "utf-8"
+
+
+def reader_gone() -> None:
+    """Point stdout at /dev/null (stderr too when it is the same pipe), its reader having gone."""
+    try:
+        out = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # (a runner's in-memory stdout: nothing to point elsewhere)
+        return
+    fds = [out]
+    try:
+        if os.path.sameopenfile(out, sys.stderr.fileno()):
+            fds.append(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):
+        pass
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        for fd in fds:
+            os.dup2(null, fd)
+    finally:
+        os.close(null)
+
+
 # $COLUMNS, else the terminal's width, else wide enough for the history table in a file or a CI log; no
-# markup (styles are given as ``style=``, emphasis as rich Text): ppo_watchdog.cli.console.
-console = CliConsole()
+# markup (styles are given as ``style=``, emphasis as rich Text): ppo_watchdog.cli.console. Written through
+# ReaderSafeStdout: a pipe's reader gone does not stop the stop path.
+console = CliConsole(file=ReaderSafeStdout())  # type: ignore[arg-type]
 
 StateDir = Annotated[str, typer.Option("--state-dir", help="Watchdog state directory (SQLite); "
                                        "default $WATCHDOG_STATE_DIR or ./.watchdog.")]
@@ -327,10 +383,7 @@ def run_cmd(
     rd = Path(run_dir or f"runs/run-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     _check_run_dir_name(rd, bool(command))
     try:
-        rd.mkdir(parents=True, exist_ok=True)
-        probe = rd / ".watchdog-write-test"
-        probe.write_bytes(b"")  # the trainer and the watchdog both write here
-        probe.unlink()
+        rundir.check_writable(rd)  # the trainer and the watchdog both write here
     except OSError as exc:
         console.print(f"--run-dir {rd}: cannot be written ({exc.strerror or exc})", style="red")
         raise typer.Exit(2) from exc

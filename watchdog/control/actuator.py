@@ -25,6 +25,7 @@ those kinds for a person's ``watchdog approve`` or ``deny``, and carries it out,
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import logging
@@ -66,18 +67,23 @@ from ppo_watchdog.protocol.catalog import (
 )
 from ppo_watchdog.protocol.control import (
     MAX_VERSION,
+    MAX_VERSION_STEP,
     Command,
     Control,
     ControlError,
     applied_version,
+    live_overrides,
     read_control,
+    version_acceptable,
     write_control,
 )
 from ppo_watchdog.protocol.lock import TRAINER_LOCK
-from ppo_watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.protocol.runinfo import RunInfo, RunInfoError
 
 log = logging.getLogger(__name__)
 
+#: A control.json version the watchdog never wrote (by hand, a script): applied by the trainer, or refused.
+RULE_FOREIGN_CONTROL = "watchdog:foreign_control"
 
 
 class ActuatorError(RuntimeError):
@@ -373,7 +379,18 @@ class Actuator:
             on_file = (read_control(h.run.run_dir) or Control()).version
         except ControlError:
             on_file = 0
-        version = max(h.run.control_version, on_file, applied_version(h.run.run_dir)) + 1
+        known = max(h.run.control_version, applied_version(h.run.run_dir))
+        if on_file > known and not version_acceptable(on_file, known):
+            # Written by hand too far up (the protocol's largest version): the trainer refuses it, so it is no
+            # floor for the next version; the watchdog's version replaces it, said to the console and webhook.
+            message = (f"control.json version {on_file} was not written by the watchdog and is more than "
+                       f"{MAX_VERSION_STEP:,} above the newest version known ({known}): the trainer refuses it, "
+                       f"and the watchdog writes version {known + 1} over it")
+            log.warning("%s: %s", h.run.run_id, message)
+            self.notifier.notify(alert_payload(h.run.run_id, RULE_FOREIGN_CONTROL, "warning",
+                                               f"control.json version {on_file} refused", message))
+            on_file = 0
+        version = max(known, on_file) + 1
         if version > MAX_VERSION:
             raise ActuatorError(f"run {h.run.run_id}: control.json version {version} is past {MAX_VERSION}")
         with self.store.transaction():
@@ -392,12 +409,18 @@ class Actuator:
         except ControlError as exc:
             log.error("%s: replacing garbled control.json: %s", h.run.run_id, exc)
             current = None
-        if current is not None and current.version >= version:
-            return False
+        if current is not None and version_acceptable(current.version, version - 1):
+            return False  # written already (a re-drive), or a newer version a trainer takes stands (said when applied)
         commands = self._pending_commands(h)
-        control = Control(version, dict(h.run.overrides), tuple(commands))
-        write_control(run_dir, control)
-        self.store.record_control(h.run.run_id, version, dict(h.run.overrides), [c.to_json() for c in commands])
+        # The keys the running trainer changes live, only: a relaunch-only key stays in the desired state for the
+        # next relaunch's arguments (``launch``).
+        try:
+            live_keys = RunInfo.read(run_dir).live_keys
+        except RunInfoError:
+            live_keys = None
+        overrides = live_overrides(h.run.overrides, live_keys)
+        write_control(run_dir, Control(version, overrides, tuple(commands)))
+        self.store.record_control(h.run.run_id, version, overrides, [c.to_json() for c in commands])
         return True
 
     def _pending_commands(self, h: RunHandle) -> list[Command]:
@@ -770,7 +793,13 @@ class Actuator:
         if "lr_patch" not in p and "refused" not in p:
             # verl's resume trap: the checkpoint's lr wins over optim.lr. Its dialect resumes from a copy
             # that carries the new lr, or refuses the lr change (audited) rather than lose it silently.
-            planned = h.dialect.plan_resume(p, {**h.run.overrides, **p.get("set", {})})
+            try:
+                if p.get("resume_path") and not Path(p["resume_path"]).exists():
+                    raise FileNotFoundError(errno.ENOENT, "no longer there", p["resume_path"])
+                planned = h.dialect.plan_resume(p, {**h.run.overrides, **p.get("set", {})})
+            except FileNotFoundError as exc:  # removed before or while its relaunch copy was built
+                self._fall_back(h, entry, p, exc)
+                return  # nothing was stopped yet: the next drive plans the relaunch from the fallback
             if planned != p:
                 p = planned
                 self.store.update_action(entry.id, payload=p)
@@ -833,7 +862,7 @@ class Actuator:
                 self._finish(h, other, "done", outcome=f"applied by restart (v{version})")
         where = ("the start" if p.get("resume") == "scratch" else
                  f"step {p['resume_step']}" if p.get("resume_step") is not None else "scratch")
-        notes = "".join(f"; {p[k]}" for k in ("lr_patch", "refused", "skip_patch", "skip_note")
+        notes = "".join(f"; {p[k]}" for k in ("fallback", "lr_patch", "refused", "skip_patch", "skip_note")
                         if p.get(k) and p[k] != "none needed")
         if skip and not p.get("skip_note") and not p.get("skip_patch"):
             notes += f"; skipped {skip} batches"
@@ -841,6 +870,34 @@ class Actuator:
         self._finish(h, entry, "done", outcome=f"restarted from {where} ({who}, prior exit {code}){notes}",
                      pid=h.run.pid, job_id=h.run.job_id, resume_step=p.get("resume_step"), exit_code=code,
                      stopped_ts=stopped_ts, steps_lost=_steps_lost(p.get("trained_to"), p.get("resume_step")))
+
+    def _fall_back(self, h: RunHandle, entry: ActionRecord, p: dict[str, Any], exc: OSError) -> None:
+        """The one fallback of a relaunch whose checkpoint vanished while it was prepared (removed by hand or by
+        a pruning, before or during its relaunch copy): the newest complete checkpoint before it (for a
+        rollback, the newest still known-good), else the start; recorded in the entry and said to the console
+        and the webhook. Nothing was stopped yet, so the next drive plans the relaunch from there."""
+        gone, step = str(p.get("resume_path")), p.get("resume_step")
+        older = [c for c in h.dialect.checkpoints() if c.complete and str(c.path) != gone
+                 and (step is None or c.step < int(step))]
+        rewinding = p.get("resume") in ("known_good", "path")
+        info = (choose_known_good(older, self.store.bad_spans(h.run.run_id)) if rewinding
+                else max(older, key=lambda c: c.step, default=None))
+        if info is not None:
+            p.update(resume_path=str(info.path), resume_step=info.step)
+            where = f"the checkpoint before it, step {info.step}"
+        elif rewinding:
+            p.update(resume="scratch", resume_path=None, resume_step=0)
+            where = "the start (the initial weights: no earlier known-good checkpoint)"
+        else:
+            p.update(resume_path=None, resume_step=None)
+            where = "the start (no earlier checkpoint)"
+        p["fallback"] = (f"the checkpoint of step {step} ({gone}) vanished while the relaunch was prepared "
+                         f"({exc.filename or gone}: {exc.strerror or exc}); resumed from {where} instead")
+        self.store.update_action(entry.id, payload=p)
+        entry.payload = p
+        log.error("%s: %s", h.run.run_id, p["fallback"])
+        self.notifier.notify(alert_payload(h.run.run_id, str(p.get("rule", "")), "warning",
+                                           f"checkpoint of step {step} vanished: relaunch falls back", p["fallback"]))
 
     def _drive_stop(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
         """Nothing is left to try and no human waits: stop the trainer and end the run with a verdict."""
@@ -944,24 +1001,41 @@ class Actuator:
         self._drive_live_set(h, entry, now)
 
     def confirm(self, h: RunHandle, version: int, step: int | None, command_ids: Sequence[str],
-                refusals: Sequence[str] = ()) -> None:
+                refusals: Sequence[str] = (), foreign: Mapping[str, Any] | None = None) -> list[ActionRecord]:
         """The trainer's ``applied`` event: confirm every sent entry carried by ``version``. ``refusals``:
         the trainer's ``error`` messages about that version (a key it cannot change live, and why); a
-        live set whose key one names says so in its outcome (``watchdog history``)."""
+        live set whose key one names says so in its outcome (``watchdog history``).
+
+        ``foreign``: the overrides of a version the watchdog did not write (by hand, maybe over its own at
+        that number). An entry counts as applied by it only when it carries what the entry asked (a set's
+        values, a command's id); an entry it left out is re-opened (``intent``, no version) to be sent again
+        in a new version above it. Returns the entries re-opened."""
         h.applied_commands.update(command_ids)
-        self.store.mark_control_applied(h.run.run_id, version, step)
+        if foreign is None:  # (a foreign version is no version the watchdog wrote, even at the same number)
+            self.store.mark_control_applied(h.run.run_id, version, step)
+        reopened = []
         for e in self.store.open_actions(h.run.run_id):
             # An ``intent`` with a version is confirmed too: the trainer applied it, so the file was
             # written (the watchdog died between writing it and marking it sent).
             if e.status not in (ActionStatus.INTENT, ActionStatus.SENT) or e.control_version is None or e.control_version > version:
                 continue
             cmd = e.payload.get("command")
+            if foreign is not None and e.kind in (JournalKind.LIVE_SET, JournalKind.COMMAND, JournalKind.RESUME,
+                                                  JournalKind.ROLLBACK):
+                sets = (e.payload.get("set") or {}) if e.kind == JournalKind.LIVE_SET else {}
+                if (cmd and cmd["id"] not in h.applied_commands) or any(
+                        k not in foreign or foreign[k] != v for k, v in sets.items()):
+                    self.store.update_action(e.id, status=ActionStatus.INTENT, control_version=None, deadline=None)
+                    e.status, e.control_version, e.deadline = ActionStatus.INTENT, None, None
+                    reopened.append(e)
+                    continue
             if cmd and cmd["id"] not in h.applied_commands:
                 continue
             if e.kind in (JournalKind.LIVE_SET, "command", JournalKind.RESUME):
                 refused = [m for m in refusals if any(k in m for k in (e.payload.get("set") or {}))]
                 outcome = f"applied v{version} at step {step}" + "".join(f"; refused by the trainer: {m}" for m in refused)
                 self._finish(h, e, "done", outcome=outcome, applied_step=step)
+        return reopened
 
     # -- helpers ---------------------------------------------------------------------
 

@@ -34,6 +34,7 @@ from ppo_watchdog.backends.local import (
     read_tail,
 )
 from ppo_watchdog.control.actuator import (
+    RULE_FOREIGN_CONTROL,
     Actuator,
     RunHandle,
     alert_payload,
@@ -83,8 +84,6 @@ RULE_BUDGET = "watchdog:budget"
 RULE_LIVE_TIMEOUT = "watchdog:live_timeout"
 #: The trainer refused its configuration (exit 2 / verl's config error): given up at once, ``watchdog run`` exits 2.
 RULE_CONFIG = "watchdog:config"
-#: A control.json version the watchdog never wrote (by hand, a script) was applied by the trainer.
-RULE_FOREIGN_CONTROL = "watchdog:foreign_control"
 
 @dataclass
 class ControllerConfig:
@@ -724,9 +723,19 @@ class RunController:
             elif kind == "applied":
                 ids = [c if isinstance(c, str) else c.get("id", "") for c in e.get("commands", [])]
                 version = int(e.get("version", 0))
-                if version > self.run.control_version and not self._wrote_control(version):
-                    self._foreign_control(e, version, ids)
-                self.actuator.confirm(self.h, version, e.get("step"), ids, self._control_errors.pop(version, []))
+                raw = e.get("overrides")  # the version's content as the trainer read it
+                content = dict(raw) if isinstance(raw, Mapping) else None
+                written = self._written_control(version)
+                # Checked by content, not by number alone: a file written by hand at the watchdog's own number.
+                over_own = written is not None and content is not None and content != written["overrides"]
+                refusals = self._control_errors.pop(version, [])
+                if over_own or (written is None and version > self.run.control_version):
+                    applied = e.get("applied")
+                    seen = content if content is not None else dict(applied) if isinstance(applied, Mapping) else {}
+                    hidden = self.actuator.confirm(self.h, version, e.get("step"), ids, refusals, foreign=seen)
+                    self._foreign_control(e, version, ids, hidden, over_own)
+                else:
+                    self.actuator.confirm(self.h, version, e.get("step"), ids, refusals)
             elif kind == JournalKind.ROLLBACK:
                 self._rewind_to = int(e.get("to_step") or 0)
                 self.store.close_bad_spans(self.run.run_id, int(e.get("from_step") or e.get("to_step") or 0))
@@ -751,14 +760,19 @@ class RunController:
                 if self._rewind_pending:
                     self._rewind_to = int(e.get("resumed_from") or e.get("step") or 0)
 
-    def _wrote_control(self, version: int) -> bool:
-        return any(v["version"] == version for v in self.store.control_versions(self.run.run_id))
+    def _written_control(self, version: int) -> dict[str, Any] | None:
+        """The store's record of the control.json version the watchdog wrote at ``version`` (None: none)."""
+        return next((v for v in self.store.control_versions(self.run.run_id) if v["version"] == version), None)
 
-    def _foreign_control(self, e: Event, version: int, command_ids: Sequence[str]) -> None:
+    def _foreign_control(self, e: Event, version: int, command_ids: Sequence[str],
+                         hidden: Sequence[ActionRecord] = (), over_own: bool = False) -> None:
         """A version the watchdog never wrote was applied: said at once (console, history, webhook) with
         the values it changed, and adopted as the run's desired state. The trainer runs with those
         values, so the rules' next sets start from them and the watchdog's next version keeps them
-        (a relaunch too) rather than silently undoing a human's change (RELIABILITY.md)."""
+        (a relaunch too) rather than silently undoing a human's change (RELIABILITY.md). ``hidden``: the
+        watchdog's own changes still waiting for the trainer that this version left out (re-opened by
+        :meth:`Actuator.confirm`): they are sent again on top, and said so. ``over_own``: it was written at
+        the number of a version the watchdog wrote, over it."""
         raw = e.get("applied")
         applied: dict[str, Any] = dict(raw) if isinstance(raw, Mapping) else {}
         changed = {k: v for k, v in applied.items() if self.run.overrides.get(k) != v}
@@ -767,9 +781,16 @@ class RunController:
         said = ", ".join(f"{k} {was[k]!r} -> {v!r}" if was[k] is not None else f"{k} -> {v!r}"
                          for k, v in changed.items()) or "no override"
         cmds = f"; commands {', '.join(command_ids)}" if command_ids else ""
+        over = " (it replaced the watchdog's own version of that number)" if over_own else ""
         message = (f"control.json version {version}, applied at step {e.get('step')}, was not written by the "
-                   f"watchdog: it changed {said}{cmds}. The watchdog adopts these values: its next sets start "
+                   f"watchdog{over}: it changed {said}{cmds}. The watchdog adopts these values: its next sets start "
                    f"from them")
+        if hidden:
+            what = "; ".join(f"set {', '.join(f'{k}={v!r}' for k, v in (h.payload.get('set') or {}).items())}"
+                             if h.kind == JournalKind.LIVE_SET else
+                             f"command {(h.payload.get('command') or {}).get('kind', h.kind)}" for h in hidden)
+            message += (f"; it left out the watchdog's own change still waiting for the trainer ({what}), "
+                        "which is sent again in a new version on top")
         log.warning("%s: %s", self.run.run_id, message)
         overrides = {**self.run.overrides, **applied}
         with self.store.transaction():

@@ -541,7 +541,8 @@ class Watchdog:
         except locks.LockHeld:
             raise
         except OSError as exc:
-            raise SupervisorError(f"{run_dir}: cannot take the run directory ({exc.strerror or exc})") from exc
+            where = f" ({exc.filename})" if exc.filename else ""  # (its lock file a symlink, say: named)
+            raise SupervisorError(f"{run_dir}: cannot take the run directory{where}: {exc.strerror or exc}") from exc
         trainer = locks.holder_if_held(run_dir / locks.TRAINER_LOCK)
         if trainer is not None and launches and not self._adopting:
             known = existing is not None and existing.pid == trainer.get("pid") and existing.phase in (

@@ -7,7 +7,8 @@ step boundary (and at once on SIGUSR1) through :class:`StepBoundary`, the one di
 embedded trainer and the verl glue both call:
 
 - a version not newer than the last applied one is a no-op, so re-reading the same file
-  after a crash on either side doubles nothing;
+  after a crash on either side doubles nothing; one more than ``MAX_VERSION_STEP`` above it
+  (written by hand) is refused with an ``error`` event, so the version space is never used up;
 - a garbled file records one ``error`` event per distinct bad content (naming the file and
   the parse position) and training goes on with what it has;
 - a version that sets a key the trainer cannot change live is refused as a whole with an
@@ -46,6 +47,28 @@ COMMAND_KINDS = frozenset({"checkpoint", "pause", "resume", "stop", "rollback"})
 
 #: The highest control.json version (the largest integer JSON readers agree on, and SQLite stores).
 MAX_VERSION = 2**53 - 1
+
+#: How far above the last applied version a new one may be. The watchdog writes the next version above the
+#: newest it knows of; a version further above (written by hand: ``2**53 - 1``) is refused by the trainer,
+#: so it can never use up the version space and leave no room for the watchdog's later ones.
+MAX_VERSION_STEP = 2**20
+
+
+def version_acceptable(version: int, applied: int) -> bool:
+    """Whether a trainer that applied ``applied`` takes ``version`` as its next one (newer, within the step)."""
+    return applied < version <= applied + MAX_VERSION_STEP
+
+
+def live_overrides(overrides: Mapping[str, Any], live_keys: Iterable[str] | None) -> dict[str, Any]:
+    """The part of a desired state that control.json carries: the keys the running trainer changes live
+    (its run.json's ``live_keys``; None: every key). A relaunch-only key (a micro batch an OOM remedy
+    halved) stays in the desired state for the next relaunch's arguments; in control.json it would make
+    the trainer refuse each later version whole."""
+    if live_keys is None:
+        return dict(overrides)
+    live = set(live_keys)
+    return {k: v for k, v in overrides.items() if k in live}
+
 
 class ControlError(PathError):
     """control.json is not a valid control document; carries the path and the reason."""
@@ -260,6 +283,15 @@ class ControlApplier:
                 keys=unknown, version=control.version,
             )
             return None
+        if control.version > self._state.version and not version_acceptable(control.version, self._state.version):
+            self._error_once(
+                text, step,
+                f"{self.path}: version {control.version} is more than {MAX_VERSION_STEP:,} above the last applied "
+                f"version {self._state.version}: refused (the watchdog writes the next version above it; this one "
+                "would leave no room for later ones)",
+                version=control.version,
+            )
+            return None
         self._reported = None
         return control
 
@@ -285,7 +317,10 @@ class ControlApplier:
         self._state.executed.extend(i for i in ids if i not in self._state.executed)
         self._state.overrides = dict(changes.overrides)
         self._save_state()
-        self._event("applied", step, version=changes.version, applied=dict(applied), commands=ids)
+        # ``overrides``: the version's content as read, so the watchdog checks that what was applied is what it
+        # wrote (a version written by hand over the watchdog's, at its very number, is told apart by it).
+        self._event("applied", step, version=changes.version, applied=dict(applied), commands=ids,
+                    overrides=dict(changes.overrides))
 
     def mark_executed(self, command_ids: Iterable[str]) -> None:
         """Remember commands as executed before their version is marked applied.

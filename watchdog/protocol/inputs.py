@@ -53,6 +53,31 @@ def _open(path: str | Path, stream_ok: bool) -> tuple[int, os.stat_result]:
     return fd, st
 
 
+def open_nofollow(path: str | Path, flags: int, mode: int = 0o644) -> int:
+    """A descriptor of a file the watchdog or a trainer writes in a run directory (a lock, trainer.log,
+    events.jsonl), opened with ``flags`` (``os.O_WRONLY | os.O_APPEND | os.O_CREAT``, say) without following a
+    symlink and refused unless a regular file: a symlink put where the file belongs would have the target
+    truncated or written to, out of the run directory (by a watchdog running as root over run directories
+    others can write). Both are :class:`NotRegularFileError` naming the path. Not opened blocking (a FIFO is
+    refused, never waited on); close-on-exec (a child the file is handed to names it in ``pass_fds``)."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise NotRegularFileError(errno.ELOOP, "a symbolic link (not followed), not a regular file",
+                                      os.fspath(path)) from None
+        if exc.errno == errno.ENXIO:  # opened for writing only, a FIFO with no reader
+            raise NotRegularFileError(errno.ENXIO, "a FIFO, not a regular file", os.fspath(path)) from None
+        raise
+    try:
+        check_regular(path, os.fstat(fd).st_mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def read_file(path: str | Path, max_bytes: int | None = None, offset: int = 0, stream_ok: bool = False) -> bytes:
     """The bytes of a regular file from ``offset`` on (:func:`open_regular`). Past ``max_bytes``: an OSError
     (EFBIG) that says the limit. ``stream_ok``: a file a person named may also be a pipe, read as it comes

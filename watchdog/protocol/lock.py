@@ -91,7 +91,7 @@ class HolderLock:
         """Take the lock (trying for ``wait_s``: someone merely looking at it, as ``watchdog status``
         does, holds it for an instant); raise :class:`LockHeld` naming the holder otherwise.
         ``about``: extra fields written for the refused (e.g. the holder's own pid when it is a child)."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = inputs.open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # (a symlink there: refused)
         deadline = time.monotonic() + wait_s
         while True:
             try:

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from ppo_watchdog.protocol.events import EVENT_KINDS, Event, EventError
-from ppo_watchdog.protocol.inputs import open_regular, read_file, short_repr
+from ppo_watchdog.protocol.inputs import open_nofollow, open_regular, read_file, short_repr
 
 try:  # optional: a trainer's environment may lack it (verl's has it); the standard decoder stands in
     import orjson as _orjson
@@ -121,9 +121,19 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
 def append_jsonl(path: Path | str, record: dict[str, Any]) -> None:
     """Append one record as one line; a single write so concurrent readers see whole lines."""
     line = json.dumps(record, sort_keys=True, allow_nan=True) + "\n"
-    with open(path, "a", encoding="utf-8") as f:
+    with os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8") as f:
         f.write(line)
         f.flush()
+
+
+def check_writable(directory: Path | str) -> None:
+    """Raise OSError unless a file can be created in ``directory`` (made when missing): a probe of a name
+    nobody else has (two starts at once never race on it), created without following a symlink."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, probe = tempfile.mkstemp(dir=directory, prefix=".write-test-")
+    os.close(fd)
+    os.unlink(probe)
 
 
 def append_metrics(run_dir: Path | str, step: int, data: dict[str, float]) -> None:
