@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -61,10 +62,21 @@ def file_names(root: Path) -> list[str]:
     return [p.name for p in root.rglob("*") if p.is_file() and not skip.intersection(p.relative_to(root).parts)]
 
 
+def _tracked_folders(base: Path) -> set[str] | None:
+    """The folders of ``base`` that hold a file git tracks (a checkout's ``runs/`` or ``.venv`` is no folder of
+    the repository); None where git cannot say."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z", "."], cwd=base, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return {f.split("/", 1)[0] for f in out.decode().split("\0") if "/" in f}
+
+
 def rooted_paths(text: str, base: Path) -> list[str]:
     """Paths in ``text`` that start with a folder of ``base`` (``bench/x.py`` from the root), wherever they stand."""
-    folders = sorted((d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith(".")), key=len,
-                     reverse=True)
+    tracked = _tracked_folders(base)
+    folders = sorted((d.name for d in base.iterdir() if d.is_dir() and not d.name.startswith(".")
+                      and (tracked is None or d.name in tracked)), key=len, reverse=True)
     rx = re.compile(r"(?<![\w/.$-])((?:" + "|".join(map(re.escape, folders)) + r")/[\w./{},*-]*)")
     return [m.group(1).rstrip(".,;:") for m in rx.finditer(text)]
 
