@@ -43,10 +43,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ppo_watchdog.backends import trackers
 from ppo_watchdog.backends.dialect import Dialect, ProtocolDialect
 from ppo_watchdog.backends.local import (
     Backend,
     BackendUnavailable,
+    LaunchRefused,
     LocalBackend,
     TrainerAlive,
     TrainerProcess,
@@ -455,11 +457,12 @@ class Actuator:
     # -- processes -------------------------------------------------------------------
 
     def launch(self, h: RunHandle, resume_path: str | None, now: float, once: Sequence[str] = (),
-               fresh: bool = False) -> TrainerProcess:
+               fresh: bool = False, resume_step: int | None = None) -> TrainerProcess:
         """Start the run's command with the desired overrides (and resume arguments).
 
         ``once``: arguments for this launch only (e.g. :func:`skip_batches_arg`, a rollback past the
-        batches that led to a spike); ``fresh``: from the initial weights (no resume at all).
+        batches that led to a spike); ``fresh``: from the initial weights (no resume at all);
+        ``resume_step``: the step of the checkpoint resumed from (0 with ``fresh``), for the trackers.
         """
         if not h.run.command:
             raise ActuatorError(f"run {h.run.run_id}: no command to launch (a watched run without a restart command)")
@@ -468,6 +471,14 @@ class Actuator:
         # verl: its file logger, checkpoint dir and KL coefficient carried over; the protocol: as it is.
         cmd, more = h.dialect.prepare_launch(cmd, h.run.overrides, resume_path)
         env.update(more or {})
+        # W&B and TensorBoard: one run and one log across attempts, rewound to the step resumed from.
+        try:
+            tracked = trackers.launch_env(h.run.run_dir, cmd, 0 if fresh else resume_step)
+        except trackers.TrackerConfigError as exc:
+            raise LaunchRefused(f"run {h.run.run_id}: {exc}") from None
+        if tracked.said:
+            log.info("%s: %s", h.run.run_id, tracked.sentence)
+        env.update(tracked.env)
         backend = h.backend or self.backend
         log_path = Path(h.run.run_dir) / self.config.log_name
         if isinstance(backend, LocalBackend):
@@ -847,7 +858,7 @@ class Actuator:
             # launch() commits the new pid first: a watchdog killed from then on finds a pid other than
             # ``stopped_pid`` and adopts that trainer instead of launching a second (exactly once; RELIABILITY.md).
             self.launch(h, p["resume_path"], now, once=[skip_arg] if skip_arg else (),
-                        fresh=p.get("resume") == "scratch")
+                        fresh=p.get("resume") == "scratch", resume_step=p.get("resume_step"))
             p.update(launched_pid=h.run.pid, version=version)
             self.store.update_action(entry.id, payload=p)
             entry.payload = p

@@ -44,6 +44,8 @@ EVENTS = "events.jsonl"
 CONTROL = "control.json"
 CHECKPOINTS = "checkpoints"
 LATEST_MARKER = "latest_checkpointed_iteration.txt"  # verl's own marker file
+#: The watchdog's record of a run's W&B run id and TensorBoard directory (ppo_watchdog.backends.trackers).
+TRACKERS = "trackers.json"
 
 #: Exit code of a trainer that stopped after a CUDA/CPU out-of-memory error (state saved).
 EXIT_OOM = 75
