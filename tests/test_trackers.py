@@ -41,7 +41,7 @@ def test_the_first_launch_gets_a_new_run_id_kept_in_trackers_json_for_every_rela
     assert len(run_id) == 8 and run_id.isalnum()
     assert json.loads((tmp_path / "trackers.json").read_text())["wandb_run_id"] == run_id
     again = launch_env(tmp_path, VERL_WANDB, 6, environ={})
-    assert again.env["WANDB_RUN_ID"] == run_id
+    assert again.env == {"WANDB_RUN_ID": run_id, "WANDB_RESUME": "allow"}  # plain resume unless rewind is asked for
     assert f"run {run_id}" in again.sentence
 
 
@@ -103,13 +103,15 @@ def _attempt(tmp_path: Path, env: dict[str, str], first: int, last: int, scale: 
 
 
 def test_two_attempts_are_one_wandb_run_whose_history_is_rewound_to_the_resume_step(tmp_path: Path) -> None:
+    # (rewind asked for: the default is plain resume, which any W&B server takes)
     from wandb_records import offline_runs
 
     (tmp_path / "wb").mkdir()
     run_dir = tmp_path / "run"
     _attempt(tmp_path, launch_env(run_dir, VERL_WANDB, None, environ={}).env, 1, 10, 1.0)
     # a rollback to step 6's checkpoint: the relaunch logs steps 7.. again, with other values
-    _attempt(tmp_path, launch_env(run_dir, VERL_WANDB, 6, environ={}).env, 6, 9, 100.0)
+    _attempt(tmp_path, launch_env(run_dir, VERL_WANDB, 6, environ={"WATCHDOG_WANDB_RESUME": "rewind"}).env, 6, 9,
+             100.0)
     first, second = offline_runs(tmp_path / "wb")
     run_id = json.loads((run_dir / "trackers.json").read_text())["wandb_run_id"]
     assert first.run_id == second.run_id == run_id

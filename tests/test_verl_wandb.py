@@ -39,9 +39,9 @@ def verl_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[e2e.VerlRun, Pat
     inject = {k: v for k, v in demo.demo_inject(run_dir).items() if k != "VERL_CPU_INJECT_OOM"}
     env = overrides.verl_env(inject={**inject, "WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir),
                                      "WANDB_SILENT": "true", "RAY_memory_monitor_refresh_ms": "0"})
-    for k in ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_RESUME_FROM", "WANDB_FORK_FROM", "TENSORBOARD_DIR",
-              "WATCHDOG_WANDB_RESUME"):
+    for k in ("WANDB_RUN_ID", "WANDB_RESUME", "WANDB_RESUME_FROM", "WANDB_FORK_FROM", "TENSORBOARD_DIR"):
         env.pop(k, None)
+    env["WATCHDOG_WANDB_RESUME"] = "rewind"  # (offline, wandb 0.31 writes the rewind point: what these checks read)
     argv = [*demo.watchdog_argv(run_dir, a, ["--state-dir", str(state)]), LOGGER]
     return e2e.supervise(argv, env, run_dir, state, root), wandb_dir
 

@@ -13,8 +13,9 @@ trainer it launches:
   keeps its id, its history is cut after step N and the relaunch logs from N+1; wandb >= 0.17.1, and on the
   W&B server a preview feature), or where the run cannot be rewound ``WANDB_RESUME=allow`` (the same run; W&B
   drops the relaunch's steps up to the last one it already has, so those keep the stopped attempt's values).
-  ``WATCHDOG_WANDB_RESUME`` in the watchdog's environment picks: ``auto`` (rewind where the installed wandb
-  can), ``rewind``, ``allow`` or ``off``.
+  ``WATCHDOG_WANDB_RESUME`` in the watchdog's environment picks: ``allow`` (the default: it works on every W&B
+  server, where a rewind the server does not offer would fail the relaunch's ``wandb.init`` and with it the
+  trainer), ``rewind``, ``auto`` (rewind where the installed wandb can) or ``off``.
 
 TensorBoard: verl's ``_TensorboardAdapter`` writes to ``$TENSORBOARD_DIR``, else
 ``tensorboard_log/<project>/<experiment>`` under its working directory, and passes no ``purge_step``. The
@@ -47,7 +48,7 @@ from ppo_watchdog.protocol import hydra, inputs, rundir
 log = logging.getLogger(__name__)
 
 RESUME_ENV = "WATCHDOG_WANDB_RESUME"
-RESUME_MODES = ("auto", "rewind", "allow", "off")
+RESUME_MODES = ("allow", "rewind", "auto", "off")
 #: The wandb release that reads ``resume_from`` (W&B's "Rewind a run" page: SDK >= 0.17.1).
 REWIND_SINCE = (0, 17, 1)
 #: A user's own resume choice: the watchdog then leaves W&B's resume alone (wandb refuses two of these at once).
@@ -118,8 +119,8 @@ def loggers(command: Sequence[str]) -> list[str]:
 
 
 def resume_mode(environ: Mapping[str, str]) -> str:
-    """``$WATCHDOG_WANDB_RESUME`` checked (``auto`` when unset)."""
-    mode = environ.get(RESUME_ENV, "auto").strip().lower() or "auto"
+    """``$WATCHDOG_WANDB_RESUME`` checked (``allow`` when unset)."""
+    mode = environ.get(RESUME_ENV, "allow").strip().lower() or "allow"
     if mode not in RESUME_MODES:
         raise TrackerConfigError(f"{RESUME_ENV}={environ.get(RESUME_ENV)!r}: must be one of {', '.join(RESUME_MODES)}")
     return mode
