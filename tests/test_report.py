@@ -31,7 +31,7 @@ def _run_dir(tmp_path):
     rundir.append_event(run, "rollback", 12, from_step=12, to_step=6, path="x")
     for step in range(7, 10):  # the re-run after the rollback
         rundir.append_metrics(run, step, {"actor/reward_kl_penalty": 0.02, "critic/score/mean": 0.4})
-    rundir.append_metrics(run, 9, {"val-core/reward/mean@1": 0.5})  # validation on its own line
+    rundir.append_metrics(run, 9, {"val-core/arith/reward/mean@1": 0.5})  # validation on its own line, by source
     return run
 
 
@@ -48,7 +48,7 @@ def test_segments_split_where_steps_go_back_and_merge_a_separate_validation_line
     segs = segments(rundir.read_jsonl(run / rundir.METRICS).records)
     assert [(s.steps[0], s.steps[-1]) for s in segs] == [(1, 12), (7, 9)]
     assert segs[1].data[-1] == {"actor/reward_kl_penalty": 0.02, "critic/score/mean": 0.4,
-                                "val-core/reward/mean@1": 0.5}
+                                "val-core/arith/reward/mean@1": 0.5}
 
 
 def test_rollback_spans_run_from_the_step_restored_to_the_step_left():
@@ -77,6 +77,7 @@ def test_html_report_is_self_contained_with_its_data_script_and_every_decision_i
     assert [m["text"] for m in data["marks"]] == ["step 12, kl_far: rolled back in process to step 6"]
     assert "step 12, kl_far: rolled back in process to step 6" in text
     assert "kl_high" not in text.split('id="report-data"')[0]  # a resolve is no line of its own
+    assert "Not logged by this run: entropy, response length (tokens)." in text
 
 
 def test_timelines_keep_the_rerun_and_set_aside_each_abandoned_branch_and_non_finite_values():
@@ -114,7 +115,7 @@ def test_the_html_report_renders_its_charts_and_decisions_in_headless_chromium_w
     assert console == []
     assert re.search(r'<body[^>]*data-rendered="ok"', dom) and "data-error" not in dom
     charts = re.findall(r'<svg[^>]*class="chart"[^>]*data-key="([^"]+)"', dom)
-    assert charts == ["actor/reward_kl_penalty", "critic/score/mean", "val-core/reward/mean@1", "critic/vf_loss",
+    assert charts == ["actor/reward_kl_penalty", "critic/score/mean", "val-core/arith/reward/mean@1", "critic/vf_loss",
                       "actor/lr", "actor/reward_kl_penalty_coeff"]
     assert len(re.findall(r'<path d="M[^"]+" class="kept"', dom)) == len(charts)
     # steps 7-12 of the first stretch were abandoned on every chart but validation (logged on the re-run only)

@@ -622,7 +622,7 @@ def status_cmd(
         console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc
     now = time.time()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for r in runs:
         engine = (store.load_engine_state(r.run_id) or {}).get("engine", {})
         # A run that has ended fires nothing: its rules' last states are history, not an alarm.

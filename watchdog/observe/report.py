@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ppo_watchdog.core.pricing import duration_text
-from ppo_watchdog.protocol import rundir
+from ppo_watchdog.protocol import catalog, rundir
 from ppo_watchdog.protocol.runinfo import RunInfo
 
 #: (verl key, panel title) in panel order.
@@ -285,7 +285,9 @@ def page_data(run_dir: Path | str, decisions: Sequence[Mapping[str, Any]],
     logged = {k for s in segs for d in s.data for k in d}
     panels = []
     for keys, title, log in HTML_PANELS:
-        key = next((k for k in keys if k in logged), None)
+        # The key as logged: verl's own name, an alias, or a per-data-source name (val-core/<source>/...).
+        key = next((k for want in keys for k in ([want] if want in logged else sorted(logged))
+                    if k == want or catalog.canonical_key(k) == want), None)
         if key is None:
             continue
         kept, branches, bad = timelines(segs, key)
@@ -320,7 +322,7 @@ def render_html(run_dir: Path | str, decisions: Sequence[dict[str, Any]], out: P
                    f"{e(v)}</dd>" for k, v in header(run_dir, run, segs, events, decisions))
     items = "".join(f'<li data-step="{int(m["step"])}"><span class="st" style="background:{m["colour"]}">'
                     f'{e(m["status"])}</span>{e(m["text"])}</li>' for m in data["marks"])
-    missing = [t for keys, t, _ in HTML_PANELS if not any(p["key"] in keys for p in data["panels"])]
+    missing = [t for _, t, _ in HTML_PANELS if t not in {p["title"] for p in data["panels"]}]
     # JSON inside <script>: "<" escaped so no value can close the element.
     payload = json.dumps(data, allow_nan=False).replace("<", "\\u003c")
     name = e(run_dir.name)
