@@ -43,6 +43,9 @@ deps:
 	@command -v promtool >/dev/null 2>&1 && command -v amtool >/dev/null 2>&1 || { \
 	  echo "installing Debian's prometheus (promtool + server for the integration tests)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-alertmanager >/dev/null; }
+	@command -v chromium >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium (headless: the report test renders report.html in it)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 # The seed's settings scaled to CPU, with a fault schedule that produces the table's
 # failures: a KL excursion (kl_coef collapse + lr spike), an OOM, and a divergence (30x lr).

@@ -231,6 +231,28 @@ def test_crashing_trainer_is_restarted_within_the_budget_then_handed_to_a_human(
     assert "restart budget (2) exhausted" in alert["annotations"]["description"]
 
 
+def test_the_planned_relaunch_gauge_holds_from_the_restart_to_the_new_trainers_first_step(tmp_path):
+    wd = _setup(tmp_path, QUIET_RULE, controller={"restart_budget": 1})
+    run_dir = tmp_path / "run"
+    ctl = wd.add_run(run_dir, command=[sys.executable, str(tmp_path / "fake_trainer.py"),
+                                       f"trainer.run_dir={run_dir}", "crash_at=3", "steps=10"])
+    seen = []  # (the gauge, the restarts carried out, the newest step) after each tick
+
+    def tick_and_look():
+        seen.append((wd.telemetry.registry.get_sample_value("watchdog_planned_relaunch", {"run": "run"}),
+                     sum(j.kind == "restart" and j.status == "done" for j in wd.store.journal("run")),
+                     ctl.run.last_step))
+        return ctl.run.phase == "failed"
+
+    _drive(wd, tick_and_look)
+    assert seen[0][0] is None  # the first launch is no relaunch: nothing said
+    relaunching = [i for i, s in enumerate(seen) if s[0] == 1.0]
+    assert relaunching and all(seen[i][1] == 1 for i in relaunching), seen
+    assert relaunching == list(range(relaunching[0], relaunching[-1] + 1)), seen  # one stretch
+    after = seen[relaunching[-1] + 1:]
+    assert after and all(g == 0.0 for g, _, _ in after), seen  # the new trainer's first step, then the run ended
+
+
 def test_unconfirmed_live_change_falls_back_to_a_restart_with_the_override(tmp_path):
     wd = _setup(tmp_path, KL_DOUBLE_RULE, actuator={"live_timeout_s": 0.5, "stop_grace_s": 2})
     run_dir = tmp_path / "run"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import configparser
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -98,6 +99,23 @@ def test_alert_rules_reference_only_known_metrics() -> None:
             assert not unknown, f"{rule['alert']}: {sorted(unknown)}"
             assert rule["labels"]["severity"] in {"page", "warning"}
             assert rule["annotations"]["summary"]
+
+
+def test_every_alert_has_a_summary_and_a_runbook_url_to_an_anchor_the_readme_has() -> None:
+    readme = (ROOT / "README.md").read_text()
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
+               for h in re.findall(r"^#+ (.+)$", readme, re.M)}
+    for group in load(PROM / "alerts.yml")["groups"]:
+        for rule in group["rules"]:
+            page, _, anchor = rule["annotations"]["runbook_url"].partition("#")
+            assert page == "README.md" and anchor in anchors, rule["alert"]
+            assert f"`{rule['alert']}`" in readme.split("### Alerts: what to do")[1].split("\n## ")[0], rule["alert"]
+            assert rule["annotations"]["summary"].strip(), rule["alert"]
+
+
+def test_the_trainer_down_alert_keeps_quiet_through_the_watchdogs_own_relaunch_of_that_run() -> None:
+    (rule,) = [r for g in load(PROM / "alerts.yml")["groups"] for r in g["rules"] if r["alert"] == "PPOTrainerDown"]
+    assert "unless on(run)" in rule["expr"] and telemetry.PLANNED_RELAUNCH.name in rule["expr"]
 
 
 def test_scrape_config_has_trainer_file_sd_and_watchdog_jobs() -> None:

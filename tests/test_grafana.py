@@ -187,7 +187,7 @@ def test_action_annotation_has_the_documented_body(fake_grafana: FakeGrafana) ->
     assert dashboards.ACTION_TAG in body["tags"] and "run:run-7" in body["tags"] and "rule:kl_high" in body["tags"]
     ppo = dashboards.ppo_run()
     selected = [a["target"]["tags"] for a in ppo["annotations"]["list"] if a.get("target")]
-    assert [dashboards.ACTION_TAG] in selected
+    assert [dashboards.ACTION_TAG, "run:$run"] in selected  # the dashboard shows the selected runs' actions
 
 
 def test_region_annotation_carries_time_end(fake_grafana: FakeGrafana) -> None:

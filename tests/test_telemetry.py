@@ -39,6 +39,7 @@ def busy_metrics() -> WatchdogMetrics:
     m.eval_seconds(0.2)
     m.data_age("run-a", 4.5)
     m.approvals_waiting("run-a", 1)
+    m.planned_relaunch("run-a", True)
     m.runs_watched(2)
     m.last_tick(1_700_000_000.0)
     m.error("run-b", "ingest")
@@ -108,6 +109,7 @@ def test_gauges_hold_what_the_controller_set() -> None:
     assert get("watchdog_data_age_seconds", {"run": "run-a"}) == 4.5
     assert get("watchdog_runs_watched") == 2
     assert get("watchdog_last_tick_timestamp_seconds") == 1_700_000_000.0
+    assert get("watchdog_planned_relaunch", {"run": "run-a"}) == 1
 
 
 def test_each_instance_has_its_own_registry() -> None:
@@ -127,6 +129,7 @@ def test_forgetting_a_run_drops_its_gauges() -> None:
     assert get("watchdog_rule_state", {"run": "run-a", "rule": "kl_high"}) is None
     assert get("watchdog_data_age_seconds", {"run": "run-a"}) is None
     assert get("watchdog_approvals_waiting", {"run": "run-a"}) is None
+    assert get("watchdog_planned_relaunch", {"run": "run-a"}) is None
     assert get("watchdog_rule_state", {"run": "run-b", "rule": "kl_high"}) == 0
 
 
@@ -169,7 +172,8 @@ def test_serve_exposes_metrics_over_http_on_loopback() -> None:
 def test_file_sd_announces_and_withdraws_a_run(tmp_path) -> None:
     path = telemetry.write_file_sd(tmp_path, "ppo/run 1", "127.0.0.1:9400", {"run_dir": "/srv/runs/x"})
     assert path.parent == tmp_path and path.name == "ppo_run_1.json"
-    assert json.loads(path.read_text()) == [{"targets": ["127.0.0.1:9400"], "labels": {"run_dir": "/srv/runs/x"}}]
+    assert json.loads(path.read_text()) == [{"targets": ["127.0.0.1:9400"],
+                                             "labels": {"run": "ppo/run 1", "run_dir": "/srv/runs/x"}}]
     assert telemetry.remove_file_sd(tmp_path, "ppo/run 1") is True
     assert not path.exists()
     assert telemetry.remove_file_sd(tmp_path, "ppo/run 1") is False

@@ -22,7 +22,6 @@ from typer.core import TyperCommand
 
 from ppo_watchdog.backends.local import SupervisorError
 from ppo_watchdog.cli.console import CliConsole
-from ppo_watchdog.control.actuator import duration_text
 from ppo_watchdog.control.controller import DONE_PHASES, RULE_CONFIG, EngineRules
 from ppo_watchdog.control.daemon import (
     DaemonConfigError,
@@ -33,7 +32,7 @@ from ppo_watchdog.control.daemon import (
 )
 from ppo_watchdog.control.store import NoState, Phase, Store, StoreError
 from ppo_watchdog.core.engine import evidence_text
-from ppo_watchdog.core.pricing import cost_text
+from ppo_watchdog.core.pricing import cost_text, duration_text
 from ppo_watchdog.core.rulefile import (
     DEFAULT_PACK,
     RULES_ENV,
@@ -43,6 +42,7 @@ from ppo_watchdog.core.rulefile import (
     rule_paths,
 )
 from ppo_watchdog.core.vocabulary import ActionStatus, DecisionStatus, JournalKind, RuleStatus
+from ppo_watchdog.observe.report import decision_text, shown_in_history
 from ppo_watchdog.protocol import hydra, rundir
 from ppo_watchdog.protocol import lock as locks
 from ppo_watchdog.sources.prometheus import PROMETHEUS_URL_ENV, source_config
@@ -461,7 +461,7 @@ def run_cmd(
             from ppo_watchdog.observe.report import restart_spans, write_report
 
             for suffix in (".html", ".png"):
-                path = write_report(rd, decisions, rd / f"report{suffix}", restart_spans(decisions))
+                path = write_report(rd, decisions, rd / f"report{suffix}", restart_spans(decisions), run)
             console.print(f"report: {rd / 'report.html'} and {path}")
         except Exception as exc:  # a failed report must not hide the run's outcome
             console.print(f"report not written: {exc}", style="yellow")
@@ -603,9 +603,10 @@ def daemon_cmd(
 def status_cmd(
     run: Annotated[str | None, typer.Argument(help="Run id (default: all runs).")] = None,
     state_dir: StateDir = "",
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Every field, as JSON.")] = False,
 ) -> None:
-    """Runs with their phase, step, restarts, control version and open actions."""
+    """Runs as an operator reads them: phase, step, age of the newest metric, start, last action, why it ended
+    or waits, and the pids that are alive."""
     try:
         store = Store(state_dir or state_dir_default(), create=False, busy_timeout_s=5.0, read_only=True)
     except NoState as exc:  # exit 2 as `history` does: a state directory that is not there is bad input
@@ -620,22 +621,27 @@ def status_cmd(
     except StoreError as exc:
         console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc
-    rows = []
+    now = time.time()
+    rows: list[dict[str, Any]] = []
     for r in runs:
         engine = (store.load_engine_state(r.run_id) or {}).get("engine", {})
-        firing = sorted(n for n, s in engine.get("rules", {}).items() if s.get("status") == RuleStatus.FIRING)
+        # A run that has ended fires nothing: its rules' last states are history, not an alarm.
+        firing = [] if r.phase in DONE_PHASES else sorted(
+            n for n, s in engine.get("rules", {}).items() if s.get("status") == RuleStatus.FIRING)
         open_n = len(store.open_actions(r.run_id))
         watcher, trainer = supervision(r.run_dir)
-        # Why a run ended stopped or failed: its newest escalation's outcome (a signal, a verdict, a give-up).
-        ended = [d for d in store.decisions(r.run_id) if d["kind"] == "escalate"] if r.phase in (
-            Phase.STOPPED, Phase.FAILED) else []
+        decisions = store.decisions(r.run_id)
+        shown = [d for d in decisions if shown_in_history(d)]
         waiting = [f"{j.kind} (decision {j.decision_id})" for j in store.awaiting(r.run_id)]
-        rows.append({"why": (ended[-1]["outcome"] or ended[-1]["message"]) if ended else None,
+        rows.append({"why": _why(r, decisions, waiting),
                      "run": r.run_id, "phase": r.phase, "pid": r.pid, "job_id": r.job_id, "last_step": r.last_step,
                      "control_version": r.control_version, "restarts": r.restarts, "oom_retries": r.oom_retries,
                      "open_actions": open_n, "firing": firing, "overrides": r.overrides, "run_dir": r.run_dir,
                      "watchdog": watcher, "trainer_alive": trainer is not None,
                      "supervised": _supervised_text(r.phase, watcher, trainer),
+                     "started": r.created or None, "last_progress": r.last_progress_ts,
+                     "last_action": decision_text(shown[-1]) if shown else None,
+                     "pids": _live_pids(r.pid, r.job_id, watcher, trainer),
                      "waiting_approval": waiting,
                      "advised": store.decision_counts(r.run_id).get(DecisionStatus.ADVISED.value, 0)})
     if as_json:
@@ -645,22 +651,68 @@ def status_cmd(
         console.print(f"no runs in {store.path} (give --state-dir or set $WATCHDOG_STATE_DIR to look elsewhere)")
         return
     t = Table(title="watchdog runs")
-    cols = ("run", "phase", "pid", "last_step", "control_version", "restarts", "oom_retries", "open_actions",
-            "firing", "waiting_approval", "advised", "supervised")
-    for col in cols:
+    for col in ("run", "phase", "step", "age", "started", "last action", "why", "pids"):
         t.add_column(col, overflow="fold")
     for row in rows:
-        t.add_row(*(", ".join(map(str, v)) if isinstance(v := row[c], list) else str(v) for c in cols))
+        phase = str(row["phase"]) + (f" (firing: {', '.join(row['firing'])})" if row["firing"] else "")
+        t.add_row(row["run"], phase, "-" if row["last_step"] is None else str(row["last_step"]),
+                  _ago(now, row["last_progress"]), _when(row["started"]), row["last_action"] or "-",
+                  row["why"] or "-", row["pids"] or "-")
     console.print(t)
     for row in rows:
         if str(row["supervised"]).startswith("UNSUPERVISED"):
             console.print(f"{row['run']}: {row['supervised']}", style="red")
-        if row["why"]:
-            console.print(f"{row['run']}: {row['phase']}: {row['why']}")
         if isinstance(waits := row["waiting_approval"], list) and waits:
             console.print(f"{row['run']}: {', '.join(map(str, waits))} waits for a person: `watchdog history "
                           f"{row['run']} --advised` says what and why; `watchdog approve {row['run']}` or `deny`",
                           style="yellow")
+
+
+def _why(r: Any, decisions: list[dict[str, Any]], waiting: list[str]) -> str | None:
+    """Why a run ended stopped or failed, or why it waits: its newest escalation's outcome (a signal, a verdict, a
+    give-up), an approval it waits for, or the trainer's exit code."""
+    if waiting:
+        return f"waits for approval: {', '.join(waiting)}"
+    if r.phase not in (Phase.STOPPED, Phase.FAILED, Phase.PAUSED, Phase.ESCALATED):
+        return None
+    ended = [d for d in decisions if d["kind"] == "escalate"]
+    if r.phase == Phase.PAUSED and not ended:
+        ended = [d for d in decisions if shown_in_history(d)]
+    if ended:
+        return str(ended[-1]["outcome"] or ended[-1]["message"])
+    return f"the trainer exited with code {r.exit_code}" if r.exit_code is not None else None
+
+
+def _live_pids(pid: int | None, job_id: str | None, watcher: dict[str, Any] | None,
+               trainer: dict[str, Any] | None) -> str:
+    """The trainer's and the watchdog's pids, each only while its lock says it is alive (a dead pid may be
+    another process's by now)."""
+    out = []
+    if trainer is not None:
+        out.append(f"trainer {trainer.get('pid') or pid or '?'}")
+    elif job_id:
+        out.append(f"ray job {job_id}")
+    if watcher is not None:
+        out.append(f"watchdog {watcher.get('pid', '?')}")
+    return ", ".join(out)
+
+
+def _ago(now: float, ts: float | None) -> str:
+    """``42s``, ``7m``, ``3h05m``, ``2d4h``: how long ago, as kubectl's AGE reads."""
+    if not ts:
+        return "-"
+    s = max(0, int(now - ts))
+    if s < 120:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600}h"
+
+
+def _when(ts: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
 
 
 def supervision(run_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -712,12 +764,6 @@ def _print_history(decisions: list[dict[str, Any]], title: str, by_run: bool = F
         t.add_row(*(d["run_id"],) * by_run, str(d["step"]), d["rule"], d["kind"], inputs, actions, d["status"],
                   cost_text(d["journal"]), d["outcome"])
     console.print(t)
-
-
-def shown_in_history(d: dict[str, Any]) -> bool:
-    """Decisions ``watchdog history`` lists without --all: not resolves, not no-ops (a dropped or
-    covered set is shown: what was not done, and why, is part of the record)."""
-    return d["kind"] != "resolve" and d["outcome"] not in ("no action", "resolved")
 
 
 @run_app.command("history")
@@ -897,7 +943,7 @@ def report_cmd(
     try:
         r = store.require_run(run)
         decisions = store.decisions(run)
-        path = write_report(r.run_dir, decisions, out, restart_spans(decisions))
+        path = write_report(r.run_dir, decisions, out, restart_spans(decisions), r)
     except (StoreError, ReportError) as exc:  # no such run, nothing to plot, not .png/.html: bad input
         console.print(f"{exc}", style="red")
         raise typer.Exit(2) from exc

@@ -56,7 +56,7 @@ from ppo_watchdog.backends.local import (
 from ppo_watchdog.control.store import UNWATCHED, ActionRecord, BadSpan, Phase, RunRecord, Store
 from ppo_watchdog.core.engine import evidence_text
 from ppo_watchdog.core.planner import clip_bound_sets, config_value, snap_sets
-from ppo_watchdog.core.pricing import Cost
+from ppo_watchdog.core.pricing import Cost, duration_text
 from ppo_watchdog.core.vocabulary import APPROVE_KINDS, ActionStatus, JournalKind
 from ppo_watchdog.protocol import hydra, inputs, rundir
 from ppo_watchdog.protocol.catalog import (
@@ -1060,15 +1060,6 @@ class Actuator:
         """Micro-batch sizes must divide their share of the batch (each data-parallel rank's, for verl);
         round down to one that does."""
         return snap_sets(sets, run_config(h.run.run_dir), run_world_size(h.run.run_dir))
-
-
-def duration_text(seconds: float) -> str:
-    """``45 s``, ``30 min``, ``2.5 h``: a wait in the unit a person reads it in."""
-    if seconds < 120:
-        return f"{seconds:g} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.3g} min"
-    return f"{seconds / 3600:.3g} h"
 
 
 def needs_approval(h: RunHandle, kind: str, payload: Mapping[str, Any]) -> bool:

@@ -386,6 +386,8 @@ class RunController:
                                    for e in store.open_actions(run_id))
         self._published_awaiting = 0
         """Entries of this run waiting for a person, as last set on the telemetry gauge."""
+        self._published_relaunch = False
+        """Whether a relaunch of the watchdog's is under way, as last set on the telemetry gauge."""
         self._rewind_to: int | None = None
         """Step the trainer went back to (its rollback / started event); the next step there ends the wait."""
         # launched_ts of the launch whose first step has been seen; until then the (long)
@@ -641,12 +643,23 @@ class RunController:
                 if entry.decision_id is not None:
                     self.store.settle_decision(entry.decision_id)
                 continue
+            if (entry.kind == JournalKind.RESTART and entry.status in (ActionStatus.INTENT, ActionStatus.SENT)
+                    and not self._published_relaunch):
+                # Said before the stop (a relaunch holds the tick while the old trainer shuts down), and until the
+                # new trainer's first step: its /metrics is down on purpose, PPOTrainerDown keeps quiet.
+                self.telemetry.planned_relaunch(self.run.run_id, True)
+                self._published_relaunch = True
             self.actuator.drive(self.h, entry, now)
         if entries or self._published_awaiting:
             awaiting = sum(e.status == ActionStatus.AWAITING for e in self.store.open_actions(self.run.run_id))
             if awaiting != self._published_awaiting:  # (set on a change only: most runs never hold one)
                 self.telemetry.approvals_waiting(self.run.run_id, awaiting)
                 self._published_awaiting = awaiting
+        if self._published_relaunch or self.run.phase == Phase.RESTARTING:
+            relaunching = self._relaunching(now)
+            if relaunching != self._published_relaunch:
+                self.telemetry.planned_relaunch(self.run.run_id, relaunching)
+                self._published_relaunch = relaunching
         if self.latest:
             self.telemetry.data_age(self.run.run_id, max(0.0, now - (self.run.last_progress_ts or now)))
         self._publish_rule_states()
@@ -1151,6 +1164,22 @@ class RunController:
         self.store.update_action(action_id, status=status, result={**entry.result, "outcome": outcome})
         if entry.decision_id is not None:
             self.store.settle_decision(entry.decision_id)
+
+    def _relaunching(self, now: float) -> bool:
+        """A relaunch of the watchdog's is under way: a restart not carried out yet, or one whose new trainer has
+        not logged its first step (within the startup timeout: a trainer that never comes up is down, not
+        relaunching)."""
+        if self.run.phase in DONE_PHASES:
+            return False
+        if self.run.phase == Phase.RESTARTING:
+            return True
+        restarts = [e for e in self.store.journal(self.run.run_id) if e.kind == JournalKind.RESTART]
+        if any(e.status in (ActionStatus.INTENT, ActionStatus.SENT) for e in restarts):
+            return True
+        done = [e for e in restarts if e.status == ActionStatus.DONE]
+        stopped = done[-1].result.get("stopped_ts") if done else None
+        return (isinstance(stopped, (int, float)) and "relaunch_s" not in done[-1].result
+                and now - stopped < self.config.startup_timeout_s)
 
     def _measure_startup(self, now: float) -> None:
         """The first step of a relaunch: what the relaunch cost, stop to this step (kept for pricing)."""

@@ -142,6 +142,15 @@ def release(
     return Release((), dropped, valid)
 
 
+def duration_text(seconds: float) -> str:
+    """``45 s``, ``30 min``, ``2.5 h``: a wait in the unit a person reads it in."""
+    if seconds < 120:
+        return f"{seconds:g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.3g} min"
+    return f"{seconds / 3600:.3g} h"
+
+
 def cost_text(journal: Sequence[Mapping[str, Any]]) -> str:
     """What a decision's journal entries cost, in a few words (``watchdog history``, the report).
 

@@ -46,8 +46,12 @@ _DS = dm.DataSourceRef(type_val="prometheus", uid="${" + DS_VAR + "}")
 # Grafana's built-in annotation store (where POST /api/annotations lands).
 _GRAFANA_DS = dm.DataSourceRef(type_val="grafana", uid="-- Grafana --")
 
-#: KL thresholds of the seed's table (target < 0.05, act above 0.1) and the value-loss target.
-KL_WARN, KL_ACT, VF_LOSS_TARGET = 0.05, 0.1, 0.5
+#: Threshold lines, drawn only where a rule of the default pack compares a metric with an absolute level
+#: (tests/test_dashboards.py holds them to rules/default.yaml): KL above 0.05 (kl_above_target) and 0.1
+#: (kl_high), value loss above 0.5 (value_loss_high), rollout/trainer probability difference above 0.01
+#: (rollout_mismatch), half the batch truncated ($truncation_share). The rules judged against a run's own
+#: baseline (a KL explosion, a reward collapse, a length runaway) have no fixed line to draw.
+KL_WARN, KL_ACT, VF_LOSS_TARGET, MISMATCH_LINE, TRUNCATION_LINE = 0.05, 0.1, 0.5, 0.01, 0.5
 #: The run-selector every per-run query carries.
 RUN_SEL = f'{catalog.RUN_LABEL}=~"$run"'
 
@@ -88,15 +92,20 @@ def _thresholds(*steps: tuple[float | None, str]) -> db.ThresholdsConfig:
 def _series(
     ids: _Ids, title: str, desc: str, targets: list[tuple[str, str]], unit: str = "short",
     thresholds: list[tuple[float | None, str]] | None = None, w: int = 8, h: int = 8,
-    bars: bool = False,
+    bars: bool = False, log: bool = False,
 ) -> timeseries.Panel:
     panel = (
         timeseries.Panel().id(ids()).title(title).description(desc).datasource(_DS)
         .unit(unit).span(w).height(h).line_width(1).fill_opacity(10)
-        .span_nulls(True)
-        .legend(cb.VizLegendOptions().display_mode(cm.LegendDisplayMode.LIST).placement(cm.LegendPlacement.BOTTOM).show_legend(True))
+        # A gap stays a gap: a hang, a crash or a relaunch is what this tool watches for, and a line drawn
+        # across it would hide it.
+        .span_nulls(False)
+        .legend(cb.VizLegendOptions().display_mode(cm.LegendDisplayMode.TABLE).placement(cm.LegendPlacement.BOTTOM)
+                .show_legend(True).calcs(["lastNotNull", "max"]))
         .tooltip(cb.VizTooltipOptions().mode(cm.TooltipDisplayMode.MULTI).sort(cm.SortOrder.NONE))
     )
+    if log:
+        panel = panel.scale_distribution(cb.ScaleDistributionConfig().type(cm.ScaleDistribution.LOG).log(10))
     if bars:
         panel = panel.draw_style(cm.GraphDrawStyle.BARS).fill_opacity(80)
     for i, (expr, legend) in enumerate(targets):
@@ -165,8 +174,10 @@ def ppo_run() -> dict[str, Any]:
         .with_variable(_run_variable(prom("training/global_step")))
         .link(_links())
         .annotation(
+            # The selected runs' actions only: each is tagged run:<id> (ppo_watchdog.observe.grafana).
             db.AnnotationQuery().name("Watchdog actions").datasource(_GRAFANA_DS).enable(True)
-            .icon_color("red").target(db.AnnotationTarget().type("tags").tags([ACTION_TAG]).match_any(False).limit(500))
+            .icon_color("red").target(db.AnnotationTarget().type("tags").tags([ACTION_TAG, "run:$run"])
+                                      .match_any(False).limit(500))
         )
         .annotation(
             # Works without a Grafana token: derived from the watchdog's own counter in Prometheus.
@@ -174,8 +185,10 @@ def ppo_run() -> dict[str, Any]:
             .icon_color("orange").expr(f"sum by (run, rule, kind, outcome) (increase({actions}[2m])) > 0")
         )
         .with_row(db.Row("Health").id(ids()))
-        .with_panel(_series(ids, "Reward", "Task score, reward after the KL penalty, and validation score.", [
-            _per_run("critic/score/mean"), _per_run("critic/rewards/mean"), _per_run("val-core/reward/mean@1"),
+        .with_panel(_series(ids, "Reward", "Task score (mean, max, min), reward after the KL penalty, and validation "
+                            "score.", [
+            _per_run("critic/score/mean"), _per_run("critic/score/max"), _per_run("critic/score/min"),
+            _per_run("critic/rewards/mean"), _per_run("val-core/reward/mean@1"),
         ]))
         .with_panel(_series(
             ids, "KL to the reference (mean, std)",
@@ -196,13 +209,37 @@ def ppo_run() -> dict[str, Any]:
         .with_panel(_series(ids, "Grad norm", "Actor and critic gradient norms before clipping.", [
             _per_run("actor/grad_norm"), _per_run("critic/grad_norm"),
         ]))
+        .with_panel(_series(ids, "Response length", "Mean response length in tokens; a runaway or a collapse "
+                            "against the run's own recent median is a rule of the pack.", [
+            _per_run("response_length/mean"),
+        ]))
+        .with_row(db.Row("Rollouts").id(ids()))
+        .with_panel(_series(
+            ids, "Truncated share", f"Share of the batch cut at data.max_response_length; the pack tells a human "
+            f"at {TRUNCATION_LINE:.0%} sustained over 10 steps (truncation).",
+            [_per_run("response_length/clip_ratio")], unit="percentunit",
+            thresholds=[(None, "green"), (TRUNCATION_LINE, "red")], w=6,
+        ))
+        .with_panel(_series(
+            ids, "Aborted share", "Share of the batch's rollouts aborted (empty); judged against the run's own "
+            "usual share (rollout_failure): no fixed line.", [_per_run("response/aborted_ratio")],
+            unit="percentunit", w=6,
+        ))
+        .with_panel(_series(
+            ids, "Rollout mismatch", f"Mean difference of the rollout engine's token probabilities from the "
+            f"trainer's; above {MISMATCH_LINE} for 5 steps is a training-inference mismatch (rollout_mismatch).",
+            [_per_run("training/rollout_probs_diff_mean")], unit="sci",
+            thresholds=[(None, "green"), (MISMATCH_LINE, "red")], w=6,
+        ))
+        .with_panel(_series(ids, "Rollout time", "Wall time of the step's rollout (generation); 3x its median "
+                            "or a third of it confirms failing rollouts.", [_per_run("timing_s/gen")], unit="s", w=6))
         .with_row(db.Row("Knobs the watchdog turns").id(ids()))
-        .with_panel(_series(ids, "Learning rate", "Actor and critic learning rates.", [
+        .with_panel(_series(ids, "Learning rate", "Actor and critic learning rates (log axis).", [
             _per_run("actor/lr"), _per_run("critic/lr"),
-        ], w=12))
+        ], unit="sci", log=True, w=12))
         .with_panel(_series(ids, "KL coefficient", "kl_ctrl coefficient of the KL penalty in the reward.", [
             _per_run("actor/reward_kl_penalty_coeff"),
-        ], w=12))
+        ], unit="sci", w=12))
         .with_row(db.Row("Progress").id(ids()))
         .with_panel(_series(ids, "Throughput", "Tokens per second per device.", [
             _per_run("perf/throughput"),
@@ -326,6 +363,11 @@ def watchdog() -> dict[str, Any]:
         .with_panel(_series(
             ids, "Scrape targets up", "Prometheus's view of the trainer and watchdog endpoints.",
             [(f'up{{job=~"{t.TRAINER_JOB}|{t.WATCHDOG_JOB}"}}', "{{job}} {{instance}}")], w=12,
+        ))
+        .with_panel(_series(
+            ids, "Relaunching", "1 while the watchdog stops and relaunches a run's trainer, until the new trainer's "
+            "first step: its /metrics is down on purpose then (PPOTrainerDown keeps quiet).",
+            [(f"{t.PLANNED_RELAUNCH.name}{{{RUN_SEL}}}", "{{run}}")], w=24, h=5,
         ))
     )
     return _to_dict(b)

@@ -70,6 +70,11 @@ APPROVALS_WAITING = TelemetryMetric(
     "watchdog_approvals_waiting", "gauge", ("run",),
     "Actions of a run waiting now for a person's `watchdog approve` or `deny` (--approve).",
 )
+PLANNED_RELAUNCH = TelemetryMetric(
+    "watchdog_planned_relaunch", "gauge", ("run",),
+    "1 while the watchdog itself stops and relaunches a run's trainer (a restart, a rollback or a tuning set by "
+    "relaunch), 0 otherwise: the trainer's /metrics is down on purpose then (PPOTrainerDown keeps quiet).",
+)
 ESCALATIONS = TelemetryMetric(
     "watchdog_escalations_total", "counter", ("run", "rule"),
     "Escalations to a human (a rule's budget exhausted or repeated rollbacks).",
@@ -105,8 +110,8 @@ ERRORS = TelemetryMetric(
 
 #: Every metric this module defines.
 METRICS: tuple[TelemetryMetric, ...] = (
-    RULE_STATE, ACTIONS, APPROVALS_WAITING, ESCALATIONS, EVALUATION, TICK_PHASE, DATA_AGE, RUNS_WATCHED, LAST_TICK,
-    ERRORS,
+    RULE_STATE, ACTIONS, APPROVALS_WAITING, PLANNED_RELAUNCH, ESCALATIONS, EVALUATION, TICK_PHASE, DATA_AGE,
+    RUNS_WATCHED, LAST_TICK, ERRORS,
 )
 
 
@@ -199,6 +204,7 @@ class WatchdogMetrics:
         self._data_age = Gauge(DATA_AGE.name, DATA_AGE.help, DATA_AGE.labels, registry=r)
         self._age_children: dict[str, Any] = {}
         self._waiting = Gauge(APPROVALS_WAITING.name, APPROVALS_WAITING.help, APPROVALS_WAITING.labels, registry=r)
+        self._relaunch = Gauge(PLANNED_RELAUNCH.name, PLANNED_RELAUNCH.help, PLANNED_RELAUNCH.labels, registry=r)
         self._runs = Gauge(RUNS_WATCHED.name, RUNS_WATCHED.help, registry=r)
         self._last_tick = Gauge(LAST_TICK.name, LAST_TICK.help, registry=r)
         self._errors = Counter(_base(ERRORS.name), ERRORS.help, ERRORS.labels, registry=r)
@@ -227,6 +233,10 @@ class WatchdogMetrics:
     def approvals_waiting(self, run: str, n: int) -> None:
         """Set how many of a run's actions wait for a person now."""
         self._waiting.labels(run=run).set(n)
+
+    def planned_relaunch(self, run: str, relaunching: bool) -> None:
+        """Say whether the watchdog is relaunching a run's trainer now (its /metrics down on purpose)."""
+        self._relaunch.labels(run=run).set(1 if relaunching else 0)
 
     def escalation(self, run: str, rule: str) -> None:
         """Count one escalation to a human."""
@@ -269,7 +279,7 @@ class WatchdogMetrics:
         """Drop a run's gauges once it is no longer watched, so dashboards don't show stale states."""
         self._rules.forget(run, rules)
         self._age_children.pop(run, None)
-        for gauge in (self._data_age, self._waiting):
+        for gauge in (self._data_age, self._waiting, self._relaunch):
             try:
                 gauge.remove(run)
             except KeyError:
@@ -313,13 +323,15 @@ def write_file_sd(
 ) -> Path:
     """Announce a trainer's /metrics (``host:port``) to Prometheus's file_sd (job ppo-trainer), atomically.
 
-    The exporter labels its series with ``run`` itself (the scrape job honours it), so the
-    target carries the run only as ``run_dir``-style extras passed in ``labels``.
+    The exporter labels its series with ``run`` itself (the scrape job honours it); the target carries ``run``
+    too, for the scrape's own ``up`` series, and the extras passed in ``labels`` (``run_dir``).
     """
     if not address or ":" not in address:
         raise ValueError(f"file_sd target for run {run!r} must be host:port, got {address!r}")
     path = file_sd_path(directory, run)
-    rundir.atomic_write_json(path, [{"targets": [address], "labels": dict(labels or {})}])
+    # The run on the target, so its `up` series names the run (PPOTrainerDown matches it against the watchdog's
+    # planned relaunch of that run).
+    rundir.atomic_write_json(path, [{"targets": [address], "labels": {"run": run, **(labels or {})}}])
     return path
 
 
