@@ -18,6 +18,9 @@ from ppo_watchdog.cli.console import WIDE, CliConsole
 from ppo_watchdog.control.daemon import build_watchdog
 from ppo_watchdog.core import rulefile
 
+#: Rules in the shipped default pack, as `packs_text` counts them.
+DEFAULT_RULES = len(rulefile.load_rules(rulefile.default_rules_paths()))
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "rules" / "default.yaml"
 MINE = """version: 1
@@ -87,7 +90,7 @@ def test_run_says_its_packs_and_the_embedded_demo_trainer_at_start(tmp_path: Pat
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "200"})
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
-    assert lines[1] == "rules: default.yaml (24 rules), mine.yaml (1 rule)"
+    assert lines[1] == f"rules: default.yaml ({DEFAULT_RULES} rules), mine.yaml (1 rule)"
     assert lines[2].startswith("no trainer command (after --): training the embedded demo trainer "
                                "(python -m ppo_watchdog.trainer); its console is in ")
 
@@ -110,7 +113,7 @@ def test_rules_default_by_name_is_the_shipped_pack_and_extra_rules_add_to_it(tmp
 def test_the_daemon_loads_default_by_name_and_says_its_packs(tmp_path: Path, mine: Path) -> None:
     wd = build_watchdog(tmp_path / "state", ["default", str(mine)])
     try:
-        assert rulefile.packs_text(wd.rules.ruleset) == "rules: default.yaml (24 rules), mine.yaml (1 rule)"
+        assert rulefile.packs_text(wd.rules.ruleset) == f"rules: default.yaml ({DEFAULT_RULES} rules), mine.yaml (1 rule)"
     finally:
         wd.close()
     cfg = tmp_path / "daemon.yaml"

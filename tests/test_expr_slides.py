@@ -52,7 +52,7 @@ def check_every_step(feed: list[tuple[int, float | None]], size: int | None, win
             continue
         before = {k: (sl[1], sl[2]) for k, sl in w.slides.items()}
         for kind, n, lag, c in fns:
-            want = plain(kind, list(w.values("kl", n, step - lag)))
+            want = plain(kind, list(w.values("kl", n, step - lag * w.cadence)))  # (steps at the run's cadence)
             try:
                 got = repr(c(w, step))
             except Exception as exc:  # noqa: BLE001 - the error is what is compared

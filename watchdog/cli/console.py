@@ -21,11 +21,14 @@ def columns() -> int | None:
 class CliConsole(Console):
     """A rich Console whose width is read when it prints, not when it was made (a module's console is made at
     import): $COLUMNS where set (a pipe too: ``COLUMNS=100 watchdog history | less``), the terminal's width on a
-    terminal, else :data:`WIDE`. No markup: what is printed carries run ids, paths and messages from files, and
+    terminal, else :data:`WIDE`. Text lines are not folded at the width (``soft_wrap``): tables are. No markup: what is printed carries run ids, paths and messages from files, and
     a ``[/x]`` in one prints as it is."""
 
     def __init__(self, **kwargs: Any) -> None:
         kwargs.setdefault("markup", False)
+        # Lines of text are never folded (a path or a command broken across lines cannot be copied or grepped);
+        # tables still fit the width.
+        kwargs.setdefault("soft_wrap", True)
         super().__init__(**kwargs)
         self._width = None  # (rich fixes $COLUMNS at construction otherwise)
 
