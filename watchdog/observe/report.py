@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ppo_watchdog.core.pricing import cost_text
+from ppo_watchdog.core.summary import sentence
 from ppo_watchdog.protocol import rundir
 
 #: (verl key, panel title) in panel order.
@@ -175,10 +176,9 @@ def render_html(run_dir: Path | str, decisions: Sequence[dict[str, Any]], out: P
         # The measured values first, the $param thresholds after them (a stable sort keeps each group's order).
         ins = d.get("inputs", {})
         inputs = json.dumps(dict(sorted(ins.items(), key=lambda kv: str(kv[0]).startswith("$"))))
-        actions = "; ".join(_describe(a) for a in d.get("actions", [])) or "-"
         rows.append(
             "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in (
-                d["step"], d["rule"], d["kind"], actions, inputs, d["status"], cost_text(d.get("journal", [])),
+                d["step"], d["rule"], d["kind"], sentence(d), inputs, d["status"], cost_text(d.get("journal", [])),
                 d.get("outcome", ""))) + "</tr>"
         )
     doc = f"""<!doctype html>
@@ -190,17 +190,13 @@ td,th{{border:1px solid #ccc;padding:3px 6px;text-align:left}}</style></head><bo
 (green applied, red failed, orange pending).</p>
 <img alt="metrics" src="data:image/png;base64,{png}">
 <h2>Decisions</h2>
-<table><tr><th>step</th><th>rule</th><th>kind</th><th>actions</th><th>inputs</th><th>status</th><th>cost</th><th>outcome</th></tr>
+<table><tr><th>step</th><th>rule</th><th>kind</th><th>what happened</th><th>inputs</th><th>status</th><th>cost</th><th>outcome</th></tr>
 {''.join(rows)}
 </table></body></html>
 """
     out.parent.mkdir(parents=True, exist_ok=True)
     rundir.atomic_write_bytes(out, doc.encode())
     return out
-
-
-def _describe(action: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in action.items())
 
 
 def write_report(run_dir: Path | str, decisions: Sequence[dict[str, Any]], out: Path | str,
