@@ -87,7 +87,7 @@ def _assert_untouched_and_advised(run: Path, state: Path, rules: Path) -> None:
     (decision,) = [d for d in _history(state) if d["rule"] == "lr_spiked"]
     assert decision["status"] == "advised" and decision["step"] == 6
     assert decision["outcome"].startswith("would roll back to step 4 (the last known-good checkpoint)")
-    assert "actor_rollout_ref.actor.optim.lr=2e-05" in decision["outcome"]
+    assert decision["outcome"].endswith("then set lr 2e-4 -> 2e-5")  # (the lr in words, from -> to)
     assert decision["cost"]  # priced as it would be
     (entry,) = decision["journal"]
     assert (entry["kind"], entry["status"]) == ("rollback", "advised")
@@ -104,7 +104,7 @@ def test_watchdog_run_advise_keeps_one_trainer_and_journals_the_rollback_it_woul
         cmd += ["--set", s]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "advise mode" in proc.stdout and "What the watchdog would have done" in proc.stdout
+    assert "advise mode" in proc.stdout and "advise mode: what the watchdog would have done" in proc.stdout
     assert "advise: would roll back to step 4" in proc.stderr  # said on the console as it happened
     _assert_untouched_and_advised(run, state, rules)
 

@@ -225,7 +225,10 @@ def test_crashing_trainer_is_restarted_within_the_budget_then_handed_to_a_human(
     assert len(rundir.iter_events(run_dir, ["started"])) == 3  # first launch + 2 restarts
     rules = [d["rule"] for d in wd.store.decisions("run")]
     assert rules == ["watchdog:crash", "watchdog:crash", "watchdog:budget"]
-    (post,) = received
+    # Each restart said in words as it is done (mode "done"), then the escalation.
+    done = [p for p in received if p["body"]["alerts"][0]["labels"].get("mode") == "done"]
+    assert len(done) == 2 and all("relaunched from" in p["body"]["alerts"][0]["annotations"]["summary"] for p in done)
+    (post,) = [p for p in received if p not in done]
     alert = post["body"]["alerts"][0]
     assert post["ctype"] == "application/json" and alert["labels"]["rule"] == "watchdog:crash"
     assert "restart budget (2) exhausted" in alert["annotations"]["description"]

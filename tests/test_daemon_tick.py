@@ -187,7 +187,8 @@ def test_a_confirmation_read_in_a_tick_whose_commit_fails_is_counted_once_when_r
     wd = _daemon(tmp_path, runs)
     try:
         wd.telemetry = WatchdogMetrics()
-        wd.actuator._on_action = wd.telemetry.action
+        metrics = wd.telemetry
+        wd.actuator._on_action = lambda run, rule, kind, outcome, step, said: metrics.action(run, rule, kind, outcome)
         ctl = next(iter(wd.controllers.values()))
         run_id = ctl.run.run_id
         aid = wd.store.add_action(run_id, "live_set", {"rule": "kl_high", "set": {"algorithm.kl_ctrl.kl_coef": 0.002}})

@@ -302,7 +302,7 @@ def test_background_annotator_posts_queued_actions_in_order(fake_grafana: FakeGr
 
 
 def test_annotator_hooks_onto_the_actuators_on_action_signature(fake_grafana: FakeGrafana) -> None:
-    # Actuator(on_action=...) calls on_action(run, rule, kind, outcome)
+    # Actuator(on_action=...) calls on_action(run, rule, kind, outcome, step, said): the action in words
     from ppo_watchdog.control.actuator import Actuator
 
     annotate = grafana.annotator_from_env(fake_grafana.url, env={"GRAFANA_TOKEN": TOKEN}, background=False)
@@ -310,10 +310,12 @@ def test_annotator_hooks_onto_the_actuators_on_action_signature(fake_grafana: Fa
     import inspect
 
     hook = inspect.signature(Actuator.__init__).parameters["on_action"]
-    assert "Callable[[str, str, str, str], None]" in str(hook.annotation)
-    annotate("run-1", "oom", "restart", "applied")
+    assert "OnAction" in str(hook.annotation)
+    annotate("run-1", "oom", "restart", "ok", 31, "relaunched from step 30 with ppo_micro_batch_size_per_gpu 8 -> 4")
     (req,) = fake_grafana.requests
     assert "rule:oom" in req["body"]["tags"] and "action:restart" in req["body"]["tags"]
+    assert req["body"]["text"].endswith("at step 31 on run run-1: relaunched from step 30 with "
+                                        "ppo_micro_batch_size_per_gpu 8 -> 4")
 
 
 def test_no_grafana_url_means_no_annotator() -> None:

@@ -391,19 +391,20 @@ def test_watchdog_run_with_an_ftp_webhook_url_exits_2_before_a_trainer_starts(tm
 # -- 8. the evidence first ------------------------------------------------------------------------
 
 
-def test_history_and_the_run_summary_show_the_measured_values_before_the_thresholds(tmp_path: Path) -> None:
+def test_history_says_each_decision_in_its_sentence_and_json_keeps_the_measured_values(tmp_path: Path) -> None:
     state = tmp_path / "state"
     store = Store(state)
     store.upsert_run(RunRecord("a", str(tmp_path / "a")))
     inputs = {"$entropy_rise": 2.0, "$kl_floor": 0.05, "$kl_jump": 2.0, "$reward_drop": 3.0,
               "kl": 0.3125, "reward": 0.25}
-    store.add_decision("a", 12, "kl_jump", "fire", [{"kind": "rollback"}], inputs, "critical", "KL jumped")
+    store.add_decision("a", 12, "kl_jump", "fire", [{"kind": "rollback"}], inputs, "critical", "KL 0.312, 2.5x its median")
     store.close()
     r = CliRunner().invoke(app, ["history", "--state-dir", str(state)], env={"COLUMNS": "300"})
     text = " ".join(r.output.split())
-    assert "kl=0.3125" in text and "reward=0.25" in text, r.output
-    assert text.index("kl=0.3125") < text.index("$kl_jump=2"), r.output
-    from ppo_watchdog.core.engine import evidence_text
+    assert "KL 0.312, 2.5x its median" in text and "$kl_jump" not in text, r.output  # (issue 46: no expression dumps)
+    rows = json.loads(CliRunner().invoke(app, ["history", "--json", "--state-dir", str(state)]).output)
+    assert rows[0]["inputs"] == inputs and rows[0]["sentence"] == "KL 0.312, 2.5x its median"
+    from ppo_watchdog.core.engine import evidence_text  # (approval's "why" still lists them, measured first)
 
     assert evidence_text(inputs) == ("kl=0.3125, reward=0.25; thresholds $entropy_rise=2, $kl_floor=0.05, "
                                      "$kl_jump=2, $reward_drop=3")
@@ -465,6 +466,5 @@ def test_a_history_of_all_runs_names_each_decisions_run_and_one_runs_does_not(tm
     assert "alpha" in rows[0] and "kl_jump" in rows[0] and "beta" in rows[1] and "oom" in rows[1]
     one = CliRunner().invoke(app, ["history", "alpha", *args], terminal_width=200)
     assert one.exit_code == 0 and "kl_jump" in one.output and "oom" not in one.output
-    (header,) = [line for line in one.output.splitlines() if " step " in line]
-    assert " run " not in header, one.output  # (its title names the run: no column for it)
+    assert one.output.startswith("run alpha: ") and "step    12  kl_jump: " in one.output  # (its story: no run column)
     assert " run " in [line for line in every.output.splitlines() if " step " in line][0]

@@ -204,7 +204,32 @@ def rules_check(
         raise typer.Exit(2) from None
     except OSError as exc:
         _fail(f"{getattr(exc, 'filename', '') or ''}: {exc.strerror or exc}")
+    unsaid = unsaid_rules(ruleset)
+    for line in unsaid:
+        typer.echo(line, err=True)
+    if unsaid:
+        typer.echo(f"FAILED: {len(unsaid)} error(s) in {len(paths)} file(s)", err=True)
+        raise typer.Exit(2)
     typer.echo(f"OK: {len(_rules_of(ruleset))} rules in {len(paths)} file(s)")
+
+
+def unsaid_rules(ruleset: Any) -> list[str]:
+    """``file:line: ...`` for each rule of the shipped default pack without a ``summary:``: every decision the
+    default pack makes is said in words with its numbers (a pack of one's own may leave it out: its decisions
+    then say the condition and its inputs)."""
+    from ppo_watchdog.core.rulefile import shipped_default_pack
+
+    try:
+        default = shipped_default_pack().resolve()
+    except (FileNotFoundError, OSError):
+        return []
+    out = []
+    for rule in _rules_of(ruleset):
+        file, _, line = rule.source.rpartition(":")
+        if rule.summary is None and file and Path(file).resolve() == default:
+            out.append(f"{file}:{line}:1: rule {rule.name!r}: summary: missing (every rule of the default pack says "
+                       "its decision in one sentence with its numbers, e.g. summary: \"KL {{ kl }}, above 0.1\")")
+    return out
 
 
 @rules_app.command("test")
@@ -456,7 +481,7 @@ def replay_cmd(
     """Run the rules over a recorded run, step by step, and print what would have fired and what it would set."""
     ruleset = _load(rules, extra_rules)
     res, out = _replayed(source, ruleset, sets or [], events_file)
-    from ppo_watchdog.core.engine import describe_blind, evidence_text
+    from ppo_watchdog.core.engine import describe_blind
 
     for line in describe_blind(out.blind):
         typer.echo(f"warning: {line}", err=True)
@@ -473,13 +498,13 @@ def replay_cmd(
     con = _console()
     t = Table(title=f"{res.path.name}: {out.steps} steps ({out.first_step}..{out.last_step}), "
                     f"{len(out.decisions)} decisions")
-    for col in ("step", "rule", "kind", "severity", "inputs", "would do"):
+    for col in ("step", "rule", "kind", "what it saw and would do"):
         t.add_column(col, overflow="fold")
     for d in out.decisions:
         if d.kind == DecisionKind.RESOLVE and not show_resolve:
             continue
         style = {"fire": "yellow", "escalate": "red", "resolve": "green"}.get(d.kind, "")
-        t.add_row(str(d.step), d.rule, Text(d.kind, style), d.severity, evidence_text(d.inputs), _actions_text(d))
+        t.add_row(str(d.step), d.rule, Text(d.kind, style), d.sentence)
     summary = ", ".join(f"{rule}: " + " ".join(f"{n} {k}" for k, n in kinds.items())
                         for rule, kinds in out.counts().items())
     t.caption = summary or "no rule fired"

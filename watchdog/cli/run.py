@@ -22,6 +22,7 @@ from typer.core import TyperCommand
 
 from ppo_watchdog.backends.local import SupervisorError
 from ppo_watchdog.cli.console import CliConsole
+from ppo_watchdog.cli.story import acted, story
 from ppo_watchdog.control.controller import DONE_PHASES, RULE_CONFIG, EngineRules
 from ppo_watchdog.control.daemon import (
     DaemonConfigError,
@@ -30,8 +31,7 @@ from ppo_watchdog.control.daemon import (
     run_daemon,
     state_dir_default,
 )
-from ppo_watchdog.control.store import NoState, Phase, Store, StoreError
-from ppo_watchdog.core.engine import evidence_text
+from ppo_watchdog.control.store import NoState, Phase, RunRecord, Store, StoreError
 from ppo_watchdog.core.pricing import cost_text, duration_text
 from ppo_watchdog.core.rulefile import (
     DEFAULT_PACK,
@@ -41,6 +41,7 @@ from ppo_watchdog.core.rulefile import (
     packs_text,
     rule_paths,
 )
+from ppo_watchdog.core.summary import number, sentence
 from ppo_watchdog.core.vocabulary import ActionStatus, DecisionStatus, JournalKind, RuleStatus
 from ppo_watchdog.observe.report import decision_text, shown_in_history
 from ppo_watchdog.protocol import hydra, rundir
@@ -407,7 +408,7 @@ def run_cmd(
                         "approve": approve, "approve_timeout_s": approve_timeout},
             actuator={"live_timeout_s": live_timeout, "stop_grace_s": stop_grace},
             metrics_port=metrics_port, crash_hook=_crash_hook(), webhook_url_file=webhook_url_file,
-            exclusive=True,
+            exclusive=True, tell=_say_line,
         )
     except (ValueError, StoreError, locks.LockHeld) as exc:  # a bad setting (--on-escalate maybe), a state dir
         console.print(f"{exc}", style="red")                   # that is a file, one another watchdog holds
@@ -435,7 +436,8 @@ def run_cmd(
         console.print(f"approval: each {', '.join(ctl.config.approve)} waits for `watchdog approve {ctl.run.run_id}` "
                       f"(or `deny`) up to {duration_text(approve_timeout)}")
     try:
-        wd.serve_forever(tick, until_done=True, stop=stop.event)
+        # A progress line on a terminal only: piped (a log, CI), the lines are the events alone.
+        wd.serve_forever(tick, until_done=True, stop=stop.event, beside=Progress(ctl) if sys.stdout.isatty() else None)
     except KeyboardInterrupt:  # a second signal while the scheduler was finishing its tick
         stop.signals.append(signal.SIGINT)
     if stop.signals:
@@ -444,9 +446,7 @@ def run_cmd(
     wd.close(withdraw_targets=True)
     run = wd.store.require_run(ctl.run.run_id)
     decisions = wd.store.decisions(run.run_id)
-    _print_history(decisions, title=f"What the watchdog {'would have done' if advise else 'did'} in run {run.run_id}")
-    console.print(Text.assemble("phase ", (str(run.phase), "bold"), f", last step {run.last_step}, restarts "
-                                f"{run.restarts}, OOM retries {run.oom_retries}, control version {run.control_version}"))
+    _print_story(run, decisions)
     verdict = next((j.result.get("outcome", "") for j in reversed(wd.store.journal(run.run_id))
                     if j.kind == JournalKind.STOP and j.status == ActionStatus.DONE), "")
     if verdict:
@@ -468,6 +468,33 @@ def run_cmd(
     console.print(f"history: watchdog history {run.run_id} --json")
     # 2: the trainer refused its configuration (bad input, as a bad option would be); 1: the run failed.
     raise typer.Exit(0 if run.phase == Phase.FINISHED else 2 if refused is not None else 1)
+
+
+#: Seconds between two progress lines of ``watchdog run`` on a terminal.
+PROGRESS_EVERY_S = 5.0
+
+
+class Progress:
+    """``watchdog run``'s progress line on a terminal: step, steps a second, the last score (and validation score),
+    at most every ``every_s`` seconds and only when the step moved; called between ticks (``serve_forever``'s
+    ``beside``)."""
+
+    def __init__(self, ctl: Any, every_s: float = PROGRESS_EVERY_S, clock: Any = time.monotonic,
+                 say: Any = None) -> None:
+        self.ctl, self.every_s, self.clock = ctl, every_s, clock
+        self.say = say or (lambda line: console.print(line, style="dim", highlight=False))
+        self.at, self.step = clock(), ctl.run.last_step
+
+    def __call__(self) -> bool:
+        now, step = self.clock(), self.ctl.run.last_step
+        if now - self.at < self.every_s or step is None or step == self.step:
+            return True
+        rate = (step - (self.step or 0)) / (now - self.at)
+        latest = self.ctl.latest
+        val = f", validation {number(latest['val_score'])}" if "val_score" in latest else ""
+        self.say(f"step {step}, {rate:.2g} steps/s, score {number(latest.get('reward', math.nan))}{val}")
+        self.at, self.step = now, step
+        return True
 
 
 class _Stop:
@@ -745,7 +772,7 @@ def _history_rows(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
         "id": d["id"], "run": d["run_id"], "step": d["step"], "rule": d["rule"], "kind": d["kind"],
         "severity": d["severity"], "message": d["message"], "inputs": d["inputs"], "actions": d["actions"],
         "status": d["status"], "outcome": d["outcome"], "signals": d.get("signals", {}),
-        "cost": cost_text(d["journal"]),
+        "cost": cost_text(d["journal"]), "sentence": sentence(d),
         "journal": [{"id": j["id"], "kind": j["kind"], "status": j["status"], "control_version": j["control_version"],
                      "set": j["payload"].get("set"), "cost": j["payload"].get("cost"), "result": j["result"]}
                     for j in d["journal"]],
@@ -753,17 +780,29 @@ def _history_rows(decisions: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _print_history(decisions: list[dict[str, Any]], title: str, by_run: bool = False) -> None:
-    """The decisions as a table; ``by_run``: each row names its run (a history of all runs)."""
+    """The decisions as a table, each said in one sentence; ``by_run``: each row names its run."""
     t = Table(title=title)
-    for col in ("run",) * by_run + ("step", "rule", "kind", "inputs", "actions", "status", "cost", "outcome"):
+    for col in ("run",) * by_run + ("step", "rule", "what happened", "cost"):
         t.add_column(col, overflow="fold")
     for d in decisions:
-        inputs = evidence_text(d["inputs"])  # the measured values first, the $param thresholds after
-        actions = "; ".join(str(a.get("kind", a)) if isinstance(a, dict) else str(a) for a in d["actions"])
-        actions = actions or ", ".join(j["kind"] for j in d["journal"]) or "-"
-        t.add_row(*(d["run_id"],) * by_run, str(d["step"]), d["rule"], d["kind"], inputs, actions, d["status"],
-                  cost_text(d["journal"]), d["outcome"])
+        t.add_row(*(d["run_id"],) * by_run, str(d["step"]), d["rule"], sentence(d), cost_text(d["journal"]))
     console.print(t)
+
+
+def _print_story(run: RunRecord, decisions: list[dict[str, Any]], all_decisions: bool = False) -> None:
+    """A run's story: the header (outcome, steps, duration, values changed, validation, actions), then one line
+    per decision that acted, was advised or waits (all with ``all_decisions``)."""
+    told = story(run, decisions, all_decisions)
+    first, *rest = told.header
+    console.print(first, style="bold", highlight=False, soft_wrap=True)
+    for line in rest + told.lines:
+        _say_line(run.run_id, line)
+
+
+def _say_line(run: str, line: str) -> None:
+    """One line of what happened: never broken by the console (a terminal wraps it; a pipe or a log keeps it one
+    line, as grep and the line count want it)."""
+    console.print(line, highlight=False, soft_wrap=True)
 
 
 @run_app.command("history")
@@ -776,7 +815,8 @@ def history_cmd(
         "--advised", help="What the watchdog would have done: each advised, waiting or denied decision with its "
                           "step, rule, the action in words and what it would have cost; totals.")] = False,
 ) -> None:
-    """Every remediation with its step, rule, inputs and outcome."""
+    """What the watchdog did in a run, in words: its outcome, then each action with its step, rule and why
+    (one run: the end-of-run summary; all runs: a table). --json keeps the raw inputs and journal."""
     store = _store(state_dir)
     if run and store.get_run(run) is None:
         console.print(f"{store.path}: no run {run!r}", style="red")
@@ -788,11 +828,13 @@ def history_cmd(
         else:
             _print_would_have_done(rows, totals, run)
         return
-    decisions = [d for d in store.decisions(run) if all_decisions or shown_in_history(d)]
+    decisions = [d for d in store.decisions(run) if all_decisions or acted(d)]
     if as_json:
         typer.echo(json.dumps(_history_rows(decisions), indent=2, sort_keys=True))
+    elif run:  # one run: its story, as `watchdog run` ends with it
+        _print_story(store.require_run(run), store.decisions(run), all_decisions)
     else:
-        _print_history(decisions, title=f"history of {run or 'all runs'}", by_run=run is None)
+        _print_history(decisions, title="history of all runs", by_run=True)
 
 
 #: Decisions whose actions were not carried out by the watchdog itself: advised, waiting for a person, denied.

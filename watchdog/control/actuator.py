@@ -57,6 +57,7 @@ from ppo_watchdog.control.store import UNWATCHED, ActionRecord, BadSpan, Phase, 
 from ppo_watchdog.core.engine import evidence_text
 from ppo_watchdog.core.planner import clip_bound_sets, config_value, snap_sets
 from ppo_watchdog.core.pricing import Cost, duration_text
+from ppo_watchdog.core.summary import entry_words, sets_text
 from ppo_watchdog.core.vocabulary import APPROVE_KINDS, ActionStatus, JournalKind
 from ppo_watchdog.protocol import hydra, inputs, rundir
 from ppo_watchdog.protocol.catalog import (
@@ -266,10 +267,11 @@ class Notifier:
     sent: list[dict[str, Any]] = field(default_factory=list)
     """Payloads posted (or attempted) by this process, newest last."""
 
-    def notify(self, payload: dict[str, Any]) -> str:
-        """Send; returns an outcome string (never raises: an alert failure must not stop remediation)."""
+    def notify(self, payload: dict[str, Any], quiet: bool = False) -> str:
+        """Send; returns an outcome string (never raises: an alert failure must not stop remediation).
+        ``quiet``: logged at INFO (the caller has said it to the person watching already)."""
         alert = payload["alerts"][0]
-        log.warning("ALERT %s run=%s rule=%s: %s", alert["status"], alert["labels"]["run"],
+        (log.info if quiet else log.warning)("ALERT %s run=%s rule=%s: %s", alert["status"], alert["labels"]["run"],
                     alert["labels"]["rule"], alert["annotations"]["summary"])
         self.sent.append(payload)
         if not self.url:
@@ -354,19 +356,29 @@ def check_finite(config: Any) -> None:
 CRASH_POINTS = ("decided", "control_written", "signalled", "stopped", "launched")
 
 
+OnAction = Callable[[str, str, str, str, "int | None", str], None]
+"""``on_action(run, rule, kind, outcome, step, said)``: an action's outcome (counted on /metrics by ``outcome``,
+annotated in Grafana with ``said``, the action in words)."""
+
+
 class Actuator:
     """Drives journal entries forward; each call does at most one idempotent phase."""
 
     def __init__(
         self, store: Store, backend: Backend, notifier: Notifier | None = None,
-        config: ActuatorConfig | None = None, on_action: Callable[[str, str, str, str], None] | None = None,
-        crash_hook: Callable[[str], None] | None = None,
+        config: ActuatorConfig | None = None, on_action: OnAction | None = None,
+        crash_hook: Callable[[str], None] | None = None, tell: Callable[[str, str], None] | None = None,
     ) -> None:
+        """``on_action(run, rule, kind, outcome, step, said)``: each action's outcome once committed (counted,
+        annotated), ``said`` the action in words. ``tell(run, line)``: one line a person watching reads the
+        moment an action completes or fails (``watchdog run``'s console, the daemon's log)."""
         self.store = store
         self.backend = backend
         self.notifier = notifier or Notifier()
         self.config = config or ActuatorConfig()
-        self._on_action = on_action or (lambda run, rule, kind, outcome: None)
+        self._on_action: OnAction = on_action or (lambda run, rule, kind, outcome, step, said: None)
+        self.tell: Callable[[str, str], None] = tell or (lambda run, line: log.info("%s: %s", run, line))
+        self._watched = tell is not None  # a person reads tell's lines: an alert is said there, not logged again
         # Test seam: called with a phase name right after that phase's effect (:data:`CRASH_POINTS`);
         # the fault matrix passes a function that SIGKILLs this very process there (a real kill -9).
         self.crash_hook = crash_hook or (lambda phase: None)
@@ -596,10 +608,36 @@ class Actuator:
         if entry.decision_id is not None:
             self.store.settle_decision(entry.decision_id)
         outcome = "ok" if status == ActionStatus.DONE else "failed"
-        run, rule, kind = h.run.run_id, entry.payload.get("rule", ""), entry.kind
-        # Counted and annotated once the entry's new status is committed (a confirmation read inside a tick
-        # that is then undone is read and confirmed again: said once, not twice).
-        self.store.after_commit(lambda: self._on_action(run, rule, kind, outcome))
+        # Counted, annotated and said once the entry's new status is committed (a confirmation read inside a
+        # tick that is then undone is read and confirmed again: said once, not twice).
+        self._said(h, entry, outcome, announce=status in (ActionStatus.DONE, ActionStatus.FAILED))
+
+    def _said(self, h: RunHandle, entry: ActionRecord, outcome: str, announce: bool = False) -> None:
+        """After the commit: the action counted and annotated with its words; ``announce``: also one line to
+        whoever watches (``tell``) and one webhook message in words, for every action but an alert (which is
+        its own message) and one handed on to another entry (said by that one: a rollback by relaunch)."""
+        run, rule, kind = h.run.run_id, str(entry.payload.get("rule", "")), entry.kind
+        words = entry_words(entry)
+        step = next((s for s in (entry.result.get("applied_step"), h.last_step, h.run.last_step) if s is not None), None)
+        # Not said: an alert (its own message), an entry handed on (said by the one it went to: a rollback by
+        # relaunch), sets applied by a relaunch or after an in-process rollback (said with that one).
+        announce = (announce and kind != JournalKind.NOTIFY and entry.result.get("handed_to") is None
+                    and not (outcome == "ok" and (entry.payload.get("follows") or entry.result.get("carried_by"))))
+        severity = str(entry.payload.get("severity") or ("warning" if outcome == "ok" else "critical"))
+        decision_id = entry.decision_id
+
+        def said() -> None:
+            self._on_action(run, rule, kind, outcome, step, words)
+            if not announce:
+                return
+            self.tell(run, (f"step {step}: " if step is not None else "") + f"{rule}: {words}")
+            decision = self.store.get_decision(decision_id) if decision_id is not None else None
+            why = str(decision["message"]) if decision is not None else ""
+            self.notifier.notify(alert_payload(
+                run, rule, severity, f"{rule}: {words}", f"{why}: {words}" if why else words,
+                mode="done" if outcome == "ok" else "failed"), quiet=True)
+
+        self.store.after_commit(said)
 
     # -- advise mode --------------------------------------------------------------------
 
@@ -627,8 +665,7 @@ class Actuator:
         entry.status, entry.result = ActionStatus.ADVISED, result
         if entry.decision_id is not None:
             self.store.settle_decision(entry.decision_id)
-        run, rule, kind = h.run.run_id, p.get("rule", ""), entry.kind
-        self.store.after_commit(lambda: self._on_action(run, rule, kind, ActionStatus.ADVISED.value))
+        self._said(h, entry, ActionStatus.ADVISED.value)
 
     # -- approval ------------------------------------------------------------------------
 
@@ -653,7 +690,7 @@ class Actuator:
         p, what = entry.payload, entry.result.get("would", entry.kind)
         who = str(answer.get("by") or "someone")
         why = f" ({answer['reason']})" if answer.get("reason") else ""
-        run, rule, kind = h.run.run_id, str(p.get("rule", "")), entry.kind
+        run, rule = h.run.run_id, str(p.get("rule", ""))
         resolved = alert_payload(run, rule, str(p.get("severity") or "critical"), f"approval needed: {what}",
                                  "answered", status="resolved", now=now, mode="approve")
         if answer.get("approved"):
@@ -683,7 +720,7 @@ class Actuator:
         entry.status, entry.result = ActionStatus.DENIED, result
         if entry.decision_id is not None:
             self.store.settle_decision(entry.decision_id)
-        self.store.after_commit(lambda: self._on_action(run, rule, kind, ActionStatus.DENIED.value))
+        self._said(h, entry, ActionStatus.DENIED.value)
         h.on_answer(entry, False)
         return False
 
@@ -723,8 +760,7 @@ class Actuator:
             f"Why: {why or '-'}. Cost: {priced}. To answer: {commands}.", now=now, mode="approve"))
         self.store.update_action(entry.id, result={**result, "announced": announced})
         entry.result = {**result, "announced": announced}
-        run, rule, kind = h.run.run_id, p.get("rule", ""), entry.kind
-        self.store.after_commit(lambda: self._on_action(run, rule, kind, ActionStatus.AWAITING.value))
+        self._said(h, entry, ActionStatus.AWAITING.value)
 
     def _advised_checkpoint(self, h: RunHandle, entry: ActionRecord) -> Any | None:
         """The checkpoint a relaunch of ``entry`` would resume from (read, nothing moved or kept)."""
@@ -788,7 +824,7 @@ class Actuator:
         p = entry.payload
         payload = alert_payload(h.run.run_id, p.get("rule", ""), p.get("severity", ""), p.get("summary", ""),
                                 p.get("description", ""), now=now)
-        self._finish(h, entry, "done", outcome=self.notifier.notify(payload))
+        self._finish(h, entry, "done", outcome=self.notifier.notify(payload, quiet=self._watched))
 
     def _drive_restart(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
         p = dict(entry.payload)
@@ -870,7 +906,7 @@ class Actuator:
         # Live entries older than this restart are carried by it (their overrides are in the args).
         for other in self.store.open_actions(h.run.run_id):
             if other.id != entry.id and other.kind == JournalKind.LIVE_SET:
-                self._finish(h, other, "done", outcome=f"applied by restart (v{version})")
+                self._finish(h, other, "done", outcome=f"applied by restart (v{version})", carried_by=entry.id)
         where = ("the start" if p.get("resume") == "scratch" else
                  f"step {p['resume_step']}" if p.get("resume_step") is not None else "scratch")
         notes = "".join(f"; {p[k]}" for k in ("fallback", "lr_patch", "refused", "skip_patch", "skip_note")
@@ -984,7 +1020,8 @@ class Actuator:
             sets = self._snap(h, p.get("set", {}))
             if sets:
                 # Follow-on sets only now: restoring the checkpoint also restores the old lr / kl_coef.
-                self.store.add_action(h.run.run_id, "live_set", {"set": sets, "rule": p.get("rule", "")},
+                self.store.add_action(h.run.run_id, "live_set", {"set": sets, "rule": p.get("rule", ""),
+                                                                 "follows": JournalKind.ROLLBACK.value},
                                       decision_id=entry.decision_id)
             self._finish(h, entry, "done", outcome=f"rolled back in process to step {p['resume_step']}")
             return
@@ -1069,14 +1106,10 @@ def needs_approval(h: RunHandle, kind: str, payload: Mapping[str, Any]) -> bool:
             and "answer" not in payload)
 
 
-def _sets_text(sets: Mapping[str, Any], old: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k}={v!r}" + (f" (from {old[k]!r})" if old.get(k) is not None else "") for k, v in sets.items())
-
-
 def advice_text(kind: str, payload: Mapping[str, Any], checkpoint: Any | None, live: bool = True) -> str:
     """What a journal entry would do, in words ("would roll back to step 55 ..."): advise mode's outcome."""
     sets = payload.get("set") or {}
-    then = f", then set {_sets_text(sets, payload.get('from') or {})}" if sets else ""
+    then = f", then set {sets_text(sets, payload.get('from') or {})}" if sets else ""
     skip = int(payload.get("skip_batches") or 0)
     skipped = f", skipping {skip} batch{'es' if skip != 1 else ''}" if skip else ""
     why = f" ({payload['reason']})" if payload.get("reason") else ""
@@ -1087,11 +1120,11 @@ def advice_text(kind: str, payload: Mapping[str, Any], checkpoint: Any | None, l
     if kind == JournalKind.RESTART:
         where = ("the start" if payload.get("resume") == "scratch" or checkpoint is None
                  else f"step {checkpoint.step}")
-        with_sets = f" with {_sets_text(sets, payload.get('from') or {})}" if sets else ""
+        with_sets = f" with {sets_text(sets, payload.get('from') or {})}" if sets else ""
         return f"would restart from {where}{with_sets}{why}"
     if kind == JournalKind.LIVE_SET:
         how = "live (a new control.json version)" if live else "by restart from the latest checkpoint"
-        return f"would set {_sets_text(sets, payload.get('from') or {})} {how}"
+        return f"would set {sets_text(sets, payload.get('from') or {})} {how}"
     if kind in (JournalKind.COMMAND, JournalKind.RESUME):
         cmd = str((payload.get("command") or {}).get("kind") or kind)
         reason = f": {payload['reason']}" if payload.get("reason") else ""

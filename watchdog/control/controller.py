@@ -14,6 +14,8 @@ actions are then driven from the journal, each phase idempotent.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import logging
 import operator
@@ -240,6 +242,13 @@ class EngineRules:
     def rule_names(self) -> list[str]:
         """Names of the loaded rules, in file order."""
         return [str(r.name) for r in getattr(self.ruleset, "rules", ())]
+
+    def said(self, decision: Any) -> str:
+        """What the decision's rule saw, in words (its ``summary:`` rendered with the decision's inputs)."""
+        from ppo_watchdog.core.summary import evidence
+
+        return evidence(self.ruleset.get(decision.rule), decision.kind, decision.step, decision.inputs,
+                        decision.message)
 
     def for_steps(self, rule: str) -> int:
         for r in getattr(self.ruleset, "rules", ()):
@@ -936,6 +945,9 @@ class RunController:
             for d in decisions:
                 if cfg is None:
                     cfg = run_config(self.run.run_dir)
+                said = self.rules.said(d) if hasattr(self.rules, "said") else getattr(d, "message", "")
+                if said != getattr(d, "message", said):
+                    d = dataclasses.replace(d, message=said)  # the sentence: stored, alerted, annotated
                 ctx = self._plan_context(overrides, cfg)
                 planned = plan_decision(d, ctx)
                 covered = "" if planned else left_out_reason(d, ctx)
@@ -967,6 +979,13 @@ class RunController:
                     signals=dict(getattr(d, "signals", {}) or {}),
                 )
                 result.decisions.append(did)
+                if d.kind != DecisionKind.RESOLVE and planned:
+                    # Said live when it acts (a fire covered by a rollback in progress is history's, under --all),
+                    # with what it tells a person (an alert's advice, a pause) in its own words.
+                    told = [t for p in planned if p.kind == JournalKind.NOTIFY
+                            and (t := str(p.payload.get("summary", "")).removeprefix(f"{d.rule}: ")) and t != said]
+                    line = f"step {d.step}: {d.rule}: {said}" + (f"; tells a person: {'; '.join(told)}" if told else "")
+                    self.store.after_commit(functools.partial(self.actuator.tell, self.run.run_id, line))
                 if d.kind == DecisionKind.ESCALATE:
                     self.telemetry.escalation(self.run.run_id, d.rule)
                 if planned and (getattr(d, "divergence", False) or any(p.kind == JournalKind.ROLLBACK for p in planned)):
@@ -1346,7 +1365,11 @@ class RunController:
 
     def _own_decision(self, rule: str, message: str, inputs: dict[str, Any], kind: str = "fire") -> int:
         step = self.run.last_step if self.run.last_step is not None else 0
-        return self.store.add_decision(self.run.run_id, step, rule, kind, [], inputs, "critical", message)
+        did = self.store.add_decision(self.run.run_id, step, rule, kind, [], inputs, "critical", message)
+        if kind == DecisionKind.ESCALATE:  # (a restart of its own is said when it is done, with why)
+            self.store.after_commit(functools.partial(self.actuator.tell, self.run.run_id,
+                                                      f"step {step}: {rule}: {message}"))
+        return did
 
     def _on_oom(self, code: int | None) -> None:
         oom = self._saw_oom or {}

@@ -38,6 +38,7 @@ from ppo_watchdog.control.actuator import (
     Actuator,
     ActuatorConfig,
     Notifier,
+    OnAction,
     alert_payload,
     check_approve,
     resolve_webhook_url,
@@ -400,9 +401,11 @@ class Watchdog:
         self, store: Store, rules: RulesEngine, backend: Backend | None = None, notifier: Notifier | None = None,
         controller_config: ControllerConfig | None = None, actuator_config: ActuatorConfig | None = None,
         telemetry: Any = None, crash_hook: Any = None, annotator: Any = None, exclusive: bool = False,
-        state_lock: locks.HolderLock | None = None,
+        state_lock: locks.HolderLock | None = None, tell: Callable[[str, str], None] | None = None,
     ) -> None:
-        """``annotator``: called like the actuator's on_action for each action outcome (a
+        """``tell(run, line)``: a line for whoever watches, when a rule fires and when its action completes or
+        fails (``watchdog run``'s console, the daemon's log; :meth:`Actuator.tell`).
+        ``annotator``: called like the actuator's on_action for each action outcome (a
         :class:`~ppo_watchdog.observe.grafana.ActionAnnotator`); closed by :meth:`close`.
         ``exclusive``: hold the state directory and every run directory added, refusing (with
         :class:`~ppo_watchdog.protocol.lock.LockHeld`, naming the holder) what another watchdog holds
@@ -417,7 +420,8 @@ class Watchdog:
         self.annotator = annotator
         self.controller_config = controller_config or ControllerConfig()
         on_action = _fan_out(telemetry.action if telemetry is not None else None, annotator)
-        self.actuator = Actuator(store, backend or LocalBackend(), notifier, actuator_config, on_action, crash_hook)
+        self.actuator = Actuator(store, backend or LocalBackend(), notifier, actuator_config, on_action, crash_hook,
+                                 tell)
         self.controllers: dict[str, RunController] = {}
         self._lock = threading.Lock()
         self.done = threading.Event()
@@ -767,7 +771,8 @@ class Watchdog:
         then every ``tick_s`` from it, or, given ``phase_s`` (a sharded daemon's turn, :func:`tick_trigger`),
         at ``phase_s`` past each multiple of ``tick_s``.
 
-        A sharded daemon's hooks (``until_done=False`` only): ``beside`` is called in this thread every half
+        ``beside`` is called in this thread between ticks: with ``until_done``, every 0.2 s (``watchdog run``'s
+        progress line). A sharded daemon's hooks (``until_done=False``): ``beside`` every half
         second while the ticks run (the supervisor's look at its children, a child's look at its supervisor;
         False stops serving); ``on_stop`` once serving ends, before the tick in flight is waited for (the
         children then stop side by side with it)."""
@@ -789,6 +794,9 @@ class Watchdog:
             while not stop.is_set():
                 if until_done and self.done.wait(timeout=0.2):
                     break
+                if until_done and beside is not None:
+                    beside()  # (watchdog run's progress line: it never stops the run)
+                    continue
                 if not until_done and not stop.wait(timeout=0.5) and beside is not None and not beside():
                     break
         finally:
@@ -824,7 +832,7 @@ def build_watchdog(
     controller: dict[str, Any] | None = None, actuator: dict[str, Any] | None = None,
     metrics_port: int | None = None, metrics_addr: str = "127.0.0.1", crash_hook: Any = None,
     grafana_url: str | None = None, webhook_url_file: str | Path | None = None, exclusive: bool = False,
-    shard: int | None = None,
+    shard: int | None = None, tell: Callable[[str, str], None] | None = None,
 ) -> Watchdog:
     """A Watchdog from plain settings (the CLI and the daemon config both land here).
 
@@ -860,7 +868,7 @@ def build_watchdog(
                  "" if loopback else " (reachable from other hosts: metrics_addr)")
     return Watchdog(
         store, rules, LocalBackend(), notifier, controller_config, actuator_config, telemetry, crash_hook,
-        annotator=_annotator(grafana_url), exclusive=exclusive, state_lock=state_lock,
+        annotator=_annotator(grafana_url), exclusive=exclusive, state_lock=state_lock, tell=tell,
     )
 
 
@@ -899,15 +907,17 @@ def _annotator(url: str | None) -> Any:
     return annotator
 
 
-def _fan_out(*hooks: Callable[[str, str, str, str], None] | None) -> Callable[[str, str, str, str], None] | None:
-    """One on_action callback calling each hook given (None when there is none)."""
-    live = [h for h in hooks if h is not None]
-    if not live:
+def _fan_out(count: Callable[[str, str, str, str], None] | None, annotate: Any = None) -> OnAction | None:
+    """One on_action callback: ``count(run, rule, kind, outcome)`` (the /metrics counter) and
+    ``annotate(run, rule, kind, outcome, step, said)`` (Grafana, with the action in words); None when neither."""
+    if count is None and annotate is None:
         return None
 
-    def on_action(run: str, rule: str, kind: str, outcome: str) -> None:
-        for hook in live:
-            hook(run, rule, kind, outcome)
+    def on_action(run: str, rule: str, kind: str, outcome: str, step: int | None, said: str) -> None:
+        if count is not None:
+            count(run, rule, kind, outcome)
+        if annotate is not None:
+            annotate(run, rule, kind, outcome, step, said)
 
     return on_action
 
@@ -924,7 +934,7 @@ def run_daemon(cfg: DaemonConfig, stop: threading.Event | None = None, config_pa
                                 f"shards 0 .. {cfg.shards - 1}")
     if cfg.shards > 1:
         return run_shard(cfg, shard or 0, stop, config_path, say)
-    wd = prepare_daemon(cfg)
+    wd = prepare_daemon(cfg, say=say)
     if not cfg.runs:  # a daemon that watches nothing is a config mistake, not a quiet success (said once
         wd.close()    # its state dir and port are checked: a config with no runs can get those wrong too)
         raise DaemonConfigError("no runs to watch: list run directories under 'runs:'")
@@ -954,7 +964,7 @@ def run_shard(cfg: DaemonConfig, shard: int, stop: threading.Event | None = None
     else:
         children = ShardSupervisor(config_path, cfg.shards, say)
     mine = cfg.for_shard(shard)
-    wd = prepare_daemon(mine, shard=shard)
+    wd = prepare_daemon(mine, shard=shard, say=say)
     if children is not None:
         def alert(child: int, why: str) -> None:
             wd.actuator.notifier.notify(alert_payload(f"shard-{child}", "watchdog:shard", "critical",
@@ -995,14 +1005,16 @@ def run_shard(cfg: DaemonConfig, shard: int, stop: threading.Event | None = None
     return wd
 
 
-def prepare_daemon(cfg: DaemonConfig, exclusive: bool = True, shard: int | None = None) -> Watchdog:
+def prepare_daemon(cfg: DaemonConfig, exclusive: bool = True, shard: int | None = None,
+                   say: Callable[[str], None] = log.info) -> Watchdog:
     """The daemon's Watchdog with every configured run added (adopting trainers already running).
 
     ``exclusive``: hold the state directory and each run directory (a second daemon or ``watchdog run``
     on either is refused). A run that cannot be watched (a garbled run.json, a directory another
     watchdog holds) is said and alerted once and tried again later; the others are watched.
     ``shard``: a sharded daemon's child K (1..N-1), which holds its shard's lock, not the state's;
-    ``cfg`` is then its share (:meth:`DaemonConfig.for_shard`).
+    ``cfg`` is then its share (:meth:`DaemonConfig.for_shard`). ``say``: the daemon's log, where each rule that
+    fires and each action that completes or fails is one line.
     """
     if exclusive:
         _raise_fd_limit(len(cfg.runs) + 256)
@@ -1010,7 +1022,8 @@ def prepare_daemon(cfg: DaemonConfig, exclusive: bool = True, shard: int | None 
                   **({"approve": cfg.approve} if cfg.approve else {})}
     wd = build_watchdog(cfg.state_dir, cfg.rules, cfg.webhook_url, controller, cfg.actuator,
                         cfg.metrics_port, cfg.metrics_addr, grafana_url=cfg.grafana_url,
-                        webhook_url_file=cfg.webhook_url_file, exclusive=exclusive, shard=shard)
+                        webhook_url_file=cfg.webhook_url_file, exclusive=exclusive, shard=shard,
+                        tell=lambda run, line: say(f"{run}: {line}"))
     wd._adopting = True
     for spec in cfg.runs:
         def add(spec: RunSpec = spec) -> RunController:

@@ -22,6 +22,7 @@ from typing import Any
 from ppo_watchdog.core import engine as _engine
 from ppo_watchdog.core.actions import resolve_key
 from ppo_watchdog.core.planner import PlanContext, Planned, plan_decision
+from ppo_watchdog.core.summary import action_phrase, evidence
 from ppo_watchdog.protocol import catalog
 from ppo_watchdog.protocol.events import Event, outside_message, past_the_end
 
@@ -50,11 +51,13 @@ class ReplayDecision:
     """What the live controller would journal for it (:func:`ppo_watchdog.core.planner.plan_decision`)."""
     signals: dict[str, str] = field(default_factory=dict)
     """The verl key each metric the rule read came from."""
+    sentence: str = ""
+    """What the rule saw and what the watchdog would do, in words (:mod:`ppo_watchdog.core.summary`)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
             "step": self.step, "rule": self.rule, "kind": self.kind, "severity": self.severity,
-            "message": self.message, "inputs": _json_floats(self.inputs), "actions": self.actions,
+            "message": self.message, "sentence": self.sentence, "inputs": _json_floats(self.inputs), "actions": self.actions,
             "signals": self.signals, "planned": [{"kind": p.kind, **_plan_json(p.payload)} for p in self.planned],
         }
 
@@ -130,6 +133,7 @@ def replay(
     latest: dict[str, float] = {}
     overrides: dict[str, Any] = {}
     cfg = dict(config or {})
+    by_name = {r.name: r for r in rules}
     for sr in _engine.run_series(rules, ordered, evs, size=window_size):
         final = sr.state
         if sr.step not in seen:  # run_series may evaluate the last step once more for late events
@@ -141,9 +145,11 @@ def replay(
             planned = plan_decision(d, ctx)
             for p in planned:
                 overrides.update(p.payload.get("set", {}))
+            said = evidence(by_name.get(d.rule), d.kind, d.step, d.inputs, d.message)
+            would = "; ".join(f"would {action_phrase(p.kind, p.payload, done=False)}" for p in planned)
             result.decisions.append(ReplayDecision(
                 d.step, d.rule, d.kind, d.severity, d.message, dict(d.inputs), _described(d.actions, planned, ctx.signals),
-                planned, dict(d.signals)))
+                planned, dict(d.signals), f"{said}: {would}" if would else said))
         if result.first_step is None:
             result.first_step = sr.step
         result.last_step = sr.step

@@ -12,6 +12,7 @@ Format (``version: 1``)::
       - name: kl_high                      # [a-z][a-z0-9_]*, unique over all files
         description: why this rule exists  # required: the rationale
         expr: avg(kl, 3) > 0.1             # condition (see ppo_watchdog.core.expr)
+        summary: "KL {{ avg(kl, 3) }} over 3 steps, above 0.1"   # the decision in words (core.summary)
         for: 3                             # consecutive steps the condition must hold (0 = 1 = at once)
         clear: kl < 0.08                   # hysteresis: a firing rule resolves when this holds (default: not expr)
         keep_firing_for: 0                 # steps the clear condition must hold before resolving
@@ -57,6 +58,7 @@ import yaml
 
 from ppo_watchdog.core import actions as act
 from ppo_watchdog.core.expr import BOOL, NUM, Compiled, ExprError, compile_expr
+from ppo_watchdog.core.summary import Summary, TemplateError, parse_summary, unknown_reads
 from ppo_watchdog.protocol import inputs
 
 RULES_VERSION = 1
@@ -242,6 +244,8 @@ class Rule:
     (divergence rules are always urgent: they roll back)."""
     source: str = ""
     """file:line where the rule is defined."""
+    summary: Summary | None = None
+    """What it saw, in one sentence with its numbers (``{{ kl }}``); None: the engine's message stands."""
 
     @property
     def max_window(self) -> int:
@@ -481,7 +485,7 @@ def _show(v: Any) -> str:
 
 _RULE_KEYS = (
     "name", "description", "expr", "for", "clear", "keep_firing_for", "actions", "cooldown", "repeat",
-    "budget", "severity", "labels", "enabled", "divergence", "urgent",
+    "budget", "severity", "labels", "enabled", "divergence", "urgent", "summary",
 )
 
 
@@ -708,6 +712,7 @@ def _rule(r: YamlReader, node: yaml.Node, index: int, params: dict[str, float] |
     desc = r.string(m["description"][1], f"{where}: description") if "description" in m else None
     expr = _expr(r, m["expr"][1], f"{where}: expr", params) if "expr" in m else None
     clear = _expr(r, m["clear"][1], f"{where}: clear", params) if "clear" in m else None
+    summary = _summary(r, m["summary"][1], f"{where}: summary", expr) if "summary" in m and expr else None
     actions = _actions(r, m["actions"][1], f"{where}: actions") if "actions" in m else None
     ints: dict[str, int | None] = {
         k: r.integer(m[k][1], f"{where}: {k}") if k in m else 0 for k in ("for", "keep_firing_for", "cooldown")
@@ -740,7 +745,7 @@ def _rule(r: YamlReader, node: yaml.Node, index: int, params: dict[str, float] |
         ok = False
     if (
         not ok or desc is None or expr is None or actions is None or ("clear" in m and clear is None)
-        or ("budget" in m and budget is None)
+        or ("budget" in m and budget is None) or ("summary" in m and summary is None)
         or any(v is None for v in ints.values()) or any(v is None for v in bools.values())
     ):
         return None
@@ -761,7 +766,29 @@ def _rule(r: YamlReader, node: yaml.Node, index: int, params: dict[str, float] |
         divergence=bool(bools["divergence"]),
         urgent=bool(bools["urgent"]),
         source=f"{r.file}:{node.start_mark.line + 1}",
+        summary=summary,
     )
+
+
+def _summary(r: YamlReader, node: yaml.Node, where: str, expr: Compiled) -> Summary | None:
+    """A rule's ``summary:`` template, its holes reading only what ``expr`` computes."""
+    text = r.string(node, where)
+    if text is None:
+        return None
+    try:
+        summary = parse_summary(text)
+    except TemplateError as exc:
+        one_line = node.start_mark.line == node.end_mark.line
+        style = getattr(node, "style", None)
+        if one_line and style in (None, "'", '"'):
+            r.error(node, f"{where}: {exc.message}", col_offset=exc.col - 1 + (1 if style else 0))
+        else:
+            r.error(node, f"{where}: column {exc.col} of the summary: {exc.message}")
+        return None
+    problems = unknown_reads(summary, (label for label, _ in expr.inputs))
+    for problem in problems:
+        r.error(node, f"{where}: {problem}")
+    return None if problems else summary
 
 
 class _AnyKeys(tuple):  # type: ignore[type-arg]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from ppo_watchdog.core.pricing import duration_text
+from ppo_watchdog.core.summary import sentence
 from ppo_watchdog.protocol import catalog, rundir
 from ppo_watchdog.protocol.runinfo import RunInfo
 
@@ -175,10 +176,9 @@ def shown_in_history(d: Mapping[str, Any]) -> bool:
 
 
 def decision_text(d: Mapping[str, Any]) -> str:
-    """A decision in words, the one place every surface takes it from: its step, rule and what became of it (the
-    outcome; the condition while it has none)."""
-    what = d.get("outcome") or d.get("message") or d.get("status") or ""
-    return f"step {d['step']}, {d['rule']}: {what}"
+    """A decision in words for the report and ``status``: its step and rule, then the rule's sentence and what was
+    done, advised or held about it (``ppo_watchdog.core.summary.sentence``, the one renderer)."""
+    return f"step {d['step']}, {d['rule']}: {sentence(d)}"
 
 
 #: (verl keys, panel title, log axis) in panel order: the first key a run logs is drawn. Log axes where one
