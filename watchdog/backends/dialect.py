@@ -67,6 +67,11 @@ class Dialect(Protocol):
         """A restart's payload adjusted so the resumed trainer really runs with ``overrides``."""
         ...
 
+    def verify(self, path: Path | str) -> None:
+        """Raise :class:`~ppo_watchdog.protocol.checkpoint.CheckpointError` when the trainer could not resume
+        from the checkpoint at ``path`` (torn, corrupt, incomplete), checked before a relaunch goes there."""
+        ...
+
     def classify_exit(self, code: int | None, saw_finished: bool, saw_oom: bool) -> str:
         """How the trainer ended: finished | oom | usage | crash."""
         ...
@@ -194,6 +199,10 @@ class ProtocolDialect:
 
     def plan_resume(self, payload: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
         return dict(payload)  # the trainer applies control.json's overrides before its first step
+
+    def verify(self, path: Path | str) -> None:
+        """Its manifest complete and every file's checksum right."""
+        ckpt.verify_checkpoint(path)
 
     def classify_exit(self, code: int | None, saw_finished: bool, saw_oom: bool) -> str:
         return classify_exit(code, saw_finished, saw_oom)

@@ -62,6 +62,7 @@ from ppo_watchdog.core.planner import run_has_critic
 from ppo_watchdog.protocol import catalog, hydra, inputs, rundir, runinfo
 from ppo_watchdog.protocol import checkpoint as ckpt
 from ppo_watchdog.protocol.catalog import RESUME_MODE_KEY, RESUME_PATH_KEY
+from ppo_watchdog.protocol.events import RESUME_FAILED
 from ppo_watchdog.protocol.runinfo import MODE_VERL, RunInfo
 
 log = logging.getLogger(__name__)
@@ -223,6 +224,9 @@ class GlueState:
     resumed_from: dict[str, int] = field(default_factory=dict)
     """Per attempt (as a string): the step it resumed from (0: a fresh start). A stopped attempt's lines
     past the step its successor resumed from are a timeline the watchdog left (:meth:`VerlGlue._relay`)."""
+    resume_path: str | None = None
+    """The checkpoint the current attempt resumed from (None: a fresh start); named in the ``error`` event
+    when the attempt dies loading it."""
 
     @classmethod
     def load(cls, path: Path) -> GlueState:
@@ -484,6 +488,8 @@ class VerlGlue:
     def launched(self, pid: int | None, command: Sequence[str], resume_path: str | None) -> None:
         """Record the launch in run.json and as a ``started`` event."""
         resumed_from = _step_of(resume_path)
+        self.state.resume_path = resume_path
+        self._save()
         launches = RunInfo.read(self.run_dir).launches[-49:]
         launches.append({"attempt": self.state.attempt, "command": list(command), "resume_from": resume_path,
                          FILE_LOGGER_ENV: str(self.metrics_file(self.state.attempt))})
@@ -497,6 +503,15 @@ class VerlGlue:
         with ``skip_batches``, the resume checkpoint's dataloader state moved on (:meth:`_plan_skip`)."""
         p = self._plan_lr(payload, overrides)
         return self._plan_skip(p)
+
+    def verify(self, path: Path | str) -> None:
+        """Every rank's files and ``data.pt`` there (its own step standing in for verl's marker, as for a kept
+        copy), each a torch archive verl can open (:func:`~ppo_watchdog.protocol.checkpoint.check_verl_files`)."""
+        path = Path(path)
+        info = ckpt.verl_checkpoint_info(path, _step_of(str(path)), self.world_size, self.components)
+        if not info.complete:
+            raise ckpt.CheckpointError(path, info.reason)
+        ckpt.check_verl_files(path)
 
     def _plan_lr(self, payload: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
         p = dict(payload)
@@ -689,6 +704,9 @@ class VerlGlue:
             micro = config_snapshot(RunInfo.read(self.run_dir).command).get(MICRO_KEY)
             self._event("oom", step, memory=ec.memory, site=ec.site, exit_code=exit_code, message=ec.evidence,
                         micro_batch_size=micro if isinstance(micro, int) else None)
+        elif ec.kind == "resume" and s.resume_path:
+            self._event("error", step, what=RESUME_FAILED, path=s.resume_path, exit_code=exit_code,
+                        message=f"verl could not load {s.resume_path}: {ec.evidence}")
         elif ec.kind == "nan":
             self._event("nan", step, what="exit", exit_code=exit_code, message=ec.evidence)
         else:

@@ -58,7 +58,7 @@ from ppo_watchdog.core.planner import (
 from ppo_watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
 from ppo_watchdog.core.vocabulary import OPEN_ACTION_STATUSES, ActionStatus, DecisionKind, JournalKind
 from ppo_watchdog.protocol import catalog, rundir
-from ppo_watchdog.protocol.events import STEP_SLACK, Event, outside_message, past_the_end
+from ppo_watchdog.protocol.events import STEP_SLACK, Event, outside_message, past_the_end, resume_failure
 from ppo_watchdog.protocol.runinfo import RunInfo
 
 if TYPE_CHECKING:
@@ -82,6 +82,8 @@ RULE_CRASH = "watchdog:crash"
 RULE_HANG = "watchdog:hang"
 RULE_BUDGET = "watchdog:budget"
 RULE_LIVE_TIMEOUT = "watchdog:live_timeout"
+#: The trainer could not load the checkpoint a relaunch named: relaunched from the one before it.
+RULE_RESUME = "watchdog:resume"
 #: The trainer refused its configuration (exit 2 / verl's config error): given up at once, ``watchdog run`` exits 2.
 RULE_CONFIG = "watchdog:config"
 
@@ -168,7 +170,7 @@ def _finite(v: Any) -> bool:
 
 
 _TICK_FIELDS = ("_rewind_pending", "_rewind_to", "_step_times", "_last_checkpoint", "_saw_finished", "_saw_oom",
-                "_events_since_eval", "_launch_seen", "_started_ts", "latest", "_held", "_last_tuning_clock",
+                "_saw_resume_failed", "_events_since_eval", "_launch_seen", "_started_ts", "latest", "_held", "_last_tuning_clock",
                 "_paused_since", "_control_errors")
 """What a tick's read and decide change of the controller besides the engine state and read positions, put
 back when the tick fails (``_blind_warned`` is not: its warning was said, and is not said twice)."""
@@ -374,6 +376,8 @@ class RunController:
         self._step_times: list[float] = []
         self._saw_finished = False
         self._saw_oom: dict[str, Any] | None = None
+        self._saw_resume_failed: Event | None = None
+        """This attempt's ``error`` event saying it could not load the checkpoint it resumed from."""
         self._control_errors: dict[int, list[str]] = {}  # version -> the trainer's refusals, until its ``applied``
         self._events_since_eval = False
         self._held: list[Event] = []
@@ -491,7 +495,7 @@ class RunController:
             # A new attempt (this watchdog's launch or restart): what the last one said about how it
             # ended (an ``oom``, ``finished``) is not this one's.
             self._attempt_ts = self.run.launched_ts
-            self._saw_finished, self._saw_oom = False, None
+            self._saw_finished, self._saw_oom, self._saw_resume_failed = False, None, None
         try:
             # verl writes no events: its dialect relays the metrics, notes the checkpoints and classifies the
             # exit (not that of a trainer the watchdog stopped itself to pause the run).
@@ -752,6 +756,8 @@ class RunController:
                 self._last_checkpoint = int(e["step"])
             elif kind == "oom":
                 self._saw_oom = e
+            elif resume_failure(e) is not None and not self._before_attempt(e):
+                self._saw_resume_failed = e
             elif kind == "started":
                 self._saw_finished = False
                 self._saw_oom = None
@@ -1280,6 +1286,8 @@ class RunController:
             how = self.h.dialect.classify_exit(code, self._saw_finished, self._saw_oom is not None)
             self.run.exit_code = code
             self.store.update_run(self.run.run_id, exit_code=code)
+            if how != "finished" and self._saw_resume_failed is not None and self._on_resume_failed(code):
+                return
             if how == "finished":
                 log.info("%s: trainer finished (exit %s)", self.run.run_id, code)
                 self._set_phase(Phase.FINISHED)
@@ -1314,6 +1322,22 @@ class RunController:
         if idle > limit:
             self._on_crash(RULE_HANG, f"no new step for {idle:.0f}s (timeout {limit:.0f}s)",
                            {"idle_s": idle, "timeout_s": limit})
+
+    def _on_resume_failed(self, code: int | None) -> bool:
+        """The attempt died loading the checkpoint a relaunch of the watchdog's chose: relaunch from the one
+        before it (:meth:`Actuator.resume_failed`), not counted against the restart budget (each checkpoint
+        is given up once, so the fallbacks end at the start). False: the watchdog did not choose it."""
+        e, self._saw_resume_failed = self._saw_resume_failed, None
+        path, why = str(e["path"]) if e else "", str((e or {}).get("message", ""))
+        chose = self.actuator.chose_resume(self.h, path)
+        if chose is None:
+            return False
+        with self.store.transaction():
+            did = self._own_decision(RULE_RESUME, f"the trainer could not load {path} (exit {code}): {why}",
+                                     {"exit_code": code, "path": path})
+            rid = self.actuator.resume_failed(self.h, chose, why, did)
+            self._relaunch_journaled(self.store.get_action(rid).payload)  # type: ignore[union-attr]
+        return True
 
     def _own_decision(self, rule: str, message: str, inputs: dict[str, Any], kind: str = "fire") -> int:
         step = self.run.last_step if self.run.last_step is not None else 0

@@ -30,6 +30,8 @@ import os
 import re
 import shutil
 import time
+import zipfile
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -537,6 +539,31 @@ def verl_checkpoint_info(path: Path | str, marker: int | None, world_size: int |
     if not (path / VERL_DATA_FILE).is_file():
         return incomplete(f"missing {VERL_DATA_FILE} (the dataloader state verl saves last)")
     return CheckpointInfo(path, step, -1, True, ts)
+
+
+def check_verl_files(path: Path | str) -> None:
+    """Raise :class:`CheckpointError` naming the first file of a verl checkpoint that verl could not load.
+
+    Each per-rank file and ``data.pt`` must be the zip archive ``torch.save`` writes, its directory
+    readable and its pickle's CRC right: a truncated, overwritten or bit-flipped header fails here,
+    before a relaunch is wasted on it. The tensors' bytes are not read (an optimizer shard is gigabytes);
+    a corruption there is what the trainer reports when it loads them (an ``error`` event, ``what:
+    resume``). verl writes no checksums, so this is the most that can be known without loading.
+    """
+    path = Path(path)
+    files = [f for sub in sorted(path.iterdir()) if sub.is_dir() for f in sorted(sub.iterdir())
+             if _VERL_FILE.match(f.name)]
+    for f in [*files, path / VERL_DATA_FILE]:
+        try:
+            with os.fdopen(inputs.open_regular(f), "rb") as fh, zipfile.ZipFile(fh) as zf:
+                pickle = next((n for n in zf.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"), None)
+                if pickle is None:
+                    raise CheckpointError(f, "not a torch.save archive (no data.pkl inside)")
+                zf.read(pickle)  # checks its CRC
+        except FileNotFoundError:
+            raise CheckpointError(f, "missing") from None
+        except (OSError, zipfile.BadZipFile, zlib.error, EOFError) as exc:
+            raise CheckpointError(f, f"cannot be loaded ({type(exc).__name__}: {exc})") from exc
 
 
 def components_needed(components: tuple[str, ...]) -> tuple[str, ...]:
