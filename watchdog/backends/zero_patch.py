@@ -504,6 +504,13 @@ class VerlGlue:
         p = self._plan_lr(payload, overrides)
         return self._plan_skip(p)
 
+    def stopping(self, resume_step: int | None) -> None:
+        """Recorded before verl is stopped (a watchdog killed mid-stop finds it): verl's driver trains on while
+        Ray shuts down, and the lines of steps past ``resume_step`` it writes then are kept apart
+        (:meth:`_relay`), as those of an attempt already relaunched are."""
+        self.state.resumed_from[str(self.state.attempt + 1)] = resume_step or 0
+        self._save()
+
     def verify(self, path: Path | str) -> None:
         """Every rank's files and ``data.pt`` there (its own step standing in for verl's marker, as for a kept
         copy), each a torch archive verl can open (:func:`~ppo_watchdog.protocol.checkpoint.check_verl_files`)."""
@@ -626,7 +633,8 @@ class VerlGlue:
                 log.warning("%s: skipped %s", self.run_id, err)
             # Lines a stopped attempt wrote past the step its successor resumed from (verl trains on while
             # Ray shuts down) belong to a timeline the watchdog left: kept apart, not in the run's history.
-            cutoff = s.resumed_from.get(str(s.relay_attempt + 1)) if s.relay_attempt < s.attempt else None
+            # (Known from the moment the attempt is being stopped: :meth:`stopping`.)
+            cutoff = s.resumed_from.get(str(s.relay_attempt + 1))
             for rec in chunk.records:
                 step = rec.get("step") if isinstance(rec, dict) else None
                 if cutoff is not None and isinstance(step, (int, float)) and step > cutoff:

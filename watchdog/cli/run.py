@@ -9,6 +9,7 @@ import logging
 import math
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -23,7 +24,7 @@ from typer.core import TyperCommand
 from ppo_watchdog.backends.local import SupervisorError
 from ppo_watchdog.cli.console import CliConsole
 from ppo_watchdog.control.actuator import duration_text
-from ppo_watchdog.control.controller import DONE_PHASES, RULE_CONFIG, EngineRules
+from ppo_watchdog.control.controller import DONE_PHASES, RULE_CONFIG, RULE_TICK, EngineRules
 from ppo_watchdog.control.daemon import (
     DaemonConfigError,
     build_watchdog,
@@ -453,7 +454,8 @@ def run_cmd(
         console.print(f"verdict: {verdict}", style="red")
     # The newest give-up, when it was a refused configuration (not one of an earlier attempt in this run dir).
     given_up = next((d for d in reversed(decisions) if d["kind"] == "escalate"), None)
-    refused = given_up if given_up and given_up["rule"] == RULE_CONFIG and run.phase == Phase.FAILED else None
+    refused = given_up if given_up and given_up["rule"] in (RULE_CONFIG, RULE_TICK) and run.phase == Phase.FAILED \
+        else None
     if refused is not None:  # the cause, where the user looks (it is also in trainer.log and `history`)
         console.print(f"{refused['message']}", style="red")
     if report:
@@ -625,7 +627,7 @@ def status_cmd(
         engine = (store.load_engine_state(r.run_id) or {}).get("engine", {})
         firing = sorted(n for n, s in engine.get("rules", {}).items() if s.get("status") == RuleStatus.FIRING)
         open_n = len(store.open_actions(r.run_id))
-        watcher, trainer = supervision(r.run_dir)
+        watcher, trainer = supervision(r.run_dir, store.path.parent)
         # Why a run ended stopped or failed: its newest escalation's outcome (a signal, a verdict, a give-up).
         ended = [d for d in store.decisions(r.run_id) if d["kind"] == "escalate"] if r.phase in (
             Phase.STOPPED, Phase.FAILED) else []
@@ -663,16 +665,32 @@ def status_cmd(
                           style="yellow")
 
 
-def supervision(run_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def supervision(run_dir: str, state_dir: Path | None = None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(the watchdog holding the run directory, the trainer holding it), each None when none does: read from
-    their locks, which die with their holders (a killed watchdog's record still says "running")."""
-    return (locks.holder_if_held(Path(run_dir) / locks.RUN_LOCK),
-            locks.holder_if_held(Path(run_dir) / locks.TRAINER_LOCK))
+    their locks, which die with their holders (a killed watchdog's record still says "running").
+
+    A run lock that is no lock file any more (removed, or replaced by a FIFO or a directory after the watchdog
+    took it: the watchdog holds the old file) tells nothing; the watchdog holding ``state_dir``, the one that
+    watches the runs of that state, is asked then, and its note says why."""
+    run_lock = Path(run_dir) / locks.RUN_LOCK
+    watcher = locks.holder_if_held(run_lock)
+    if watcher is None and state_dir is not None:
+        try:
+            mode = run_lock.lstat().st_mode
+            unusable = None if stat.S_ISREG(mode) else f"{run_lock} is not a regular file"
+        except FileNotFoundError:
+            unusable = f"{run_lock} is gone"
+        except OSError as exc:
+            unusable = f"{run_lock} cannot be read ({exc.strerror or exc})"
+        state = locks.holder_if_held(state_dir / locks.STATE_LOCK) if unusable else None
+        if state is not None:
+            watcher = {**state, "note": f"{unusable}: told by the state's lock"}
+    return watcher, locks.holder_if_held(Path(run_dir) / locks.TRAINER_LOCK)
 
 
 def _supervised_text(phase: str, watcher: dict[str, Any] | None, trainer: dict[str, Any] | None) -> str:
     if watcher is not None:
-        return f"by {locks.describe_holder(watcher)}"
+        return f"by {locks.describe_holder(watcher)}" + (f" ({watcher['note']})" if watcher.get("note") else "")
     if trainer is not None:
         return (f"UNSUPERVISED: {locks.describe_holder(trainer)} runs with no watchdog watching it "
                 "(`watchdog run` on its run dir, or a daemon, adopts it)")

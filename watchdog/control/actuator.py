@@ -821,6 +821,7 @@ class Actuator:
         if "launched_pid" not in p:
             if "stopped_ts" not in p:
                 p.update(trained_to=h.run.last_step, stopped_pid=h.run.pid)
+                h.dialect.stopping(p.get("resume_step"))
                 p["stop_exit"] = self.stop(h)
                 p["stopped_ts"] = time.time()
                 self.store.update_action(entry.id, payload=p)

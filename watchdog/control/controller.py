@@ -82,6 +82,8 @@ RULE_CRASH = "watchdog:crash"
 RULE_HANG = "watchdog:hang"
 RULE_BUDGET = "watchdog:budget"
 RULE_LIVE_TIMEOUT = "watchdog:live_timeout"
+#: Every tick of the run failed the same way (``watchdog run`` only): given up, ``watchdog run`` exits 2.
+RULE_TICK = "watchdog:tick"
 #: The trainer could not load the checkpoint a relaunch named: relaunched from the one before it.
 RULE_RESUME = "watchdog:resume"
 #: The trainer refused its configuration (exit 2 / verl's config error): given up at once, ``watchdog run`` exits 2.
@@ -1390,10 +1392,15 @@ class RunController:
         """The trainer runs but did not apply a control version in time: restart with the overrides."""
         return self._on_crash(RULE_LIVE_TIMEOUT, message, {"control_version": entry.control_version}, resume="latest")
 
+    def give_up(self, rule: str, message: str, inputs: dict[str, Any] | None = None) -> None:
+        """End the run as ``failed``: a human is needed (said, alerted); what is open in its journal fails."""
+        self._give_up(rule, message, inputs)
+
     def _give_up(self, rule: str, message: str, inputs: dict[str, Any] | None = None) -> None:
         with self.store.transaction():
-            # A refused configuration is its own rule (``watchdog run`` exits 2 on it); the rest are budgets.
-            did = self._own_decision(rule if rule == RULE_CONFIG else RULE_BUDGET, f"{rule}: {message}",
+            # A refused configuration and a run that cannot be watched are their own rules (``watchdog run``
+            # exits 2 on them); the rest are budgets.
+            did = self._own_decision(rule if rule in (RULE_CONFIG, RULE_TICK) else RULE_BUDGET, f"{rule}: {message}",
                                      inputs or {}, kind="escalate")
             self.store.add_action(self.run.run_id, "notify", {
                 "rule": rule, "severity": "critical", "summary": f"{rule}: run given up, a human is needed",

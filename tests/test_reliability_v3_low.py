@@ -1,0 +1,106 @@
+"""Issue 48's Low findings, each reproduced, then held.
+
+A tick error that repeats forever ends `watchdog run` with exit 2 and the cause; `status` still names the
+watchdog when the run lock was replaced by a FIFO; a stopped verl attempt's steps written while the watchdog
+was killed mid-stop stay off the timeline; TRL's learning rate and run length are checked as a configuration;
+a daemon leaves a run `watchdog run` finished alone; the foreign-control report names the trainer's refusal;
+checkpoint listing reads no file of an unchanged checkpoint again; SIGHUP with the terminal gone exits 129.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_reliability_v2 import _wait
+from test_verl_mode import SEED_COMMAND, _glue
+
+from ppo_watchdog.backends import zero_patch as verl_mode
+from ppo_watchdog.control.actuator import restart_command
+from ppo_watchdog.control.controller import RULE_TICK
+from ppo_watchdog.protocol import lock as locks
+from ppo_watchdog.protocol import rundir
+
+WATCHDOG = [sys.executable, "-m", "ppo_watchdog"]
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(120)"]
+
+
+def _history(state: Path, run_id: str = "run") -> list[dict[str, object]]:
+    out = subprocess.run([*WATCHDOG, "history", run_id, "--state-dir", str(state), "--json"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return json.loads(out.stdout)
+
+
+# -- a tick error that repeats forever ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("broken", ["trainer-lock-directory", "hydra-sweep"])
+def test_a_tick_that_fails_the_same_way_every_time_ends_watchdog_run_with_exit_2_and_the_cause(
+        tmp_path: Path, broken: str) -> None:
+    run, state = tmp_path / "run", tmp_path / "state"
+    extra: list[str] = []
+    if broken == "trainer-lock-directory":
+        (run / locks.TRAINER_LOCK).mkdir(parents=True)
+        cause = "cannot take the run's trainer lock"
+    else:
+        extra = ["lr=1e-3,2e-3"]  # unquoted: Hydra reads a sweep of two values
+        cause = "a sweep"
+    out = subprocess.run([*WATCHDOG, "run", "--run-dir", str(run), "--state-dir", str(state), "--no-report",
+                          "--tick", "0.1", "--", *SLEEPER, *extra], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    said = " ".join((out.stdout + out.stderr).split())
+    assert cause in said and "every tick failed the same way" in said, said
+    (decision,) = _history(state)
+    assert decision["rule"] == RULE_TICK and cause in str(decision["message"])
+
+
+# -- status with the run lock replaced by a FIFO ----------------------------------------------------------------
+
+
+def test_status_names_the_watchdog_when_its_run_lock_was_replaced_by_a_fifo(tmp_path: Path) -> None:
+    run, state = tmp_path / "run", tmp_path / "state"
+    proc = subprocess.Popen([*WATCHDOG, "run", "--run-dir", str(run), "--state-dir", str(state), "--no-report",
+                             "--tick", "0.2", "--", *SLEEPER], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait(lambda: locks.holder_if_held(run / locks.TRAINER_LOCK) is not None, "the trainer to start", proc=proc)
+        (run / locks.RUN_LOCK).unlink()
+        os.mkfifo(run / locks.RUN_LOCK)  # the watchdog holds the old file; the path says nothing now
+        out = subprocess.run([*WATCHDOG, "status", "--state-dir", str(state), "--json"], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        (row,) = json.loads(out.stdout)
+        assert row["watchdog"] is not None and row["watchdog"]["pid"] == proc.pid, row
+        assert "UNSUPERVISED" not in row["supervised"] and "not a regular file" in row["supervised"], row
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+# -- a stopped verl attempt's steps after a kill -9 mid-stop -------------------------------------------------------
+
+
+def test_steps_a_stopped_verl_attempt_writes_while_the_watchdog_is_killed_mid_stop_stay_off_the_timeline(
+        tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    verl_mode.init_run(run, SEED_COMMAND)
+    glue = _glue(run)
+    cmd, env = glue.prepare_launch(restart_command(SEED_COMMAND, {}, None), {}, None)
+    glue.launched(101, cmd, None)
+    log1 = Path(env["VERL_FILE_LOGGER_PATH"])
+    log1.write_text("".join(json.dumps({"step": s, "data": {"actor/pg_loss": 0.1}}) + "\n" for s in (1, 2, 3, 4)))
+    glue.poll(None)
+    glue.stopping(4)  # the relaunch from step 4 stops verl ...
+    del glue          # ... and the watchdog is killed (-9) while verl shuts down, training on
+    with log1.open("a") as f:
+        for s in (5, 6):
+            f.write(json.dumps({"step": s, "data": {"actor/pg_loss": float("nan")}}) + "\n")
+    glue = _glue(run)  # the watchdog started again: its first tick relays before it re-drives the relaunch
+    glue.poll(None)
+    assert [r["step"] for r in rundir.read_jsonl(run / rundir.METRICS).records] == [1, 2, 3, 4]
+    kept = rundir.read_jsonl(run / "verl" / verl_mode.ABANDONED_FILE).records
+    assert [(r["attempt"], r["step"]) for r in kept] == [(1, 5), (1, 6)]
