@@ -104,3 +104,35 @@ def test_steps_a_stopped_verl_attempt_writes_while_the_watchdog_is_killed_mid_st
     assert [r["step"] for r in rundir.read_jsonl(run / rundir.METRICS).records] == [1, 2, 3, 4]
     kept = rundir.read_jsonl(run / "verl" / verl_mode.ABANDONED_FILE).records
     assert [(r["attempt"], r["step"]) for r in kept] == [(1, 5), (1, 6)]
+
+
+# -- TRL: the learning rate and the run's length are configuration -------------------------------------------------
+
+
+@pytest.mark.parametrize(("arg", "said"), [
+    ("trl.learning_rate=abc", "must be a number"),
+    ("trl.max_steps=-5", "trainer.total_training_steps=-5: must be >= 1"),
+    ("actor_rollout_ref.actor.optim.lr=1e308", "must be a number > 0 and < 1"),
+    ("learning_rate=1.5", "must be a number > 0 and < 1"),
+    ("trl.learning_rate=nan", "must be a number > 0 and < 1"),
+])
+def test_a_trl_learning_rate_or_run_length_that_cannot_train_is_a_configuration_error(
+        tmp_path: Path, arg: str, said: str) -> None:
+    pytest.importorskip("trl")
+    from ppo_watchdog.trainer.trl_glue.config import TRLConfigError, parse_args
+
+    model = f"actor_rollout_ref.model.path={tmp_path}"
+    with pytest.raises(TRLConfigError, match=said.replace("(", r"\(")):
+        parse_args([model, arg])
+    # What trl.<name> names, for a knob the glue maps, is that knob: the run's length stays checked and in force.
+    assert parse_args([model, "trl.max_steps=7"]).total_training_steps == 7
+    assert parse_args([model, "trl.learning_rate=3e-6"]).lr == 3e-6
+
+
+def test_trl_learning_rate_abc_exits_2_as_a_configuration_error_before_training(tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    out = subprocess.run([sys.executable, "-m", "ppo_watchdog.trainer.trl_glue", "--run-dir", str(tmp_path / "run"),
+                          f"actor_rollout_ref.model.path={tmp_path}", "trl.learning_rate=abc"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "actor_rollout_ref.actor.optim.lr='abc': must be a number" in out.stderr, out.stderr
