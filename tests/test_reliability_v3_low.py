@@ -136,3 +136,37 @@ def test_trl_learning_rate_abc_exits_2_as_a_configuration_error_before_training(
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "actor_rollout_ref.actor.optim.lr='abc': must be a number" in out.stderr, out.stderr
+
+
+# -- a daemon and a run `watchdog run` finished ------------------------------------------------------------------
+
+FINISHING = ("import os; from ppo_watchdog.protocol import rundir; d = os.environ['WATCHDOG_RUN_DIR']; "
+             "rundir.append_event(d, 'started', 0, resumed_from=0); print('trained', flush=True); "
+             "rundir.append_event(d, 'finished', 3)")
+
+
+def test_a_daemon_does_not_relaunch_a_run_that_watchdog_run_finished(tmp_path: Path) -> None:
+    import yaml
+
+    from ppo_watchdog.control.daemon import load_daemon_config, prepare_daemon
+    from ppo_watchdog.control.store import Phase
+
+    run = tmp_path / "run"
+    trainer = [sys.executable, "-c", FINISHING]
+    out = subprocess.run([*WATCHDOG, "run", "--run-dir", str(run), "--state-dir", str(tmp_path / "ran"), "--no-report",
+                          "--tick", "0.1", "--", *trainer], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    log_before = (run / "trainer.log").read_text()
+    assert log_before.count("trained") == 1
+    cfg = tmp_path / "daemon.yaml"
+    cfg.write_text(yaml.safe_dump({"state_dir": str(tmp_path / "daemon"), "rules": [],
+                                   "runs": [{"run_dir": str(run), "restart_command": trainer}]}))
+    wd = prepare_daemon(load_daemon_config(cfg))
+    try:
+        (ctl,) = wd.controllers.values()
+        for _ in range(3):
+            wd.tick()
+        assert ctl.run.phase == Phase.FINISHED and ctl.h.proc is None
+        assert (run / "trainer.log").read_text() == log_before  # nothing launched
+    finally:
+        wd.close()

@@ -66,7 +66,7 @@ from ppo_watchdog.control.store import Phase, RunRecord, Store, StoreError
 from ppo_watchdog.core.planner import ON_ESCALATE
 from ppo_watchdog.core.rulefile import rule_paths as resolve_rule_paths
 from ppo_watchdog.observe.telemetry import WatchdogMetrics
-from ppo_watchdog.protocol import inputs
+from ppo_watchdog.protocol import inputs, rundir
 from ppo_watchdog.protocol import lock as locks
 from ppo_watchdog.sources.prometheus import SOURCES, SourceConfig, make_source, source_config
 
@@ -1086,7 +1086,24 @@ def _add_spec(wd: Watchdog, cfg: DaemonConfig, spec: RunSpec) -> RunController:
         _adopt_ray_job(wd, ctl)
     elif cmd and ctl.run.phase == Phase.NEW:
         _adopt_pid(wd, ctl)
+    if cmd and ctl.run.phase == Phase.NEW and ctl.h.proc is None:
+        _keep_finished(wd, ctl)
     return ctl
+
+
+def _keep_finished(wd: Watchdog, ctl: RunController) -> None:
+    """A run new to this state whose own events say it finished (its last attempt's ``finished`` after its
+    ``started``: a ``watchdog run``, another state's daemon, or the trainer alone ran it to the end) is recorded
+    finished, not launched again: the daemon's config names where runs are, not that they must train again."""
+    last = None
+    for e in rundir.iter_events(ctl.run.run_dir, ["started", "finished"]):
+        last = e.get("kind")
+    if last != "finished":
+        return
+    log.warning("%s: %s says it finished: recorded finished, not launched again (its run directory anew, or "
+                "`watchdog run` on it, trains again)", ctl.run.run_id, Path(ctl.run.run_dir) / rundir.EVENTS)
+    wd.store.update_run(ctl.run.run_id, phase=Phase.FINISHED)
+    ctl.h.run.phase = Phase.FINISHED
 
 
 def _adopt_pid(wd: Watchdog, ctl: RunController) -> None:
