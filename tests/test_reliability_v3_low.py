@@ -170,3 +170,34 @@ def test_a_daemon_does_not_relaunch_a_run_that_watchdog_run_finished(tmp_path: P
         assert (run / "trainer.log").read_text() == log_before  # nothing launched
     finally:
         wd.close()
+
+
+# -- the foreign-control report and the trainer's refusal ------------------------------------------------------
+
+
+def test_the_report_of_a_hand_written_control_json_names_what_the_trainer_refused_of_it(tmp_path: Path) -> None:
+    from test_reliability_v3 import LR, _steps, _watched
+
+    from ppo_watchdog.control.controller import RULE_FOREIGN_CONTROL
+    from ppo_watchdog.protocol import catalog
+    from ppo_watchdog.protocol.control import Control, ControlApplier, write_control
+
+    wd, _, run = _watched(tmp_path)
+    try:
+        write_control(run, Control(3, {LR: 2e-3, "algorithm.kl_ctrl.kl_coef": 0.05}))
+        applier = ControlApplier(run, live_keys=catalog.LIVE_KEYS)
+        changes = applier.poll(1)
+        assert changes is not None
+        # The trainer applies the KL coefficient and refuses the lr (its error, then its ``applied``: the protocol's order).
+        rundir.append_event(run, "error", 1, source="control", version=3,
+                            message=f"{LR}: refused: this optimizer's lr is fixed for the run")
+        applier.mark_applied(changes, 1, {"algorithm.kl_ctrl.kl_coef": 0.05})
+        _steps(run, [0.01])
+        wd.tick()
+        (decision,) = [d for d in wd.store.decisions("run") if d["rule"] == RULE_FOREIGN_CONTROL]
+        assert "not written by the watchdog" in decision["message"]
+        assert "refused part of it" in decision["message"] and "lr is fixed for the run" in decision["message"]
+        alerts = [p["alerts"][0]["annotations"]["description"] for p in wd.actuator.notifier.sent]
+        assert any("lr is fixed for the run" in a for a in alerts), alerts
+    finally:
+        wd.close()

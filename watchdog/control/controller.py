@@ -739,7 +739,7 @@ class RunController:
                     applied = e.get("applied")
                     seen = content if content is not None else dict(applied) if isinstance(applied, Mapping) else {}
                     hidden = self.actuator.confirm(self.h, version, e.get("step"), ids, refusals, foreign=seen)
-                    self._foreign_control(e, version, ids, hidden, over_own)
+                    self._foreign_control(e, version, ids, hidden, over_own, refusals)
                 else:
                     self.actuator.confirm(self.h, version, e.get("step"), ids, refusals)
             elif kind == JournalKind.ROLLBACK:
@@ -773,14 +773,16 @@ class RunController:
         return next((v for v in self.store.control_versions(self.run.run_id) if v["version"] == version), None)
 
     def _foreign_control(self, e: Event, version: int, command_ids: Sequence[str],
-                         hidden: Sequence[ActionRecord] = (), over_own: bool = False) -> None:
+                         hidden: Sequence[ActionRecord] = (), over_own: bool = False,
+                         refusals: Sequence[str] = ()) -> None:
         """A version the watchdog never wrote was applied: said at once (console, history, webhook) with
         the values it changed, and adopted as the run's desired state. The trainer runs with those
         values, so the rules' next sets start from them and the watchdog's next version keeps them
         (a relaunch too) rather than silently undoing a human's change (RELIABILITY.md). ``hidden``: the
         watchdog's own changes still waiting for the trainer that this version left out (re-opened by
         :meth:`Actuator.confirm`): they are sent again on top, and said so. ``over_own``: it was written at
-        the number of a version the watchdog wrote, over it."""
+        the number of a version the watchdog wrote, over it. ``refusals``: the trainer's ``error`` messages
+        about that version (a key it cannot change live, and why), said with it: those keys did not change."""
         raw = e.get("applied")
         applied: dict[str, Any] = dict(raw) if isinstance(raw, Mapping) else {}
         changed = {k: v for k, v in applied.items() if self.run.overrides.get(k) != v}
@@ -793,6 +795,8 @@ class RunController:
         message = (f"control.json version {version}, applied at step {e.get('step')}, was not written by the "
                    f"watchdog{over}: it changed {said}{cmds}. The watchdog adopts these values: its next sets start "
                    f"from them")
+        if refusals:
+            message += "; the trainer refused part of it: " + "; ".join(refusals)
         if hidden:
             what = "; ".join(f"set {', '.join(f'{k}={v!r}' for k, v in (h.payload.get('set') or {}).items())}"
                              if h.kind == JournalKind.LIVE_SET else
