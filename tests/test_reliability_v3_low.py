@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -201,3 +202,37 @@ def test_the_report_of_a_hand_written_control_json_names_what_the_trainer_refuse
         assert any("lr is fixed for the run" in a for a in alerts), alerts
     finally:
         wd.close()
+
+
+# -- SIGHUP with the terminal gone -------------------------------------------------------------------------------
+
+
+def test_sighup_with_the_terminal_gone_stops_the_trainer_and_exits_129(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    master, slave = os.openpty()  # the terminal `watchdog run` prints to
+    proc = subprocess.Popen([*WATCHDOG, "run", "--run-dir", str(run), "--state-dir", str(tmp_path / "state"),
+                             "--no-report", "--tick", "0.2", "--", *SLEEPER],
+                            stdin=slave, stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    try:
+        os.set_blocking(master, False)
+
+        def started() -> bool:
+            try:
+                os.read(master, 65536)  # (the terminal reads what it prints, so no write blocks)
+            except OSError:
+                pass
+            return locks.holder_if_held(run / locks.TRAINER_LOCK) is not None
+
+        _wait(started, "the trainer to start", proc=proc)
+        os.close(master)  # the window closed: every write to the terminal fails with EIO from now on
+        master = -1
+        proc.send_signal(signal.SIGHUP)
+        assert proc.wait(60) == 128 + signal.SIGHUP
+        assert locks.holder_if_held(run / locks.TRAINER_LOCK) is None  # the trainer stopped with it
+    finally:
+        if master >= 0:
+            os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)

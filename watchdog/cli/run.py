@@ -3,6 +3,7 @@ ppo_watchdog.cli)."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
@@ -59,19 +60,25 @@ class ReaderSafeStdout:
     write raises BrokenPipeError. Raised in the stop path, it would leave the trainer training on
     unsupervised; so once the reader is gone, stdout (and stderr, when it is the same pipe: ``2>&1``) is
     pointed at /dev/null, every later write goes nowhere, and the interpreter's last flush succeeds too.
+    A terminal that is gone (its window closed, an ssh session dropped: SIGHUP) fails writes with EIO
+    instead, and is gone the same way.
     """
 
     def write(self, text: str) -> int:
         try:
             return sys.stdout.write(text)
-        except BrokenPipeError:
+        except OSError as exc:
+            if exc.errno not in READER_GONE:
+                raise
             reader_gone()
             return len(text)
 
     def flush(self) -> None:
         try:
             sys.stdout.flush()
-        except BrokenPipeError:
+        except OSError as exc:
+            if exc.errno not in READER_GONE:
+                raise
             reader_gone()
 
     def isatty(self) -> bool:
@@ -83,6 +90,10 @@ class ReaderSafeStdout:
     @property
     def encoding(self) -> str:
         return getattr(sys.stdout, "encoding", None) or "utf-8"
+
+
+#: What a write to stdout fails with once nobody reads it: a pipe's reader gone (EPIPE), a terminal hung up (EIO).
+READER_GONE = (errno.EPIPE, errno.EIO)
 
 
 def reader_gone() -> None:
