@@ -236,3 +236,31 @@ def test_sighup_with_the_terminal_gone_stops_the_trainer_and_exits_129(tmp_path:
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+# -- checkpoint listing every tick --------------------------------------------------------------------------------
+
+
+def test_a_verl_runs_checkpoints_are_walked_again_only_when_they_change(tmp_path: Path) -> None:
+    from test_checkpoint_fallback import _verl_checkpoint, _verl_run
+
+    from ppo_watchdog.protocol import checkpoint as ckpt
+
+    run, root = _verl_run(tmp_path, (2, 4))
+    glue = _glue(run)
+    first = glue.checkpoints()
+    assert [(c.step, c.complete) for c in first] == [(2, True), (4, True)]
+    walks = glue._listing.walks
+    for _ in range(5):  # the ticks in between: nothing changed, nothing walked
+        assert glue.checkpoints() == first
+    assert glue._listing.walks == walks
+    # A rank's file gone from step 4: walked again, and judged incomplete.
+    (ckpt.step_dir(root, 4) / "actor" / "optim_world_size_1_rank_0.pt").unlink()
+    assert [(c.step, c.complete) for c in glue.checkpoints()] == [(2, True), (4, False)]
+    assert glue._listing.walks == walks + 1
+    # A new save: the marker moved, so each is judged against it again; then quiet once more.
+    _verl_checkpoint(root, 6)
+    assert [(c.step, c.complete) for c in glue.checkpoints()] == [(2, True), (4, False), (6, True)]
+    walks = glue._listing.walks
+    glue.checkpoints()
+    assert glue._listing.walks == walks

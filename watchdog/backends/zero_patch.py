@@ -404,6 +404,9 @@ class VerlGlue:
             log.info("%s: %s=true: verl writes no %s then; a checkpoint counts once all its files are there "
                      "(data.pt, which verl writes last, included)", run_id, ASYNC_SAVE_KEY, rundir.LATEST_MARKER)
         self.state = GlueState.load(self.dir / STATE_FILE)
+        # Listed every tick: a checkpoint unchanged since the last tick is not walked again.
+        self._listing = ckpt.VerlListingCache()
+        self._kept_listing = ckpt.VerlListingCache()
         self.exporter: Any = None
         port = info.run_metrics_port
         if port is not None and port != 0:
@@ -598,7 +601,8 @@ class VerlGlue:
     def checkpoints(self) -> list[ckpt.CheckpointInfo]:
         """verl's checkpoints of this run (complete or not, with the reason), and the known-good ones
         the watchdog kept where verl's own pruning deleted them (:meth:`protect`)."""
-        own = ckpt.list_verl_checkpoints(self.ckpt_dir, self.world_size, self.components, by_files=self.async_save)
+        own = ckpt.list_verl_checkpoints(self.ckpt_dir, self.world_size, self.components, by_files=self.async_save,
+                                         cache=self._listing)
         return merge_kept(own, self._kept())
 
     def _kept(self) -> list[ckpt.CheckpointInfo]:
@@ -606,8 +610,10 @@ class VerlGlue:
         if not where.is_dir():
             return []
         # A kept copy was complete when it was linked: its own step stands in for verl's marker.
-        return [ckpt.verl_checkpoint_info(p, int(p.name.rsplit("_", 1)[1]), self.world_size, self.components)
-                for p in sorted(where.iterdir()) if p.is_dir() and _step_of(str(p)) is not None]
+        paths = [p for p in sorted(where.iterdir()) if p.is_dir() and _step_of(str(p)) is not None]
+        self._kept_listing.forget_all_but(paths)
+        return [self._kept_listing.info(p, int(p.name.rsplit("_", 1)[1]), self.world_size, self.components, False)
+                for p in paths]
 
     def protect(self, is_bad: IsBad, hold: Collection[int] = ()) -> list[int]:
         """With ``trainer.max_*_ckpt_to_keep`` set, keep the last known-good checkpoints (and ``hold``'s steps)

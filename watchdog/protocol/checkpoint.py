@@ -572,17 +572,70 @@ def components_needed(components: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def list_verl_checkpoints(root: Path | str, world_size: int | None = None,
-                          components: tuple[str, ...] = ("actor",), by_files: bool = False) -> list[CheckpointInfo]:
+                          components: tuple[str, ...] = ("actor",), by_files: bool = False,
+                          cache: VerlListingCache | None = None) -> list[CheckpointInfo]:
     """Every ``global_step_N`` under verl's ``default_local_dir``, sorted by step, judged by
     :func:`verl_checkpoint_info` (no hashing: verl writes no checksums to compare with; ``by_files``:
-    the marker not consulted, for verl's async save)."""
+    the marker not consulted, for verl's async save). ``cache``: a checkpoint unchanged since the last
+    listing through it is not walked again (:class:`VerlListingCache`)."""
     root = Path(root)
     if not root.is_dir():
         return []
     marker = read_marker(root)
-    out = [verl_checkpoint_info(p, marker, world_size, components, by_files) for p in root.iterdir()
-           if p.is_dir() and _STEP_DIR.match(p.name)]
+    paths = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    if cache is None:
+        out = [verl_checkpoint_info(p, marker, world_size, components, by_files) for p in paths]
+    else:
+        out = [cache.info(p, marker, world_size, components, by_files) for p in paths]
+        cache.forget_all_but(paths)
     return sorted(out, key=lambda c: c.step)
+
+
+class VerlListingCache:
+    """What :func:`verl_checkpoint_info` said of each checkpoint, kept while the checkpoint is unchanged.
+
+    A watcher lists a run's checkpoints every tick; walking and stat'ing every rank's files of every
+    checkpoint each time costs seconds on a network file system with many checkpoints. A checkpoint is
+    walked again only when its directory, one of its component directories (a file added, removed or
+    renamed there) or its ``data.pt`` (verl's last write of a save) changed, or verl's marker moved.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[Path, tuple[tuple[Any, ...], CheckpointInfo]] = {}
+        self.walks = 0
+        """Checkpoints walked (not answered from memory): what a test or a measurement counts."""
+
+    @staticmethod
+    def _signature(path: Path) -> tuple[Any, ...]:
+        st = path.stat()
+        parts = []
+        with os.scandir(path) as entries:
+            for e in entries:
+                if e.is_dir(follow_symlinks=False) or e.name == VERL_DATA_FILE:
+                    s = e.stat(follow_symlinks=False)
+                    parts.append((e.name, s.st_ino, s.st_mtime_ns, s.st_size if e.name == VERL_DATA_FILE else 0))
+        return st.st_ino, st.st_mtime_ns, tuple(sorted(parts))
+
+    def info(self, path: Path, marker: int | None, world_size: int | None, components: tuple[str, ...],
+             by_files: bool) -> CheckpointInfo:
+        """:func:`verl_checkpoint_info` of ``path``, from memory when nothing it reads changed."""
+        try:
+            key = (marker, world_size, components, by_files, self._signature(path))
+        except OSError:  # (removed meanwhile): said as verl_checkpoint_info says it
+            return verl_checkpoint_info(path, marker, world_size, components, by_files)
+        seen = self._seen.get(path)
+        if seen is not None and seen[0] == key:
+            return seen[1]
+        self.walks += 1
+        info = verl_checkpoint_info(path, marker, world_size, components, by_files)
+        self._seen[path] = (key, info)
+        return info
+
+    def forget_all_but(self, paths: Iterable[Path]) -> None:
+        """Drop what is remembered of checkpoints no longer listed."""
+        keep = set(paths)
+        for p in [p for p in self._seen if p not in keep]:
+            del self._seen[p]
 
 
 #: Where numpy's array rebuilder lives, under numpy 1 and numpy 2: a file pickled by the other
