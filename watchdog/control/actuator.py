@@ -953,7 +953,7 @@ class Actuator:
         restart is driven). Returns the new restart's journal id."""
         p = launched.payload
         source = str(p.get("checkpoint_path") or p["resume_path"])
-        payload = {k: p[k] for k in ("rule", "resume", "set", "skip_batches", "reason") if k in p}
+        payload: dict[str, Any] = {k: p[k] for k in ("rule", "resume", "set", "skip_batches", "reason") if k in p}
         payload.update(resume_path=source, resume_step=p["resume_step"], resume_error=why)
         self.store.mark_unloadable(h.run.run_id, int(p["resume_step"]))
         log.error("%s: the trainer could not load %s: %s", h.run.run_id, source, why)

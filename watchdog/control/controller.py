@@ -1334,7 +1334,9 @@ class RunController:
         before it (:meth:`Actuator.resume_failed`), not counted against the restart budget (each checkpoint
         is given up once, so the fallbacks end at the start). False: the watchdog did not choose it."""
         e, self._saw_resume_failed = self._saw_resume_failed, None
-        path, why = str(e["path"]) if e else "", str((e or {}).get("message", ""))
+        if e is None:
+            return False
+        path, why = str(e["path"]), str(e.get("message", ""))
         chose = self.actuator.chose_resume(self.h, path)
         if chose is None:
             return False
