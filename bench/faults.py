@@ -98,6 +98,19 @@ CELLS = [
     ("known-good checkpoint removed before its relaunch",
      "tests/test_reliability_v3.py::test_a_known_good_checkpoint_removed_before_its_relaunch_falls_back_to_the_one"
      "_before_with_an_alert", "never a torn load"),
+    *[(f"verl's known-good checkpoint with a corrupt {what}",
+       "tests/test_checkpoint_fallback.py::test_a_verl_file_verl_could_not_load_fails_verification_naming_it"
+       f"[{what}]", "a checkpoint that cannot be loaded is resumed never")
+      for what in ("data.pt", "actor/optim_world_size_1_rank_0.pt")],
+    ("corrupt known-good checkpoints (verl's layout) chosen by a relaunch",
+     "tests/test_checkpoint_fallback.py::test_a_corrupt_verl_known_good_checkpoint_falls_back_to_the_one_before_then"
+     "_the_start_never_twice", "a checkpoint that cannot be loaded is resumed never"),
+    ("a verl attempt that dies loading its checkpoint",
+     "tests/test_checkpoint_fallback.py::test_a_verl_attempt_that_died_loading_its_checkpoint_is_a_resume_failure"
+     "_naming_the_checkpoint", "a checkpoint that cannot be loaded is resumed never"),
+    ("the embedded trainer cannot load a relaunch's checkpoint",
+     "tests/test_checkpoint_fallback.py::test_the_embedded_trainer_that_cannot_load_a_relaunchs_checkpoint_is"
+     "_relaunched_from_the_one_before", "a checkpoint that cannot be loaded is resumed never"),
 ]
 
 

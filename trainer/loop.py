@@ -28,6 +28,7 @@ import torch
 from ppo_watchdog.protocol import catalog, rundir
 from ppo_watchdog.protocol import checkpoint as ckpt
 from ppo_watchdog.protocol.control import ControlApplier, StepBoundary
+from ppo_watchdog.protocol.events import RESUME_FAILED
 from ppo_watchdog.protocol.exporter import MetricsExporter
 from ppo_watchdog.protocol.runinfo import RunInfo
 from ppo_watchdog.trainer import data as data_mod
@@ -332,9 +333,16 @@ class Trainer:
         if t.resume_mode == "auto":
             info = self._resume_newest_usable()
         elif t.resume_mode == "resume_path":
-            info = ckpt.verify_checkpoint(t.resume_from_path)
-            components, extra = ckpt.load_checkpoint(info.path)
-            self.load_state(components, extra, info.path)
+            try:
+                info = ckpt.verify_checkpoint(t.resume_from_path)
+                components, extra = ckpt.load_checkpoint(info.path)
+                self.load_state(components, extra, info.path)
+            except ckpt.CheckpointError as exc:
+                # Said as the protocol says it: a watchdog that chose this checkpoint relaunches from the one
+                # before it; a person who named it gets exit 2, their configuration error (run_cli).
+                self.event("error", what=RESUME_FAILED, path=str(t.resume_from_path), message=str(exc),
+                           source="resume")
+                raise
         if info is None:
             return
         log.info("resumed from %s (step %d)", info.path, self.global_step)

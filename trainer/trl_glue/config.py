@@ -51,6 +51,12 @@ MINI = "actor_rollout_ref.actor.ppo_mini_batch_size"
 SKIP_KEY = "trainer.resume_skip_batches"
 
 
+#: The learning rate's bound (exclusive). TRL trains with AdamW, whose step moves each weight by about the lr
+#: whatever the gradient's scale: at 1 a single step rewrites every weight of the pretrained model. RL fine-tuning
+#: runs at 1e-7 to 1e-4; a value at or past 1 is a typo (a missing ``e-``), refused before a step is spent on it.
+MAX_LR = 1.0
+
+
 class TRLConfigError(ValueError):
     """A key or value the TRL entry point cannot run with; the message names it."""
 
@@ -127,9 +133,10 @@ class TRLRun:
             raise TRLConfigError(f"trainer.reward={self.reward!r}: one of digits, exact")
         if not self.model_path:
             raise TRLConfigError("actor_rollout_ref.model.path: required (a local model directory with its tokenizer)")
-        for key, value, low in ((ACTOR_LR, self.lr, 0.0), ("actor_rollout_ref.actor.optim.clip_grad", self.clip_grad, 0.0)):
-            if not math.isfinite(value) or value <= low:
-                raise TRLConfigError(f"{key}={value!r}: must be a finite number > 0")
+        if not 0 < self.lr < MAX_LR:  # (NaN fails too)
+            raise TRLConfigError(f"{ACTOR_LR}={self.lr!r}: must be a number > 0 and < {MAX_LR:g}")
+        if not math.isfinite(self.clip_grad) or self.clip_grad <= 0:
+            raise TRLConfigError(f"actor_rollout_ref.actor.optim.clip_grad={self.clip_grad!r}: must be a finite number > 0")
         if not math.isfinite(self.beta) or self.beta < 0:
             raise TRLConfigError(f"{self.kl_key}={self.beta!r}: must be a finite number >= 0")
         for key, bound in ((CLIP_RATIO, self.clip_ratio), (CLIP_LOW, self.clip_ratio_low), (CLIP_HIGH, self.clip_ratio_high)):
@@ -313,6 +320,11 @@ def parse_args(args: Sequence[str]) -> TRLRun:
         except hydra.OverrideError as exc:
             raise TRLConfigError(str(exc)) from None
         key = ov.key if ov.key == BETA else TRL_NAMES.get(ov.key, ov.key)
+        if key.startswith("trl.") and (key[4:] in TRL_NAMES or key[4:] == BETA):
+            # A knob the glue sets under verl's key, named through trl.: checked as that key (a
+            # ``trl.learning_rate=abc`` is a configuration error, never a crash in the first step; a
+            # ``trl.max_steps=-5`` never overrides the run's length unchecked).
+            key = key[4:] if key[4:] == BETA else TRL_NAMES[key[4:]]
         if ov.kind == "delete":
             raise TRLConfigError(f"{arg}: deleting a key is not supported")
         if key.startswith("trl."):

@@ -67,6 +67,16 @@ class Dialect(Protocol):
         """A restart's payload adjusted so the resumed trainer really runs with ``overrides``."""
         ...
 
+    def stopping(self, resume_step: int | None) -> None:
+        """The current attempt is about to be stopped for a relaunch from ``resume_step`` (None or 0: the start):
+        what it writes from now on of steps past that belongs to the timeline the watchdog leaves."""
+        ...
+
+    def verify(self, path: Path | str) -> None:
+        """Raise :class:`~ppo_watchdog.protocol.checkpoint.CheckpointError` when the trainer could not resume
+        from the checkpoint at ``path`` (torn, corrupt, incomplete), checked before a relaunch goes there."""
+        ...
+
     def classify_exit(self, code: int | None, saw_finished: bool, saw_oom: bool) -> str:
         """How the trainer ended: finished | oom | usage | crash."""
         ...
@@ -194,6 +204,13 @@ class ProtocolDialect:
 
     def plan_resume(self, payload: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
         return dict(payload)  # the trainer applies control.json's overrides before its first step
+
+    def stopping(self, resume_step: int | None) -> None:
+        return None  # the trainer's own steps: it writes none after its stop
+
+    def verify(self, path: Path | str) -> None:
+        """Its manifest complete and every file's checksum right."""
+        ckpt.verify_checkpoint(path)
 
     def classify_exit(self, code: int | None, saw_finished: bool, saw_oom: bool) -> str:
         return classify_exit(code, saw_finished, saw_oom)

@@ -16,6 +16,9 @@ oom/host   Ray's memory monitor killed a worker: an ``ActorDiedError`` whose wor
 oom/cuda   ``torch.OutOfMemoryError`` / ``torch.cuda.OutOfMemoryError``, the caching
            allocator's "CUDA out of memory. Tried to allocate", "CUDA error: out of
            memory", or ``RayTaskError(OutOfMemoryError)`` without a host marker
+resume     the attempt died loading the checkpoint it resumed from: its traceback runs through
+           verl's ``_load_checkpoint`` / ``load_checkpoint`` (a truncated ``data.pt``, a corrupt
+           optimizer shard); the watchdog relaunches from the checkpoint before it
 nan        torch's "probability tensor contains either `inf`, `nan` or element < 0"
            (sampling from NaN logits), autograd's "returned nan values in its ... output",
            or a final exception line naming nan/inf
@@ -47,6 +50,9 @@ _NAN = re.compile(
 # The final line of a Python traceback: ``module.Name: message`` (Ray's dual class adds ``(Cause)``).
 _EXC_LINE = re.compile(r"^(?P<name>[A-Za-z_][\w.]*(?:\([\w.]+\))?(?:Error|Exception|Interrupt)): ?(?P<msg>.*)$")
 _NAN_WORD = re.compile(r"\b(?:nan|inf)\b", re.I)
+# A traceback frame of verl's checkpoint loading (trainer/ppo/v1/trainer_base.py ``_load_checkpoint``, the FSDP
+# checkpoint manager's ``load_checkpoint``), after whatever prefix Ray puts on a worker's line.
+_LOAD_FRAME = re.compile(r'File "[^"]*", line \d+, in _?load_checkpoint$')
 
 
 @dataclass(frozen=True)
@@ -54,7 +60,7 @@ class ExitClass:
     """How a run ended and the line that says so."""
 
     kind: str
-    """finished | oom | nan | crash."""
+    """finished | oom | resume | nan | crash."""
     exit_code: int | None
     """The process's exit code (None when unknown)."""
     memory: str | None = None
@@ -66,8 +72,9 @@ class ExitClass:
 
     @property
     def action(self) -> str:
-        """What the controller does with it: finished | oom | crash (a NaN exit restarts like a crash)."""
-        return "crash" if self.kind == "nan" else self.kind
+        """What the controller does with it: finished | oom | crash (a NaN exit restarts like a crash; so does a
+        failed resume, whose ``error`` event sends the restart to the checkpoint before)."""
+        return "crash" if self.kind in ("nan", "resume") else self.kind
 
 
 def _find(pattern: re.Pattern[str], lines: list[str]) -> str | None:
@@ -92,6 +99,8 @@ def classify(text: str, exit_code: int | None) -> ExitClass:
     if found is not None:
         memory, at = found
         return ExitClass("oom", exit_code, memory, lines[at].strip(), oom.site_of(lines, at))
+    if any(_LOAD_FRAME.search(line) for line in lines):
+        return ExitClass("resume", exit_code, None, last_exception(lines) or "")
     nan = _find(_NAN, lines)
     if nan is None:
         exc = last_exception(lines)

@@ -62,6 +62,7 @@ from ppo_watchdog.core.planner import run_has_critic
 from ppo_watchdog.protocol import catalog, hydra, inputs, rundir, runinfo
 from ppo_watchdog.protocol import checkpoint as ckpt
 from ppo_watchdog.protocol.catalog import RESUME_MODE_KEY, RESUME_PATH_KEY
+from ppo_watchdog.protocol.events import RESUME_FAILED
 from ppo_watchdog.protocol.runinfo import MODE_VERL, RunInfo
 
 log = logging.getLogger(__name__)
@@ -223,6 +224,9 @@ class GlueState:
     resumed_from: dict[str, int] = field(default_factory=dict)
     """Per attempt (as a string): the step it resumed from (0: a fresh start). A stopped attempt's lines
     past the step its successor resumed from are a timeline the watchdog left (:meth:`VerlGlue._relay`)."""
+    resume_path: str | None = None
+    """The checkpoint the current attempt resumed from (None: a fresh start); named in the ``error`` event
+    when the attempt dies loading it."""
 
     @classmethod
     def load(cls, path: Path) -> GlueState:
@@ -400,6 +404,9 @@ class VerlGlue:
             log.info("%s: %s=true: verl writes no %s then; a checkpoint counts once all its files are there "
                      "(data.pt, which verl writes last, included)", run_id, ASYNC_SAVE_KEY, rundir.LATEST_MARKER)
         self.state = GlueState.load(self.dir / STATE_FILE)
+        # Listed every tick: a checkpoint unchanged since the last tick is not walked again.
+        self._listing = ckpt.VerlListingCache()
+        self._kept_listing = ckpt.VerlListingCache()
         self.exporter: Any = None
         port = info.run_metrics_port
         if port is not None and port != 0:
@@ -484,6 +491,8 @@ class VerlGlue:
     def launched(self, pid: int | None, command: Sequence[str], resume_path: str | None) -> None:
         """Record the launch in run.json and as a ``started`` event."""
         resumed_from = _step_of(resume_path)
+        self.state.resume_path = resume_path
+        self._save()
         launches = RunInfo.read(self.run_dir).launches[-49:]
         launches.append({"attempt": self.state.attempt, "command": list(command), "resume_from": resume_path,
                          FILE_LOGGER_ENV: str(self.metrics_file(self.state.attempt))})
@@ -497,6 +506,22 @@ class VerlGlue:
         with ``skip_batches``, the resume checkpoint's dataloader state moved on (:meth:`_plan_skip`)."""
         p = self._plan_lr(payload, overrides)
         return self._plan_skip(p)
+
+    def stopping(self, resume_step: int | None) -> None:
+        """Recorded before verl is stopped (a watchdog killed mid-stop finds it): verl's driver trains on while
+        Ray shuts down, and the lines of steps past ``resume_step`` it writes then are kept apart
+        (:meth:`_relay`), as those of an attempt already relaunched are."""
+        self.state.resumed_from[str(self.state.attempt + 1)] = resume_step or 0
+        self._save()
+
+    def verify(self, path: Path | str) -> None:
+        """Every rank's files and ``data.pt`` there (its own step standing in for verl's marker, as for a kept
+        copy), each a torch archive verl can open (:func:`~ppo_watchdog.protocol.checkpoint.check_verl_files`)."""
+        path = Path(path)
+        info = ckpt.verl_checkpoint_info(path, _step_of(str(path)), self.world_size, self.components)
+        if not info.complete:
+            raise ckpt.CheckpointError(path, info.reason)
+        ckpt.check_verl_files(path)
 
     def _plan_lr(self, payload: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
         p = dict(payload)
@@ -576,7 +601,8 @@ class VerlGlue:
     def checkpoints(self) -> list[ckpt.CheckpointInfo]:
         """verl's checkpoints of this run (complete or not, with the reason), and the known-good ones
         the watchdog kept where verl's own pruning deleted them (:meth:`protect`)."""
-        own = ckpt.list_verl_checkpoints(self.ckpt_dir, self.world_size, self.components, by_files=self.async_save)
+        own = ckpt.list_verl_checkpoints(self.ckpt_dir, self.world_size, self.components, by_files=self.async_save,
+                                         cache=self._listing)
         return merge_kept(own, self._kept())
 
     def _kept(self) -> list[ckpt.CheckpointInfo]:
@@ -584,8 +610,10 @@ class VerlGlue:
         if not where.is_dir():
             return []
         # A kept copy was complete when it was linked: its own step stands in for verl's marker.
-        return [ckpt.verl_checkpoint_info(p, int(p.name.rsplit("_", 1)[1]), self.world_size, self.components)
-                for p in sorted(where.iterdir()) if p.is_dir() and _step_of(str(p)) is not None]
+        paths = [p for p in sorted(where.iterdir()) if p.is_dir() and _step_of(str(p)) is not None]
+        self._kept_listing.forget_all_but(paths)
+        return [self._kept_listing.info(p, int(p.name.rsplit("_", 1)[1]), self.world_size, self.components, False)
+                for p in paths]
 
     def protect(self, is_bad: IsBad, hold: Collection[int] = ()) -> list[int]:
         """With ``trainer.max_*_ckpt_to_keep`` set, keep the last known-good checkpoints (and ``hold``'s steps)
@@ -611,7 +639,8 @@ class VerlGlue:
                 log.warning("%s: skipped %s", self.run_id, err)
             # Lines a stopped attempt wrote past the step its successor resumed from (verl trains on while
             # Ray shuts down) belong to a timeline the watchdog left: kept apart, not in the run's history.
-            cutoff = s.resumed_from.get(str(s.relay_attempt + 1)) if s.relay_attempt < s.attempt else None
+            # (Known from the moment the attempt is being stopped: :meth:`stopping`.)
+            cutoff = s.resumed_from.get(str(s.relay_attempt + 1))
             for rec in chunk.records:
                 step = rec.get("step") if isinstance(rec, dict) else None
                 if cutoff is not None and isinstance(step, (int, float)) and step > cutoff:
@@ -689,6 +718,9 @@ class VerlGlue:
             micro = config_snapshot(RunInfo.read(self.run_dir).command).get(MICRO_KEY)
             self._event("oom", step, memory=ec.memory, site=ec.site, exit_code=exit_code, message=ec.evidence,
                         micro_batch_size=micro if isinstance(micro, int) else None)
+        elif ec.kind == "resume" and s.resume_path:
+            self._event("error", step, what=RESUME_FAILED, path=s.resume_path, exit_code=exit_code,
+                        message=f"verl could not load {s.resume_path}: {ec.evidence}")
         elif ec.kind == "nan":
             self._event("nan", step, what="exit", exit_code=exit_code, message=ec.evidence)
         else:

@@ -3,12 +3,14 @@ ppo_watchdog.cli)."""
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
 import logging
 import math
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -23,7 +25,7 @@ from typer.core import TyperCommand
 from ppo_watchdog.backends.local import SupervisorError
 from ppo_watchdog.cli.console import CliConsole
 from ppo_watchdog.cli.story import acted, story
-from ppo_watchdog.control.controller import DONE_PHASES, RULE_CONFIG, EngineRules
+from ppo_watchdog.control.controller import DONE_PHASES, RULE_CONFIG, RULE_TICK, EngineRules
 from ppo_watchdog.control.daemon import (
     DaemonConfigError,
     build_watchdog,
@@ -59,19 +61,25 @@ class ReaderSafeStdout:
     write raises BrokenPipeError. Raised in the stop path, it would leave the trainer training on
     unsupervised; so once the reader is gone, stdout (and stderr, when it is the same pipe: ``2>&1``) is
     pointed at /dev/null, every later write goes nowhere, and the interpreter's last flush succeeds too.
+    A terminal that is gone (its window closed, an ssh session dropped: SIGHUP) fails writes with EIO
+    instead, and is gone the same way.
     """
 
     def write(self, text: str) -> int:
         try:
             return sys.stdout.write(text)
-        except BrokenPipeError:
+        except OSError as exc:
+            if exc.errno not in READER_GONE:
+                raise
             reader_gone()
             return len(text)
 
     def flush(self) -> None:
         try:
             sys.stdout.flush()
-        except BrokenPipeError:
+        except OSError as exc:
+            if exc.errno not in READER_GONE:
+                raise
             reader_gone()
 
     def isatty(self) -> bool:
@@ -83,6 +91,10 @@ class ReaderSafeStdout:
     @property
     def encoding(self) -> str:
         return getattr(sys.stdout, "encoding", None) or "utf-8"
+
+
+#: What a write to stdout fails with once nobody reads it: a pipe's reader gone (EPIPE), a terminal hung up (EIO).
+READER_GONE = (errno.EPIPE, errno.EIO)
 
 
 def reader_gone() -> None:
@@ -453,7 +465,8 @@ def run_cmd(
         console.print(f"verdict: {verdict}", style="red")
     # The newest give-up, when it was a refused configuration (not one of an earlier attempt in this run dir).
     given_up = next((d for d in reversed(decisions) if d["kind"] == "escalate"), None)
-    refused = given_up if given_up and given_up["rule"] == RULE_CONFIG and run.phase == Phase.FAILED else None
+    refused = given_up if given_up and given_up["rule"] in (RULE_CONFIG, RULE_TICK) and run.phase == Phase.FAILED \
+        else None
     if refused is not None:  # the cause, where the user looks (it is also in trainer.log and `history`)
         console.print(f"{refused['message']}", style="red")
     if report:
@@ -656,7 +669,7 @@ def status_cmd(
         firing = [] if r.phase in DONE_PHASES else sorted(
             n for n, s in engine.get("rules", {}).items() if s.get("status") == RuleStatus.FIRING)
         open_n = len(store.open_actions(r.run_id))
-        watcher, trainer = supervision(r.run_dir)
+        watcher, trainer = supervision(r.run_dir, store.path.parent)
         decisions = store.decisions(r.run_id)
         shown = [d for d in decisions if shown_in_history(d)]
         waiting = [f"{j.kind} (decision {j.decision_id})" for j in store.awaiting(r.run_id)]
@@ -742,16 +755,32 @@ def _when(ts: float | None) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(ts)) if ts else "-"
 
 
-def supervision(run_dir: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def supervision(run_dir: str, state_dir: Path | None = None) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """(the watchdog holding the run directory, the trainer holding it), each None when none does: read from
-    their locks, which die with their holders (a killed watchdog's record still says "running")."""
-    return (locks.holder_if_held(Path(run_dir) / locks.RUN_LOCK),
-            locks.holder_if_held(Path(run_dir) / locks.TRAINER_LOCK))
+    their locks, which die with their holders (a killed watchdog's record still says "running").
+
+    A run lock that is no lock file any more (removed, or replaced by a FIFO or a directory after the watchdog
+    took it: the watchdog holds the old file) tells nothing; the watchdog holding ``state_dir``, the one that
+    watches the runs of that state, is asked then, and its note says why."""
+    run_lock = Path(run_dir) / locks.RUN_LOCK
+    watcher = locks.holder_if_held(run_lock)
+    if watcher is None and state_dir is not None:
+        try:
+            mode = run_lock.lstat().st_mode
+            unusable = None if stat.S_ISREG(mode) else f"{run_lock} is not a regular file"
+        except FileNotFoundError:
+            unusable = f"{run_lock} is gone"
+        except OSError as exc:
+            unusable = f"{run_lock} cannot be read ({exc.strerror or exc})"
+        state = locks.holder_if_held(state_dir / locks.STATE_LOCK) if unusable else None
+        if state is not None:
+            watcher = {**state, "note": f"{unusable}: told by the state's lock"}
+    return watcher, locks.holder_if_held(Path(run_dir) / locks.TRAINER_LOCK)
 
 
 def _supervised_text(phase: str, watcher: dict[str, Any] | None, trainer: dict[str, Any] | None) -> str:
     if watcher is not None:
-        return f"by {locks.describe_holder(watcher)}"
+        return f"by {locks.describe_holder(watcher)}" + (f" ({watcher['note']})" if watcher.get("note") else "")
     if trainer is not None:
         return (f"UNSUPERVISED: {locks.describe_holder(trainer)} runs with no watchdog watching it "
                 "(`watchdog run` on its run dir, or a daemon, adopts it)")

@@ -53,12 +53,13 @@ from ppo_watchdog.backends.local import (
     TrainerAlive,
     TrainerProcess,
 )
-from ppo_watchdog.control.store import UNWATCHED, ActionRecord, BadSpan, Phase, RunRecord, Store
+from ppo_watchdog.control.store import UNLOADABLE, UNWATCHED, ActionRecord, BadSpan, Phase, RunRecord, Store
 from ppo_watchdog.core.engine import evidence_text
 from ppo_watchdog.core.planner import clip_bound_sets, config_value, snap_sets
 from ppo_watchdog.core.pricing import Cost, duration_text
 from ppo_watchdog.core.summary import entry_words, sets_text
 from ppo_watchdog.core.vocabulary import APPROVE_KINDS, ActionStatus, JournalKind
+from ppo_watchdog.protocol import checkpoint as ckpt
 from ppo_watchdog.protocol import hydra, inputs, rundir
 from ppo_watchdog.protocol.catalog import (
     CLIP_HIGH_KEY,
@@ -841,10 +842,10 @@ class Actuator:
             # verl's resume trap: the checkpoint's lr wins over optim.lr. Its dialect resumes from a copy
             # that carries the new lr, or refuses the lr change (audited) rather than lose it silently.
             try:
-                if p.get("resume_path") and not Path(p["resume_path"]).exists():
-                    raise FileNotFoundError(errno.ENOENT, "no longer there", p["resume_path"])
+                if p.get("resume_path") and "stopped_ts" not in p:
+                    self._check_resumable(h, p["resume_path"], p.get("resume_step"))
                 planned = h.dialect.plan_resume(p, {**h.run.overrides, **p.get("set", {})})
-            except FileNotFoundError as exc:  # removed before or while its relaunch copy was built
+            except (FileNotFoundError, ckpt.CheckpointError) as exc:  # removed, or it cannot be loaded
                 self._fall_back(h, entry, p, exc)
                 return  # nothing was stopped yet: the next drive plans the relaunch from the fallback
             if planned != p:
@@ -867,6 +868,7 @@ class Actuator:
         if "launched_pid" not in p:
             if "stopped_ts" not in p:
                 p.update(trained_to=h.run.last_step, stopped_pid=h.run.pid)
+                h.dialect.stopping(p.get("resume_step"))
                 p["stop_exit"] = self.stop(h)
                 p["stopped_ts"] = time.time()
                 self.store.update_action(entry.id, payload=p)
@@ -876,8 +878,6 @@ class Actuator:
             if p.get("resume") == "scratch":
                 # Start over from the initial weights: nothing saved on the abandoned timeline (the
                 # stopped trainer's SIGTERM checkpoint included) may be resumed by a later restart.
-                from ppo_watchdog.protocol import checkpoint as ckpt
-
                 moved = ckpt.set_aside(h.dialect.checkpoint_root, f"{entry.id}")
                 if moved is not None:
                     p["set_aside"] = str(moved)
@@ -918,16 +918,41 @@ class Actuator:
                      pid=h.run.pid, job_id=h.run.job_id, resume_step=p.get("resume_step"), exit_code=code,
                      stopped_ts=stopped_ts, steps_lost=_steps_lost(p.get("trained_to"), p.get("resume_step")))
 
-    def _fall_back(self, h: RunHandle, entry: ActionRecord, p: dict[str, Any], exc: OSError) -> None:
-        """The one fallback of a relaunch whose checkpoint vanished while it was prepared (removed by hand or by
-        a pruning, before or during its relaunch copy): the newest complete checkpoint before it (for a
-        rollback, the newest still known-good), else the start; recorded in the entry and said to the console
-        and the webhook. Nothing was stopped yet, so the next drive plans the relaunch from there."""
+    def _check_resumable(self, h: RunHandle, path: str, step: Any) -> None:
+        """Raise FileNotFoundError when the checkpoint a relaunch resumes from is gone, CheckpointError when it
+        cannot be loaded: it failed verification (:meth:`Dialect.verify`) or a trainer died loading it before."""
+        if not Path(path).exists():
+            raise FileNotFoundError(errno.ENOENT, "no longer there", path)
+        if isinstance(step, int) and self._unloadable(h, step, Path(path)):
+            raise ckpt.CheckpointError(path, "a trainer could not load it before")
+        h.dialect.verify(path)
+
+    def _unloadable(self, h: RunHandle, step: int, path: Path) -> bool:
+        """Was the checkpoint of ``step`` at ``path`` found unloadable (:meth:`Store.mark_unloadable`)?"""
+        try:
+            ts: float | None = max((f.stat().st_mtime for f in path.iterdir()), default=path.stat().st_mtime)
+        except OSError:
+            ts = None
+        return any(s.rule == UNLOADABLE and s.covers(step, ts) for s in self.store.bad_spans(h.run.run_id))
+
+    def _fall_back(self, h: RunHandle, entry: ActionRecord, p: dict[str, Any],
+                   exc: OSError | ckpt.CheckpointError) -> None:
+        """The one checkpoint fallback of a relaunch, for every trainer: its checkpoint vanished while it was
+        prepared (removed by hand or by a pruning, before or during its relaunch copy), failed verification, or
+        a trainer died loading it (:meth:`resume_failed`). It goes to the newest complete checkpoint before it
+        (for a rollback, the newest still known-good), else the start; one that cannot be loaded is recorded
+        (:meth:`Store.mark_unloadable`), so no relaunch goes there again; recorded in the entry and said to the
+        console and the webhook. Nothing was stopped yet, so the next drive plans (and verifies) the relaunch
+        from there."""
         gone, step = str(p.get("resume_path")), p.get("resume_step")
+        if isinstance(exc, ckpt.CheckpointError) and isinstance(step, int):
+            self.store.mark_unloadable(h.run.run_id, step)
+        spans = self.store.bad_spans(h.run.run_id)
         older = [c for c in h.dialect.checkpoints() if c.complete and str(c.path) != gone
-                 and (step is None or c.step < int(step))]
+                 and (step is None or c.step < int(step))
+                 and not any(s.rule == UNLOADABLE and s.covers(c.step, c.ts) for s in spans)]
         rewinding = p.get("resume") in ("known_good", "path")
-        info = (choose_known_good(older, self.store.bad_spans(h.run.run_id)) if rewinding
+        info = (choose_known_good(older, spans) if rewinding
                 else max(older, key=lambda c: c.step, default=None))
         if info is not None:
             p.update(resume_path=str(info.path), resume_step=info.step)
@@ -935,16 +960,51 @@ class Actuator:
         elif rewinding:
             p.update(resume="scratch", resume_path=None, resume_step=0)
             where = "the start (the initial weights: no earlier known-good checkpoint)"
+        elif isinstance(exc, ckpt.CheckpointError):
+            # Not "no resume argument": a trainer resuming on its own (verl's resume_mode auto) would find this
+            # one again. The start, with what was saved set aside.
+            p.update(resume="scratch", resume_path=None, resume_step=0)
+            where = "the start (the initial weights: no earlier checkpoint)"
         else:
             p.update(resume_path=None, resume_step=None)
             where = "the start (no earlier checkpoint)"
-        p["fallback"] = (f"the checkpoint of step {step} ({gone}) vanished while the relaunch was prepared "
-                         f"({exc.filename or gone}: {exc.strerror or exc}); resumed from {where} instead")
+        for key in ("lr_patch", "refused", "refused_keys", "checkpoint_path"):
+            p.pop(key, None)  # planned for the checkpoint given up: planned again for the fallback
+        if isinstance(exc, ckpt.CheckpointError):
+            what, summary = f"cannot be loaded ({exc})", f"checkpoint of step {step} cannot be loaded"
+        else:
+            what = f"vanished while the relaunch was prepared ({exc.filename or gone}: {exc.strerror or exc})"
+            summary = f"checkpoint of step {step} vanished"
+        p["fallback"] = f"the checkpoint of step {step} ({gone}) {what}; resumed from {where} instead"
         self.store.update_action(entry.id, payload=p)
         entry.payload = p
         log.error("%s: %s", h.run.run_id, p["fallback"])
         self.notifier.notify(alert_payload(h.run.run_id, str(p.get("rule", "")), "warning",
-                                           f"checkpoint of step {step} vanished: relaunch falls back", p["fallback"]))
+                                           f"{summary}: relaunch falls back", p["fallback"]))
+
+    def chose_resume(self, h: RunHandle, path: str) -> ActionRecord | None:
+        """The restart of the watchdog's that launched the current attempt from the checkpoint at ``path`` (or
+        from its patched copy there); None: the watchdog did not choose it (a person's own command named it)."""
+        launched = next((e for e in reversed(self.store.journal(h.run.run_id)) if e.kind == JournalKind.RESTART
+                         and h.run.pid is not None and e.payload.get("launched_pid") == h.run.pid), None)
+        if launched is None or not isinstance(launched.payload.get("resume_step"), int):
+            return None
+        p = launched.payload
+        named = {str(Path(x).resolve()) for x in (p.get("resume_path"), p.get("checkpoint_path")) if x}
+        return launched if str(Path(path).resolve()) in named else None
+
+    def resume_failed(self, h: RunHandle, launched: ActionRecord, why: str, decision_id: int | None) -> int:
+        """The current attempt, launched by ``launched`` (:meth:`chose_resume`), died loading its checkpoint (an
+        ``error`` event, ``what: resume``): that checkpoint is recorded unloadable and a new restart goes to the
+        one before it (:meth:`_fall_back`, the same policy as a checkpoint that fails verification when the
+        restart is driven). Returns the new restart's journal id."""
+        p = launched.payload
+        source = str(p.get("checkpoint_path") or p["resume_path"])
+        payload: dict[str, Any] = {k: p[k] for k in ("rule", "resume", "set", "skip_batches", "reason") if k in p}
+        payload.update(resume_path=source, resume_step=p["resume_step"], resume_error=why)
+        self.store.mark_unloadable(h.run.run_id, int(p["resume_step"]))
+        log.error("%s: the trainer could not load %s: %s", h.run.run_id, source, why)
+        return self.store.add_action(h.run.run_id, "restart", payload, decision_id=decision_id)
 
     def _drive_stop(self, h: RunHandle, entry: ActionRecord, now: float) -> None:
         """Nothing is left to try and no human waits: stop the trainer and end the run with a verdict."""
@@ -1088,7 +1148,8 @@ class Actuator:
     # -- helpers ---------------------------------------------------------------------
 
     def _resolve_checkpoint(self, h: RunHandle, which: str) -> Any | None:
-        infos = [c for c in h.dialect.checkpoints() if c.complete]
+        spans = [s for s in self.store.bad_spans(h.run.run_id) if s.rule == UNLOADABLE]
+        infos = [c for c in h.dialect.checkpoints() if c.complete and not any(s.covers(c.step, c.ts) for s in spans)]
         if which == "known_good":
             return choose_known_good(infos, self.store.bad_spans(h.run.run_id))
         return max(infos, key=lambda c: c.step) if infos else None

@@ -60,7 +60,7 @@ from ppo_watchdog.core.planner import (
 from ppo_watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
 from ppo_watchdog.core.vocabulary import OPEN_ACTION_STATUSES, ActionStatus, DecisionKind, JournalKind
 from ppo_watchdog.protocol import catalog, rundir
-from ppo_watchdog.protocol.events import STEP_SLACK, Event, outside_message, past_the_end
+from ppo_watchdog.protocol.events import STEP_SLACK, Event, outside_message, past_the_end, resume_failure
 from ppo_watchdog.protocol.runinfo import RunInfo
 
 if TYPE_CHECKING:
@@ -84,6 +84,10 @@ RULE_CRASH = "watchdog:crash"
 RULE_HANG = "watchdog:hang"
 RULE_BUDGET = "watchdog:budget"
 RULE_LIVE_TIMEOUT = "watchdog:live_timeout"
+#: Every tick of the run failed the same way (``watchdog run`` only): given up, ``watchdog run`` exits 2.
+RULE_TICK = "watchdog:tick"
+#: The trainer could not load the checkpoint a relaunch named: relaunched from the one before it.
+RULE_RESUME = "watchdog:resume"
 #: The trainer refused its configuration (exit 2 / verl's config error): given up at once, ``watchdog run`` exits 2.
 RULE_CONFIG = "watchdog:config"
 
@@ -170,7 +174,7 @@ def _finite(v: Any) -> bool:
 
 
 _TICK_FIELDS = ("_rewind_pending", "_rewind_to", "_step_times", "_last_checkpoint", "_saw_finished", "_saw_oom",
-                "_events_since_eval", "_launch_seen", "_started_ts", "latest", "_held", "_last_tuning_clock",
+                "_saw_resume_failed", "_events_since_eval", "_launch_seen", "_started_ts", "latest", "_held", "_last_tuning_clock",
                 "_paused_since", "_control_errors")
 """What a tick's read and decide change of the controller besides the engine state and read positions, put
 back when the tick fails (``_blind_warned`` is not: its warning was said, and is not said twice)."""
@@ -383,6 +387,8 @@ class RunController:
         self._step_times: list[float] = []
         self._saw_finished = False
         self._saw_oom: dict[str, Any] | None = None
+        self._saw_resume_failed: Event | None = None
+        """This attempt's ``error`` event saying it could not load the checkpoint it resumed from."""
         self._control_errors: dict[int, list[str]] = {}  # version -> the trainer's refusals, until its ``applied``
         self._events_since_eval = False
         self._held: list[Event] = []
@@ -502,7 +508,7 @@ class RunController:
             # A new attempt (this watchdog's launch or restart): what the last one said about how it
             # ended (an ``oom``, ``finished``) is not this one's.
             self._attempt_ts = self.run.launched_ts
-            self._saw_finished, self._saw_oom = False, None
+            self._saw_finished, self._saw_oom, self._saw_resume_failed = False, None, None
         try:
             # verl writes no events: its dialect relays the metrics, notes the checkpoints and classifies the
             # exit (not that of a trainer the watchdog stopped itself to pause the run).
@@ -755,7 +761,7 @@ class RunController:
                     applied = e.get("applied")
                     seen = content if content is not None else dict(applied) if isinstance(applied, Mapping) else {}
                     hidden = self.actuator.confirm(self.h, version, e.get("step"), ids, refusals, foreign=seen)
-                    self._foreign_control(e, version, ids, hidden, over_own)
+                    self._foreign_control(e, version, ids, hidden, over_own, refusals)
                 else:
                     self.actuator.confirm(self.h, version, e.get("step"), ids, refusals)
             elif kind == JournalKind.ROLLBACK:
@@ -774,6 +780,8 @@ class RunController:
                 self._last_checkpoint = int(e["step"])
             elif kind == "oom":
                 self._saw_oom = e
+            elif resume_failure(e) is not None and not self._before_attempt(e):
+                self._saw_resume_failed = e
             elif kind == "started":
                 self._saw_finished = False
                 self._saw_oom = None
@@ -787,14 +795,16 @@ class RunController:
         return next((v for v in self.store.control_versions(self.run.run_id) if v["version"] == version), None)
 
     def _foreign_control(self, e: Event, version: int, command_ids: Sequence[str],
-                         hidden: Sequence[ActionRecord] = (), over_own: bool = False) -> None:
+                         hidden: Sequence[ActionRecord] = (), over_own: bool = False,
+                         refusals: Sequence[str] = ()) -> None:
         """A version the watchdog never wrote was applied: said at once (console, history, webhook) with
         the values it changed, and adopted as the run's desired state. The trainer runs with those
         values, so the rules' next sets start from them and the watchdog's next version keeps them
         (a relaunch too) rather than silently undoing a human's change (RELIABILITY.md). ``hidden``: the
         watchdog's own changes still waiting for the trainer that this version left out (re-opened by
         :meth:`Actuator.confirm`): they are sent again on top, and said so. ``over_own``: it was written at
-        the number of a version the watchdog wrote, over it."""
+        the number of a version the watchdog wrote, over it. ``refusals``: the trainer's ``error`` messages
+        about that version (a key it cannot change live, and why), said with it: those keys did not change."""
         raw = e.get("applied")
         applied: dict[str, Any] = dict(raw) if isinstance(raw, Mapping) else {}
         changed = {k: v for k, v in applied.items() if self.run.overrides.get(k) != v}
@@ -807,6 +817,8 @@ class RunController:
         message = (f"control.json version {version}, applied at step {e.get('step')}, was not written by the "
                    f"watchdog{over}: it changed {said}{cmds}. The watchdog adopts these values: its next sets start "
                    f"from them")
+        if refusals:
+            message += "; the trainer refused part of it: " + "; ".join(refusals)
         if hidden:
             what = "; ".join(f"set {', '.join(f'{k}={v!r}' for k, v in (h.payload.get('set') or {}).items())}"
                              if h.kind == JournalKind.LIVE_SET else
@@ -1328,6 +1340,8 @@ class RunController:
             how = self.h.dialect.classify_exit(code, self._saw_finished, self._saw_oom is not None)
             self.run.exit_code = code
             self.store.update_run(self.run.run_id, exit_code=code)
+            if how != "finished" and self._saw_resume_failed is not None and self._on_resume_failed(code):
+                return
             if how == "finished":
                 log.info("%s: trainer finished (exit %s)", self.run.run_id, code)
                 self._set_phase(Phase.FINISHED)
@@ -1362,6 +1376,24 @@ class RunController:
         if idle > limit:
             self._on_crash(RULE_HANG, f"no new step for {idle:.0f}s (timeout {limit:.0f}s)",
                            {"idle_s": idle, "timeout_s": limit})
+
+    def _on_resume_failed(self, code: int | None) -> bool:
+        """The attempt died loading the checkpoint a relaunch of the watchdog's chose: relaunch from the one
+        before it (:meth:`Actuator.resume_failed`), not counted against the restart budget (each checkpoint
+        is given up once, so the fallbacks end at the start). False: the watchdog did not choose it."""
+        e, self._saw_resume_failed = self._saw_resume_failed, None
+        if e is None:
+            return False
+        path, why = str(e["path"]), str(e.get("message", ""))
+        chose = self.actuator.chose_resume(self.h, path)
+        if chose is None:
+            return False
+        with self.store.transaction():
+            did = self._own_decision(RULE_RESUME, f"the trainer could not load {path} (exit {code}): {why}",
+                                     {"exit_code": code, "path": path})
+            rid = self.actuator.resume_failed(self.h, chose, why, did)
+            self._relaunch_journaled(self.store.get_action(rid).payload)  # type: ignore[union-attr]
+        return True
 
     def _own_decision(self, rule: str, message: str, inputs: dict[str, Any], kind: str = "fire") -> int:
         step = self.run.last_step if self.run.last_step is not None else 0
@@ -1418,10 +1450,15 @@ class RunController:
         """The trainer runs but did not apply a control version in time: restart with the overrides."""
         return self._on_crash(RULE_LIVE_TIMEOUT, message, {"control_version": entry.control_version}, resume="latest")
 
+    def give_up(self, rule: str, message: str, inputs: dict[str, Any] | None = None) -> None:
+        """End the run as ``failed``: a human is needed (said, alerted); what is open in its journal fails."""
+        self._give_up(rule, message, inputs)
+
     def _give_up(self, rule: str, message: str, inputs: dict[str, Any] | None = None) -> None:
         with self.store.transaction():
-            # A refused configuration is its own rule (``watchdog run`` exits 2 on it); the rest are budgets.
-            did = self._own_decision(rule if rule == RULE_CONFIG else RULE_BUDGET, f"{rule}: {message}",
+            # A refused configuration and a run that cannot be watched are their own rules (``watchdog run``
+            # exits 2 on them); the rest are budgets.
+            did = self._own_decision(rule if rule in (RULE_CONFIG, RULE_TICK) else RULE_BUDGET, f"{rule}: {message}",
                                      inputs or {}, kind="escalate")
             self.store.add_action(self.run.run_id, "notify", {
                 "rule": rule, "severity": "critical", "summary": f"{rule}: run given up, a human is needed",

@@ -45,6 +45,8 @@ from ppo_watchdog.control.actuator import (
     webhook_target,
 )
 from ppo_watchdog.control.controller import (
+    DONE_PHASES,
+    RULE_TICK,
     ControllerConfig,
     EngineRules,
     RulesEngine,
@@ -65,7 +67,7 @@ from ppo_watchdog.control.store import Phase, RunRecord, Store, StoreError
 from ppo_watchdog.core.planner import ON_ESCALATE
 from ppo_watchdog.core.rulefile import rule_paths as resolve_rule_paths
 from ppo_watchdog.observe.telemetry import WatchdogMetrics
-from ppo_watchdog.protocol import inputs
+from ppo_watchdog.protocol import inputs, rundir
 from ppo_watchdog.protocol import lock as locks
 from ppo_watchdog.sources.prometheus import SOURCES, SourceConfig, make_source, source_config
 
@@ -85,6 +87,10 @@ def state_dir_default() -> str:
 #: Runs whose reads and decisions share one SQLite transaction in a tick (one commit per this many runs
 #: instead of one per run; what a failed commit makes the tick undo in memory is bounded by it).
 DECIDE_CHUNK = 256
+
+#: ``watchdog run`` gives its run up once this many ticks in a row failed the same way (30 s at its default
+#: ``--tick`` of 1 s): long enough for weather (a store locked, a metric source restarting) to pass.
+STUCK_TICKS = 30
 
 #: Runs read and screened together (their rules' steps in lockstep, one screen pass a step over all of them),
 #: then written :data:`DECIDE_CHUNK` at a time. A screen pass costs per node as well as per run: the rules of
@@ -433,6 +439,11 @@ class Watchdog:
         self._retry_at = 0.0
         self._tick_errors: dict[str, str] = {}
         """The last error said for each run's tick (a tick failing the same way is said once)."""
+        self._tick_repeats: dict[str, int] = {}
+        """Ticks in a row each run's tick failed with that same error."""
+        self.stuck_ticks: int | None = None
+        """Give a run up once its tick failed this many times in a row the same way (None: never, a daemon's
+        runs are tried again for as long as it serves); :meth:`serve_forever` sets it for ``watchdog run``."""
         self.freeze_survivors = False
         """After each tick, move what it left alive out of the cyclic collector's reach (a daemon's runs'
         windows and states; see :meth:`_freeze_survivors`). Process-wide, so set by a daemon's
@@ -733,8 +744,12 @@ class Watchdog:
         why = f"{type(exc).__name__}: {exc}"
         if self._tick_errors.get(run_id) == why:
             log.debug("%s: tick failed again: %s", run_id, why)
+            self._tick_repeats[run_id] = self._tick_repeats.get(run_id, 1) + 1
+            if self.stuck_ticks is not None and self._tick_repeats[run_id] >= self.stuck_ticks:
+                self._give_up_stuck(run_id, exc)
             return
         self._tick_errors[run_id] = why
+        self._tick_repeats[run_id] = 1
         if isinstance(exc, (OSError, ValueError)):  # a launch refused, a garbled file: the message says it all
             log.error("%s: tick failed: %s (said once; tried again every tick)", run_id, exc)
         else:
@@ -764,6 +779,23 @@ class Watchdog:
             gc.set_threshold(*self._gc_threshold)
             self._froze = False
 
+    def _give_up_stuck(self, run_id: str, exc: Exception) -> None:
+        """A run whose tick fails the same way every time (its trainer lock a directory, a sweep in its command)
+        cannot be watched: given up with the cause (``watchdog run`` exits 2 and says it), not waited on forever."""
+        ctl = self.controllers.get(run_id)
+        if ctl is None or ctl.run.phase in DONE_PHASES:
+            return
+        message = (f"every tick failed the same way {self._tick_repeats[run_id]} times in a row: {exc}; "
+                   "the run cannot be watched until that is fixed")
+        log.error("%s: %s", run_id, message)
+        try:
+            if ctl.h.proc is not None:
+                self.actuator.stop(ctl.h)
+            ctl.give_up(RULE_TICK, message, {"error": str(exc)})
+        except Exception:  # (the store itself failing): said, and the run is left as the store has it
+            log.exception("%s: could not record the run as given up", run_id)
+        self.done.set()
+
     def serve_forever(self, tick_s: float, until_done: bool = True, stop: threading.Event | None = None,
                       beside: Callable[[], bool] | None = None, on_stop: Callable[[], None] | None = None,
                       phase_s: float | None = None) -> None:
@@ -779,6 +811,8 @@ class Watchdog:
         from apscheduler.schedulers.background import BackgroundScheduler
 
         self.freeze_survivors |= not until_done
+        if until_done and self.stuck_ticks is None:
+            self.stuck_ticks = STUCK_TICKS
         sched = BackgroundScheduler(daemon=True)
         grace = max(1, int(tick_s * 5))
         if phase_s is None:
@@ -1065,7 +1099,24 @@ def _add_spec(wd: Watchdog, cfg: DaemonConfig, spec: RunSpec) -> RunController:
         _adopt_ray_job(wd, ctl)
     elif cmd and ctl.run.phase == Phase.NEW:
         _adopt_pid(wd, ctl)
+    if cmd and ctl.run.phase == Phase.NEW and ctl.h.proc is None:
+        _keep_finished(wd, ctl)
     return ctl
+
+
+def _keep_finished(wd: Watchdog, ctl: RunController) -> None:
+    """A run new to this state whose own events say it finished (its last attempt's ``finished`` after its
+    ``started``: a ``watchdog run``, another state's daemon, or the trainer alone ran it to the end) is recorded
+    finished, not launched again: the daemon's config names where runs are, not that they must train again."""
+    last = None
+    for e in rundir.iter_events(ctl.run.run_dir, ["started", "finished"]):
+        last = e.get("kind")
+    if last != "finished":
+        return
+    log.warning("%s: %s says it finished: recorded finished, not launched again (its run directory anew, or "
+                "`watchdog run` on it, trains again)", ctl.run.run_id, Path(ctl.run.run_dir) / rundir.EVENTS)
+    wd.store.update_run(ctl.run.run_id, phase=Phase.FINISHED)
+    ctl.h.run.phase = Phase.FINISHED
 
 
 def _adopt_pid(wd: Watchdog, ctl: RunController) -> None:

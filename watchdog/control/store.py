@@ -1073,6 +1073,17 @@ class Store:
                 "VALUES (?, ?, 0, ?, NULL, ?, ?)", (run_id, UNWATCHED, int(first_step) - 1, now, now),
             )
 
+    def mark_unloadable(self, run_id: str, step: int) -> None:
+        """The checkpoint of ``step`` saved so far cannot be loaded (it failed verification before a relaunch,
+        or the trainer died loading it): a closed span over that step alone, so no relaunch picks it again. A
+        checkpoint of the same step saved later (a re-run) is not covered (:meth:`BadSpan.covers`)."""
+        now = _now()
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO bad_spans (run_id, rule, start_step, end_step, decision_id, opened_ts, closed_ts) "
+                "VALUES (?, ?, ?, ?, NULL, ?, ?)", (run_id, UNLOADABLE, int(step), int(step), now, now),
+            )
+
     def bad_spans(self, run_id: str) -> list[BadSpan]:
         """Every divergence span of a run, oldest first."""
         with self._lock:
@@ -1090,6 +1101,8 @@ class Store:
 
 #: The ``rule`` of the span over the steps before the first one the watchdog saw (:meth:`Store.mark_unwatched`).
 UNWATCHED = "(before the watchdog)"
+#: The ``rule`` of the span over a checkpoint that could not be loaded (:meth:`Store.mark_unloadable`).
+UNLOADABLE = "(cannot be loaded)"
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,8 @@ import os
 import re
 import shutil
 import time
+import zipfile
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -539,23 +541,101 @@ def verl_checkpoint_info(path: Path | str, marker: int | None, world_size: int |
     return CheckpointInfo(path, step, -1, True, ts)
 
 
+def check_verl_files(path: Path | str) -> None:
+    """Raise :class:`CheckpointError` naming the first file of a verl checkpoint that verl could not load.
+
+    Each per-rank file and ``data.pt`` must be the zip archive ``torch.save`` writes, its directory
+    readable and its pickle's CRC right: a truncated, overwritten or bit-flipped header fails here,
+    before a relaunch is wasted on it. The tensors' bytes are not read (an optimizer shard is gigabytes);
+    a corruption there is what the trainer reports when it loads them (an ``error`` event, ``what:
+    resume``). verl writes no checksums, so this is the most that can be known without loading.
+    """
+    path = Path(path)
+    files = [f for sub in sorted(path.iterdir()) if sub.is_dir() for f in sorted(sub.iterdir())
+             if _VERL_FILE.match(f.name)]
+    for f in [*files, path / VERL_DATA_FILE]:
+        try:
+            with os.fdopen(inputs.open_regular(f), "rb") as fh, zipfile.ZipFile(fh) as zf:
+                pickle = next((n for n in zf.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"), None)
+                if pickle is None:
+                    raise CheckpointError(f, "not a torch.save archive (no data.pkl inside)")
+                zf.read(pickle)  # checks its CRC
+        except FileNotFoundError:
+            raise CheckpointError(f, "missing") from None
+        except (OSError, zipfile.BadZipFile, zlib.error, EOFError) as exc:
+            raise CheckpointError(f, f"cannot be loaded ({type(exc).__name__}: {exc})") from exc
+
+
 def components_needed(components: tuple[str, ...]) -> tuple[str, ...]:
     """The component directories a checkpoint must hold: always ``actor``, plus those given."""
     return ("actor", *(c for c in components if c != "actor"))
 
 
 def list_verl_checkpoints(root: Path | str, world_size: int | None = None,
-                          components: tuple[str, ...] = ("actor",), by_files: bool = False) -> list[CheckpointInfo]:
+                          components: tuple[str, ...] = ("actor",), by_files: bool = False,
+                          cache: VerlListingCache | None = None) -> list[CheckpointInfo]:
     """Every ``global_step_N`` under verl's ``default_local_dir``, sorted by step, judged by
     :func:`verl_checkpoint_info` (no hashing: verl writes no checksums to compare with; ``by_files``:
-    the marker not consulted, for verl's async save)."""
+    the marker not consulted, for verl's async save). ``cache``: a checkpoint unchanged since the last
+    listing through it is not walked again (:class:`VerlListingCache`)."""
     root = Path(root)
     if not root.is_dir():
         return []
     marker = read_marker(root)
-    out = [verl_checkpoint_info(p, marker, world_size, components, by_files) for p in root.iterdir()
-           if p.is_dir() and _STEP_DIR.match(p.name)]
+    paths = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    if cache is None:
+        out = [verl_checkpoint_info(p, marker, world_size, components, by_files) for p in paths]
+    else:
+        out = [cache.info(p, marker, world_size, components, by_files) for p in paths]
+        cache.forget_all_but(paths)
     return sorted(out, key=lambda c: c.step)
+
+
+class VerlListingCache:
+    """What :func:`verl_checkpoint_info` said of each checkpoint, kept while the checkpoint is unchanged.
+
+    A watcher lists a run's checkpoints every tick; walking and stat'ing every rank's files of every
+    checkpoint each time costs seconds on a network file system with many checkpoints. A checkpoint is
+    walked again only when its directory, one of its component directories (a file added, removed or
+    renamed there) or its ``data.pt`` (verl's last write of a save) changed, or verl's marker moved.
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[Path, tuple[tuple[Any, ...], CheckpointInfo]] = {}
+        self.walks = 0
+        """Checkpoints walked (not answered from memory): what a test or a measurement counts."""
+
+    @staticmethod
+    def _signature(path: Path) -> tuple[Any, ...]:
+        st = path.stat()
+        parts = []
+        with os.scandir(path) as entries:
+            for e in entries:
+                if e.is_dir(follow_symlinks=False) or e.name == VERL_DATA_FILE:
+                    s = e.stat(follow_symlinks=False)
+                    parts.append((e.name, s.st_ino, s.st_mtime_ns, s.st_size if e.name == VERL_DATA_FILE else 0))
+        return st.st_ino, st.st_mtime_ns, tuple(sorted(parts))
+
+    def info(self, path: Path, marker: int | None, world_size: int | None, components: tuple[str, ...],
+             by_files: bool) -> CheckpointInfo:
+        """:func:`verl_checkpoint_info` of ``path``, from memory when nothing it reads changed."""
+        try:
+            key = (marker, world_size, components, by_files, self._signature(path))
+        except OSError:  # (removed meanwhile): said as verl_checkpoint_info says it
+            return verl_checkpoint_info(path, marker, world_size, components, by_files)
+        seen = self._seen.get(path)
+        if seen is not None and seen[0] == key:
+            return seen[1]
+        self.walks += 1
+        info = verl_checkpoint_info(path, marker, world_size, components, by_files)
+        self._seen[path] = (key, info)
+        return info
+
+    def forget_all_but(self, paths: Iterable[Path]) -> None:
+        """Drop what is remembered of checkpoints no longer listed."""
+        keep = set(paths)
+        for p in [p for p in self._seen if p not in keep]:
+            del self._seen[p]
 
 
 #: Where numpy's array rebuilder lives, under numpy 1 and numpy 2: a file pickled by the other

@@ -31,6 +31,18 @@ EVENT_KINDS = frozenset(
 )
 
 
+#: The ``what`` of an ``error`` event a trainer writes when the checkpoint it was told to resume from cannot be
+#: loaded (its ``path`` in the event): the watchdog relaunches from the one before it, never that one again.
+RESUME_FAILED = "resume"
+
+
+def resume_failure(e: Any) -> str | None:
+    """The checkpoint path an event says could not be resumed from (None: no such event)."""
+    if e.get("kind") == "error" and e.get("what") == RESUME_FAILED and isinstance(e.get("path"), str):
+        return str(e["path"])
+    return None
+
+
 def _count(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
