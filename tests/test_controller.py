@@ -15,6 +15,7 @@ import textwrap
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -38,7 +39,7 @@ from ppo_watchdog.control.controller import (
 )
 from ppo_watchdog.control.daemon import DaemonConfigError, build_watchdog, load_daemon_config
 from ppo_watchdog.control.store import BadSpan, RunRecord, Store
-from ppo_watchdog.core.actions import SetAction
+from ppo_watchdog.core.actions import RollbackAction, SetAction
 from ppo_watchdog.core.engine import Decision
 from ppo_watchdog.protocol import catalog, rundir
 from ppo_watchdog.protocol import checkpoint as ckpt
@@ -631,6 +632,70 @@ def test_a_divergence_that_recurs_after_its_rollback_suspects_the_checkpoint_it_
     assert ctl._recurring_start("nan", 77, 76) == 76  # another cause
     spans = [BadSpan("kl_explosion", 75, None, 0.0, None)]
     assert choose_known_good([SimpleNamespace(step=s, complete=True) for s in (70, 75)], spans).step == 70
+
+
+def _rewound_run(tmp_path: Path, target: int) -> tuple[Any, Any, str]:
+    """A watched run whose kl_leap rewind (lr 1e-3 -> 1e-4) resumed from ``target`` (0: the start)."""
+    run = tmp_path / "run"
+    RunInfo(id="run", live_keys=[LR], config={"actor_rollout_ref": {"actor": {"optim": {"lr": 1e-3}}}}).write(run)
+    wd = build_watchdog(tmp_path / "state", [])
+    ctl = wd.add_run(run, managed=False)
+    rid = ctl.run.run_id
+    wd.store.open_bad_span(rid, "kl_leap", target + 4 if target else 1)  # fired a few steps past its target
+    resume = "scratch" if target == 0 else "path"
+    entry = wd.store.add_action(rid, "restart", {"rule": "kl_leap", "resume": resume, "resume_step": target,
+                                                 "set": {LR: 1e-4}})
+    wd.store.update_action(entry, status="done")
+    wd.store.close_bad_spans(rid, target + 5)
+    ctl.run.overrides = {LR: 1e-4}
+    return wd, ctl, rid
+
+
+def _drift(step: int) -> Decision:
+    return Decision("kl_drift", step, "fire", [RollbackAction(2), SetAction(LR, "scale", 0.5, min=1e-8, grow=True)],
+                    {}, "critical", "m", divergence=True, urgent=True)
+
+
+def test_a_divergence_soon_after_a_rewind_to_the_start_goes_to_the_start_again_and_cuts_harder(tmp_path: Path) -> None:
+    """Issue 45 item 3, found on TRL: an lr 100x too high caught by kl_leap at step 2 went back to the start
+    with lr x0.1; at 10x it drifted, and kl_drift at step 20 went back to a checkpoint trained at 10x. The
+    cause was there from the first step: the start again, with the lr cut as a second rewind (x0.25)."""
+    wd, ctl, rid = _rewound_run(tmp_path, 0)
+    try:
+        ctl._commit([_drift(20)], TickResult())
+        (span,) = [s for s in wd.store.bad_spans(rid) if s.rule == "kl_drift"]
+        assert span.start_step == 0  # every checkpoint since the start was trained under the cause
+        checkpoints = [SimpleNamespace(step=s, complete=True, ts=None) for s in range(2, 20, 2)]
+        assert choose_known_good(checkpoints, wd.store.bad_spans(rid)) is None  # so: the initial weights
+        (rollback,) = [j for j in wd.store.journal(rid) if j.kind == "rollback"]
+        assert rollback.payload["rewind"] == 2
+        assert rollback.payload["set"][LR] == pytest.approx(1e-4 * 0.25)
+    finally:
+        wd.close()
+
+
+def test_a_divergence_soon_after_a_rewind_goes_back_before_that_rewinds_checkpoint(tmp_path: Path) -> None:
+    wd, ctl, rid = _rewound_run(tmp_path, 40)
+    try:
+        ctl._commit([_drift(55)], TickResult())
+        (span,) = [s for s in wd.store.bad_spans(rid) if s.rule == "kl_drift"]
+        assert span.start_step == 40
+        checkpoints = [SimpleNamespace(step=s, complete=True, ts=None) for s in (30, 40, 45, 50)]
+        assert choose_known_good(checkpoints, wd.store.bad_spans(rid)).step == 30
+    finally:
+        wd.close()
+
+
+def test_a_divergence_after_the_run_recovered_past_its_rewind_is_a_new_one(tmp_path: Path) -> None:
+    wd, ctl, rid = _rewound_run(tmp_path, 0)
+    try:
+        ctl._commit([_drift(45)], TickResult())  # 45 steps trained past the start: the budget's progress is 30
+        (span,) = [s for s in wd.store.bad_spans(rid) if s.rule == "kl_drift"]
+        assert span.start_step > 40
+        (rollback,) = [j for j in wd.store.journal(rid) if j.kind == "rollback"]
+        assert "rewind" not in rollback.payload and rollback.payload["set"][LR] == pytest.approx(1e-4 * 0.5)
+    finally:
+        wd.close()
 
 
 def test_a_live_set_decided_on_the_timeline_a_rollback_abandons_is_never_sent(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ from ppo_watchdog.control.actuator import (
     run_config,
     run_world_size,
 )
-from ppo_watchdog.control.store import ActionRecord, Phase, RunRecord, Store
+from ppo_watchdog.control.store import UNLOADABLE, UNWATCHED, ActionRecord, Phase, RunRecord, Store
 from ppo_watchdog.core.engine import BLIND_AFTER_STEPS, Verdict
 from ppo_watchdog.core.planner import (
     ON_ESCALATE,
@@ -187,6 +187,11 @@ _tick_fields = operator.attrgetter(*_TICK_FIELDS)
 _tick_run_fields = operator.attrgetter(*_TICK_RUN_FIELDS)
 
 
+#: Steps of recovery past a rewind's target after which a divergence is a new one, for a rule whose budget
+#: states no ``progress`` (the default pack's divergence rules state 30).
+RECUR_STEPS = 30
+
+
 def span_start(fire_step: int, for_steps: int, margin: int) -> int:
     """First step whose checkpoint is suspect when a divergence rule fires at ``fire_step``."""
     return fire_step - max(1, for_steps) + 1 - max(0, margin)
@@ -253,6 +258,12 @@ class EngineRules:
 
         return evidence(self.ruleset.get(decision.rule), decision.kind, decision.step, decision.inputs,
                         decision.message)
+
+    def progress_steps(self, rule: str) -> int | None:
+        """The steps of recovery after which ``rule``'s budget forgets its fires (its ``progress``), or None."""
+        budget = getattr(self.ruleset.get(rule), "budget", None) if hasattr(self.ruleset, "get") else None
+        progress = getattr(budget, "progress", None)
+        return progress if isinstance(progress, int) else None
 
     def for_steps(self, rule: str) -> int:
         for r in getattr(self.ruleset, "rules", ()):
@@ -960,8 +971,16 @@ class RunController:
                 said = self.rules.said(d) if hasattr(self.rules, "said") else getattr(d, "message", "")
                 if said != getattr(d, "message", said):
                     d = dataclasses.replace(d, message=said)  # the sentence: stored, alerted, annotated
+                recurrence = self._recurrence(d) if getattr(d, "divergence", False) else None
+                if recurrence is not None and recurrence[1] > getattr(d, "repeat", 1):
+                    # The same trouble again after a rewind: every growing set cuts as its n-th fire.
+                    d = dataclasses.replace(d, repeat=recurrence[1])
                 ctx = self._plan_context(overrides, cfg)
                 planned = plan_decision(d, ctx)
+                if recurrence is not None:
+                    for p in planned:
+                        if p.kind == JournalKind.ROLLBACK:
+                            p.payload["rewind"] = recurrence[1]
                 covered = "" if planned else left_out_reason(d, ctx)
                 if self._saw_finished and any(p.kind not in (JournalKind.NOTIFY, JournalKind.ROLLBACK) for p in planned):
                     # The trainer wrote its last step and ended: nothing is left to change live. Said, not
@@ -1004,6 +1023,8 @@ class RunController:
                     # (A divergence covered by the rollback in progress is the abandoned timeline's: that
                     # rollback closes its span; a span opened for it would never close.)
                     start = span_start(d.step, self.rules.for_steps(d.rule), self.config.rollback_margin_steps)
+                    if recurrence is not None:
+                        start = min(start, recurrence[0])
                     self.store.open_bad_span(self.run.run_id, d.rule, self._recurring_start(d.rule, d.step, start),
                                              did)
                 for p in planned:
@@ -1044,6 +1065,32 @@ class RunController:
                    and e.payload.get("rule") == rule]
         last = next((t for t in reversed(targets) if isinstance(t, int)), None)
         return start if last is None else min(start, last)
+
+    def _recurrence(self, d: Any) -> tuple[int, int] | None:
+        """(the previous rewind's target step, which rewind this one is) when divergence ``d`` is the same
+        trouble as the run's last rewind (a rollback of a divergence rule); None when it is a new one.
+
+        It is the same trouble when the run has not trained the firing rule's budget ``progress`` steps
+        (:data:`RECUR_STEPS` without one) past the step that rewind resumed from, whichever divergence rule
+        fires: an lr 100x too high caught by kl_leap at step 2 and cut 10x drifts at 10x until kl_drift fires.
+        Every checkpoint since that target was trained under the cause, so the span opens at the target and
+        the rollback goes to a known-good checkpoint before it, or the start (the initial weights) when the
+        target was the start or the first checkpoint; the n-th rewind in a row plans its sets as the rule's
+        n-th fire (``grow: true`` sets compound: x0.5, then x0.25 on top, then x0.125; the schedule is in
+        ``ppo_watchdog.core.planner``).
+        """
+        spans = {s.rule for s in self.store.bad_spans(self.run.run_id) if s.rule not in (UNWATCHED, UNLOADABLE)}
+        last = next((e for e in reversed(self.store.journal(self.run.run_id))
+                     if e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART) and e.status == ActionStatus.DONE
+                     and e.payload.get("rule") in spans and e.payload.get("resume") != "latest"
+                     and isinstance(e.result.get("resume_step", e.payload.get("resume_step")), int)), None)
+        if last is None:
+            return None
+        target = int(last.result.get("resume_step", last.payload.get("resume_step")))
+        progress = getattr(self.rules, "progress_steps", lambda _r: None)(d.rule) or RECUR_STEPS
+        if d.step - target >= progress:
+            return None  # the run trained ``progress`` steps past it: recovered, a new divergence
+        return target, int(last.payload.get("rewind", 1)) + 1
 
     def _journal(self, p: Planned, did: int, escalation: bool) -> None:
         """Write one planned entry (priced; a tuning relaunch as ``waiting``)."""

@@ -10,6 +10,13 @@ truth (the KL coefficient: an adaptive controller or a fault moves it away from 
 config) the metric; else the desired override, the trainer's config, the logged metric,
 and last verl's own default for the key (what verl runs with when the command does not
 set it).
+
+How hard a remedy cuts: a set's ``scale`` applies to the value in force (the cuts before it
+included); with ``grow: true`` the n-th fire of a rule within its budget scales by ``scale ** n``,
+so lr x0.5 is x0.5, x0.25, x0.125 of the value before each (x0.0156 in all), and a set without it
+repeats its factor (kl_leap's lr x0.1: x0.001 after three). A divergence that recurs after a rollback,
+whichever divergence rule catches it, is planned as the n-th rewind of that trouble (the controller
+passes ``Decision.repeat``; ``RunController._recurrence``), and its rollback goes further back.
 """
 
 from __future__ import annotations
