@@ -257,3 +257,18 @@ def test_a_divergence_on_the_last_step_re_runs_the_tail_and_never_hangs_or_kills
     else:
         assert "re-running the tail" in late["outcome"] or "restarted from step" in late["outcome"], late["outcome"]
         assert len(started) == 2 and started[-1]["resumed_from"] < 6
+
+
+def test_a_relaunch_that_reports_success_without_training_a_step_is_given_up_with_why(tmp_path: Path) -> None:
+    # crash@7: the trainer dies and the watchdog restarts it from its step-6 checkpoint; finish_early@7 (a launch
+    # resumed from a checkpoint only): that launch reports the run finished and exits 0 without training step 7,
+    # as a verl resume that loads and does nothing (verl issue 7401). Short of its 12 steps: not finished.
+    proc = _watchdog(tmp_path, _rules(tmp_path, NAN_RULE), steps=12, faults="crash@7,finish_early@7")
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert [e["steps"] for e in _events(tmp_path, "finished")] == [6]
+    given_up = [h for h in _history(tmp_path) if h["kind"] == "escalate"]
+    assert given_up and "trained no step since it resumed from step 6" in given_up[-1]["message"], given_up
+    assert "trained no step since it resumed from step 6" in proc.stdout + proc.stderr
+    from ppo_watchdog.control.store import Store
+
+    assert Store(tmp_path / "state").get_run("run").phase == "failed"

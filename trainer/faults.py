@@ -16,6 +16,9 @@ nan_weights    write NaN into the actor's weights, as an update the      none
 oom            the next micro-batch raises torch.OutOfMemoryError       none
 hang           sleep arg seconds without progress                       ``60``
 crash          exit at once with exit code arg, no save                 ``1``
+finish_early   in a launch resumed from a checkpoint only: report the   none
+               run finished and exit 0 without training the step (a
+               resume that loads and does nothing: verl issue 7401)
 =============  =====================================================  ===============
 
 Each fault fires once per run directory (remembered in ``run_dir/.faults_fired.json``),
@@ -37,11 +40,13 @@ from ppo_watchdog.protocol import rundir
 log = logging.getLogger(__name__)
 
 FIRED_FILE = ".faults_fired.json"
-KINDS = ("lr_spike", "kl_collapse", "nan", "nan_weights", "oom", "hang", "crash")
+KINDS = ("lr_spike", "kl_collapse", "nan", "nan_weights", "oom", "hang", "crash", "finish_early")
+#: Kinds that fire only in a launch that resumed from a checkpoint (a fresh launch passes their step).
+RESUMED_ONLY = frozenset({"finish_early"})
 #: What ``arg`` means when the spec leaves it out.
 DEFAULT_ARGS: dict[str, float | None] = {
     "lr_spike": 10.0, "kl_collapse": 0.0, "nan": None, "nan_weights": None, "oom": None, "hang": 60.0,
-    "crash": 1.0,
+    "crash": 1.0, "finish_early": None,
 }
 _TAKES_ARG = frozenset(k for k, v in DEFAULT_ARGS.items() if v is not None)
 _ITEM = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>-?\d+)(?::(?P<x>x)?(?P<arg>[^,]*))?$")
@@ -144,9 +149,11 @@ class FaultSchedule:
         self.fired |= {str(x) for x in doc["fired"]}
         return self
 
-    def due(self, step: int) -> list[Fault]:
-        """Faults to inject at ``step`` that have not fired yet; marks them fired (persisted first)."""
-        due = [f for f in self.faults if f.step == step and f.id not in self.fired]
+    def due(self, step: int, resumed: bool = False) -> list[Fault]:
+        """Faults to inject at ``step`` that have not fired yet (those of :data:`RESUMED_ONLY` only in a launch that
+        ``resumed`` from a checkpoint); marks them fired (persisted first)."""
+        due = [f for f in self.faults if f.step == step and f.id not in self.fired
+               and (resumed or f.kind not in RESUMED_ONLY)]
         if due:
             self.fired |= {f.id for f in due}
             if self.run_dir is not None:

@@ -196,6 +196,8 @@ class Trainer:
         self.steps = StepBoundary(self.control, self)
         self._poison = False
         self._oom_fault = False  # an injected OOM is pending this step
+        self.resumed_from: int | None = None
+        """The step of the checkpoint this launch resumed from (None: a fresh start)."""
 
     # -- run.json / events -------------------------------------------------------------------
     def _write_run_json(self) -> None:
@@ -345,6 +347,7 @@ class Trainer:
                 raise
         if info is None:
             return
+        self.resumed_from = info.step
         log.info("resumed from %s (step %d)", info.path, self.global_step)
         if t.resume_mode == "resume_path" and info.path.parent.resolve() == self.ckpt_root.resolve():
             # A rollback by restart: as in process, checkpoints of the abandoned timeline (the one
@@ -504,6 +507,10 @@ class Trainer:
         elif fault.kind == "crash":
             logging.shutdown()
             os._exit(int(arg if arg is not None else 1))
+        elif fault.kind == "finish_early":
+            self.event("finished", steps=self.global_step - 1)
+            logging.shutdown()
+            os._exit(0)
 
     # -- one PPO step ---------------------------------------------------------------------------
     def rollout(self, idx: list[int]) -> ppo.Rollout:
@@ -657,7 +664,7 @@ class Trainer:
                 if self.global_step >= self.total_steps:
                     break
                 self.global_step += 1
-                for fault in self.faults.due(self.global_step):
+                for fault in self.faults.due(self.global_step, resumed=self.resumed_from is not None):
                     self.inject(fault)
                 # A deep copy: state_dict() shares storage with the live weights the update changes.
                 snap = copy.deepcopy(self.state()) if self._may_oom() else None

@@ -90,6 +90,9 @@ RULE_TICK = "watchdog:tick"
 RULE_RESUME = "watchdog:resume"
 #: The trainer refused its configuration (exit 2 / verl's config error): given up at once, ``watchdog run`` exits 2.
 RULE_CONFIG = "watchdog:config"
+#: A trainer relaunched from a checkpoint that exited as finished without training a step past it, short of its
+#: run's length: given up with why (a relaunch would do the same nothing).
+RULE_NO_PROGRESS = "watchdog:no_progress"
 
 @dataclass
 class ControllerConfig:
@@ -1389,7 +1392,9 @@ class RunController:
             self.store.update_run(self.run.run_id, exit_code=code)
             if how != "finished" and self._saw_resume_failed is not None and self._on_resume_failed(code):
                 return
-            if how == "finished":
+            if how == "finished" and (short := self._finished_short()) is not None:
+                self._give_up(RULE_NO_PROGRESS, short)
+            elif how == "finished":
                 log.info("%s: trainer finished (exit %s)", self.run.run_id, code)
                 self._set_phase(Phase.FINISHED)
                 for e in self.store.open_actions(self.run.run_id):
@@ -1423,6 +1428,22 @@ class RunController:
         if idle > limit:
             self._on_crash(RULE_HANG, f"no new step for {idle:.0f}s (timeout {limit:.0f}s)",
                            {"idle_s": idle, "timeout_s": limit})
+
+    def _finished_short(self) -> str | None:
+        """Why a trainer that exited as finished did not finish, or None: it was relaunched from a checkpoint and
+        trained no step past it, short of the steps its run.json names (a resume that loads, trains nothing and
+        reports success: verl issue 7401). A run without a relaunch, or with no stated length, is taken at its word."""
+        last = next((e for e in reversed(self.store.journal(self.run.run_id))
+                     if e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART) and e.status == ActionStatus.DONE
+                     and isinstance(e.result.get("resume_step", e.payload.get("resume_step")), int)), None)
+        total = RunInfo.read(self.run.run_dir).total_steps
+        if last is None or total is None or self._launch_seen == self.run.launched_ts:
+            return None  # (no relaunch, no stated length, or a step of this launch was seen: it trained)
+        resumed = int(last.result.get("resume_step", last.payload.get("resume_step")))
+        if resumed >= total:
+            return None
+        return (f"the trainer exited as finished, having trained no step since it resumed from step {resumed}'s "
+                f"checkpoint, short of its {total} steps: the resume loaded and did nothing")
 
     def _on_resume_failed(self, code: int | None) -> bool:
         """The attempt died loading the checkpoint a relaunch of the watchdog's chose: relaunch from the one
