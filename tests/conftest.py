@@ -56,6 +56,14 @@ class TinySFT:
         ]
 
 
+@pytest.fixture(autouse=True)
+def _no_terminal_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No $COLUMNS from the runner: pytest-xdist's workers inherit COLUMNS=80, and the CLI honours it, as it should
+    for a person's pipe. A test sees the CLI as a file or a CI log does (``ppo_watchdog.cli.console.WIDE``), or sets
+    the width it is about."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 @pytest.fixture(scope="session")
 def tiny_sft(tmp_path_factory: pytest.TempPathFactory) -> TinySFT:
     """Train (a few seconds) a 1-layer d=32 SFT model on 64 synthetic problems, once per session."""

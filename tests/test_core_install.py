@@ -67,7 +67,7 @@ def test_the_core_install_checks_replays_and_judges_rules(core_venv: Path, tmp_p
     assert "ok" in check.stdout.lower()
     replay = _run(core_venv, "replay", str(CORPUS / "lr_spike_x30_at_40"))
     assert replay.returncode == 0, replay.stdout + replay.stderr
-    assert "rollback" in replay.stdout
+    assert "roll back to the last known-good checkpoint" in replay.stdout
     ev = _run(core_venv, "eval", str(CORPUS / "labels.yaml"))
     assert ev.returncode == 0, ev.stdout + ev.stderr
     assert re.search(r"^PASS: (\d+)/\1 logs passed", ev.stdout, re.M), ev.stdout[-2000:]

@@ -3,6 +3,7 @@ the time limit) makes `watchdog run` checkpoint the run, stop it resumable, and 
 
 from __future__ import annotations
 
+import json
 import shlex
 import shutil
 import signal
@@ -107,9 +108,10 @@ def test_sigusr1_checkpoints_the_run_stops_it_resumable_and_the_same_command_res
     assert store.require_run("run").phase == Phase.STOPPED
     (decision,) = [d for d in store.decisions("run") if d["rule"] == "watchdog:shutdown"]
     assert f"SIGUSR1: checkpoint at step {saved.step} saved" in decision["outcome"]
-    status = subprocess.run([sys.executable, "-m", "ppo_watchdog", "status", "--state-dir", str(state)],
+    status = subprocess.run([sys.executable, "-m", "ppo_watchdog", "status", "--json", "--state-dir", str(state)],
                             capture_output=True, text=True, timeout=60, check=True).stdout
-    assert f"run: stopped: watchdog stopped by SIGUSR1: checkpoint at step {saved.step} saved" in status
+    (row,) = json.loads(status)
+    assert row["phase"] == "stopped" and f"SIGUSR1: checkpoint at step {saved.step} saved" in row["why"], row
     # A requeued job runs the same command: it resumes from that checkpoint and finishes.
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]

@@ -62,7 +62,8 @@ def test_status_shows_short_columns_the_last_action_in_words_and_only_live_pids(
         rows = {line.split("│")[1].strip(): line for line in r.output.splitlines() if line.startswith("│ ")
                 and line.split("│")[1].strip()}
         assert "firing" not in rows["done"] and "finished" in rows["done"]  # a finished run fires nothing
-        assert "step 62, kl_explosion: rolled back in process to step 56" in rows["done"]
+        # The last action as its sentence: what the rule saw (this rule has no summary: its condition), then what was done.
+        assert "step 62, kl_explosion: kl > 5 * median(kl, 5): rolled back in process to step 56" in rows["done"]
         assert f"{dead_pid}" not in r.output  # a dead pid is no pid
         assert " 10m " in rows["done"] and " 80 " in rows["done"]
         assert "running (firing: kl_high)" in rows["live"] and f"trainer {holder.pid}" in rows["live"]

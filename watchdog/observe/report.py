@@ -178,7 +178,8 @@ def shown_in_history(d: Mapping[str, Any]) -> bool:
 def decision_text(d: Mapping[str, Any]) -> str:
     """A decision in words for the report and ``status``: its step and rule, then the rule's sentence and what was
     done, advised or held about it (``ppo_watchdog.core.summary.sentence``, the one renderer)."""
-    return f"step {d['step']}, {d['rule']}: {sentence(d)}"
+    said, bare = sentence(d), f"{d['rule']} at step {d['step']}: "
+    return f"step {d['step']}, {d['rule']}: {said[len(bare):] if said.startswith(bare) else said}"
 
 
 #: (verl keys, panel title, log axis) in panel order: the first key a run logs is drawn. Log axes where one
