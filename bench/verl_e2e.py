@@ -40,6 +40,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 import sys
 import threading
@@ -233,7 +234,9 @@ def _guard(name: str, fn: Callable[[VerlRun], Row], run: VerlRun) -> Row:
 def check_finished(run: VerlRun) -> Row:
     kinds = [e["kind"] for e in run.events()]
     last = run.last_step()
-    ok = run.exit_code == 0 and kinds[-1:] == ["finished"] and last == 12 and "phase finished" in run.output
+    # The end-of-run summary's header says the outcome: "run ID: finished; N steps in T s".
+    said = re.search(r"^run \S+: finished\b", run.output, re.M) is not None
+    ok = run.exit_code == 0 and kinds[-1:] == ["finished"] and last == 12 and said
     return Row("the supervised verl run ends on its own, every step trained", ok,
                f"exit {run.exit_code}, last event {kinds[-1:]}, last step {last}",
                {"wall_s": round(run.wall_s, 1), "launches": kinds.count("started")})
