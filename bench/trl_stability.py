@@ -20,8 +20,9 @@ Outcome of a run:
 - unstable: anything else (below the start, crashed, hung past the time limit).
 
 Rates come with Wilson 95% intervals. Results: ``bench/results/trl_stability.json`` and ``.md``.
-Some unsupervised runs (:data:`CORPUS_RUNS`) are copied to ``bench/corpus_trl/`` (metrics, events) for
-``watchdog eval bench/corpus_trl/labels.yaml`` (labels written by hand from their numbers).
+With ``--keep-corpus``, some unsupervised runs (:data:`CORPUS_RUNS`) are copied to ``bench/corpus_trl/`` (metrics,
+events) for ``watchdog eval bench/corpus_trl/labels.yaml``; their labels are written by hand from their numbers, so a
+plain re-run leaves the labelled corpus as it is.
 """
 
 from __future__ import annotations
@@ -240,6 +241,9 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=400.0, help="wall limit of one run (alone or watched)")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "trl_stability")
     ap.add_argument("--render", action="store_true", help="rewrite the .md from the committed .json and exit")
+    ap.add_argument("--keep-corpus", action="store_true",
+                    help="copy CORPUS_RUNS into bench/corpus_trl/ (their labels are written from those runs' numbers: "
+                         "relabel after)")
     args = ap.parse_args()
     if args.render:
         write_results(json.loads((RESULTS / "trl_stability.json").read_text()))
@@ -261,7 +265,8 @@ def main() -> None:
             print(f"{r.family:14s} seed {r.seed} {'watched' if r.watched else 'alone  '}: {r.outcome:9s} {r.reason} "
                   f"({r.wall_s:.0f} s, {r.steps_trained} steps, {r.rollbacks} rollbacks) {' '.join(r.decisions)}",
                   flush=True)
-    keep_corpus(args.work)
+    if args.keep_corpus:
+        keep_corpus(args.work)
     summary = summarize(results)
     command = "python bench/trl_stability.py" + (f" --seeds {args.seeds}" if args.seeds != 3 else "")
     doc = {**provenance("recovery of hostile TRL runs, alone and watched", "trl_stability.py", None),
