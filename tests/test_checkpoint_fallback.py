@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from test_reliability_v3 import drive_restart, to_checkpoint
 
 from ppo_watchdog.backends import verl_exits
 from ppo_watchdog.backends.zero_patch import VerlGlue, init_run
@@ -82,14 +83,8 @@ def test_a_corrupt_verl_known_good_checkpoint_falls_back_to_the_one_before_then_
     (ckpt.step_dir(root, 4) / ckpt.VERL_DATA_FILE).write_bytes(b"garbage, not a torch archive")
     wd = build_watchdog(tmp_path / "state", [_rules(tmp_path)])
     ctl = wd.add_run(run, run_id="run", command=[sys.executable, "-c", "import time; time.sleep(120)"])
-    aid = wd.store.add_action("run", "restart", {"rule": "nan_rollback", "resume": "path",
-                                                 "resume_path": str(ckpt.step_dir(root, 4)), "resume_step": 4})
     try:
-        for _ in range(3):
-            entry = wd.store.get_action(aid)
-            if entry.status in ("intent", "sent"):
-                wd.actuator.drive(ctl.h, entry, time.time())
-        entry = wd.store.get_action(aid)
+        entry = drive_restart(wd, ctl, to_checkpoint(root, 4), rounds=3)
         assert entry.status == "done", entry
         assert entry.payload["resume_path"] == str(ckpt.step_dir(root, 2))
         assert "restarted from step 2" in entry.result["outcome"], entry.result
@@ -102,12 +97,7 @@ def test_a_corrupt_verl_known_good_checkpoint_falls_back_to_the_one_before_then_
         # Step 2 turns out unloadable too: the next relaunch goes to the start, set aside, said.
         ctl.h.proc.stop(5)
         (ckpt.step_dir(root, 2) / "actor" / "optim_world_size_1_rank_0.pt").write_bytes(b"\0" * 64)
-        again = wd.store.add_action("run", "restart", {"rule": "watchdog:oom", "resume": "latest"})
-        for _ in range(3):
-            entry = wd.store.get_action(again)
-            if entry.status in ("intent", "sent"):
-                wd.actuator.drive(ctl.h, entry, time.time())
-        entry = wd.store.get_action(again)
+        entry = drive_restart(wd, ctl, {"rule": "watchdog:oom", "resume": "latest"}, rounds=3)
         assert entry.status == "done" and entry.payload["resume"] == "scratch", entry
         assert "restarted from the start" in entry.result["outcome"] and "step 2" in entry.result["outcome"]
         assert not ckpt.step_dir(root, 2).exists() and not ckpt.step_dir(root, 4).exists()  # set aside

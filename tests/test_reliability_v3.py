@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_reliability_v2 import _alive, _run_cmd, _wait
@@ -78,6 +79,23 @@ def _trainer_applies(run: Path, step: int, live_keys: list[str] | None = None) -
         return None
     applier.mark_applied(changes, step, dict(changes.overrides))
     return dict(changes.overrides)
+
+
+def drive_restart(wd: Any, ctl: Any, payload: dict[str, Any], rounds: int) -> Any:
+    """A restart with ``payload`` journaled and driven by the actuator up to ``rounds`` times (as ticks would);
+    its journal entry after."""
+    aid = wd.store.add_action("run", "restart", payload)
+    for _ in range(rounds):
+        entry = wd.store.get_action(aid)
+        if entry.status in ("intent", "sent"):
+            wd.actuator.drive(ctl.h, entry, time.time())
+    return wd.store.get_action(aid)
+
+
+def to_checkpoint(root: Path, step: int) -> dict[str, Any]:
+    """A rollback-by-restart's payload: to step ``step``'s checkpoint under ``root``."""
+    return {"rule": "nan_rollback", "resume": "path", "resume_path": str(ckpt.step_dir(root, step)),
+            "resume_step": step}
 
 
 def _set_entries(wd: object, run_id: str = "run") -> list[object]:
@@ -256,15 +274,9 @@ def test_a_known_good_checkpoint_removed_before_its_relaunch_falls_back_to_the_o
         ckpt.save_checkpoint(root, step, 0, {"actor": {"w": step}})
     wd = build_watchdog(tmp_path / "state", [_lr_rules(tmp_path)])
     ctl = wd.add_run(run, run_id="run", command=[sys.executable, "-c", "import time; time.sleep(120)"])
-    aid = wd.store.add_action("run", "restart", {"rule": "nan_rollback", "resume": "path",
-                                                 "resume_path": str(ckpt.step_dir(root, 8)), "resume_step": 8})
     shutil.rmtree(ckpt.step_dir(root, 8))  # removed (by hand, a pruning) after it was chosen
     try:
-        for _ in range(2):
-            entry = wd.store.get_action(aid)
-            if entry.status in ("intent", "sent"):
-                wd.actuator.drive(ctl.h, entry, time.time())
-        entry = wd.store.get_action(aid)
+        entry = drive_restart(wd, ctl, to_checkpoint(root, 8), rounds=2)
         assert entry.status == "done", entry
         assert entry.payload["resume_path"] == str(ckpt.step_dir(root, 4))
         assert "restarted from step 4" in entry.result["outcome"] and "vanished" in entry.result["outcome"]

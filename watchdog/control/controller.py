@@ -61,7 +61,7 @@ from ppo_watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPoli
 from ppo_watchdog.core.vocabulary import OPEN_ACTION_STATUSES, ActionStatus, DecisionKind, JournalKind
 from ppo_watchdog.protocol import catalog, rundir
 from ppo_watchdog.protocol.events import STEP_SLACK, Event, outside_message, past_the_end, resume_failure
-from ppo_watchdog.protocol.runinfo import RunInfo
+from ppo_watchdog.protocol.runinfo import RunInfo, RunInfoError
 
 if TYPE_CHECKING:
     from ppo_watchdog.backends.zero_patch import RunSetup
@@ -1436,9 +1436,14 @@ class RunController:
         last = next((e for e in reversed(self.store.journal(self.run.run_id))
                      if e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART) and e.status == ActionStatus.DONE
                      and isinstance(e.result.get("resume_step", e.payload.get("resume_step")), int)), None)
-        total = RunInfo.read(self.run.run_dir).total_steps
-        if last is None or total is None or self._launch_seen == self.run.launched_ts:
-            return None  # (no relaunch, no stated length, or a step of this launch was seen: it trained)
+        if last is None or self._launch_seen == self.run.launched_ts:
+            return None  # (no relaunch, or a step of this launch was seen: it trained)
+        try:
+            total = RunInfo.read(self.run.run_dir).total_steps
+        except RunInfoError:
+            return None  # (no length it can be held to: said where run.json is read)
+        if total is None:
+            return None
         resumed = int(last.result.get("resume_step", last.payload.get("resume_step")))
         if resumed >= total:
             return None
