@@ -46,6 +46,14 @@ def _with_timing(rows: list[Row]) -> list[Row]:
     return rows
 
 
+def _with_batch(rows: list[Row]) -> list[Row]:
+    """A verl 0.9 GRPO step's batch: 16 sequences (4 prompts x 4 answers) of 24 prompt and 8 response tokens
+    on average (what verl logs as prompt_length/mean, response_length/mean and perf/total_num_tokens)."""
+    for r in rows:
+        r["data"].update({"prompt_length/mean": 24.0, "response_length/mean": 8.0, "perf/total_num_tokens": 16 * 32.0})
+    return rows
+
+
 def _from(rows: list[Row], step: int, change: Callable[[int, dict[str, Any]], None]) -> list[Row]:
     for r in rows:
         if r["step"] >= step:
@@ -60,6 +68,12 @@ def rollout_failure(s: int, d: dict[str, Any]) -> None:
     d["response_length/min"] = 0.0
     d["critic/score/mean"] *= 0.4   # (a trainer that scores aborted rollouts as 0)
     d["critic/score/min"] = 0.0
+
+
+def groups_dropped(s: int, d: dict[str, Any]) -> None:
+    """From step 40 the rollout engine returns one request in 16 empty, and verl 0.9.1 drops the whole prompt
+    group of each (its agent loop fails on the empty response): 12 sequences a step, none logged as aborted."""
+    d["perf/total_num_tokens"] = 12 * 32.0
 
 
 def rollout_blip(s: int, d: dict[str, Any]) -> None:
@@ -110,6 +124,7 @@ def mismatch(s: int, d: dict[str, Any]) -> None:
 def main() -> None:
     runs = {
         "infra_rollout_failure_at_40": _from(_with_timing(_load("default_seed1")), 40, rollout_failure),
+        "infra_groups_dropped_from_40": _from(_with_batch(_with_timing(_load("default_seed3"))), 40, groups_dropped),
         "infra_rollout_blip_healthy": _from(_with_timing(_load("default_seed2")), 50, rollout_blip),
         "dead_after_learning_at_30": _from(_load("default_seed2"), 30, dead_after_learning),
         "dead_from_start": _from(_load("default_seed3"), 1, dead_from_start),

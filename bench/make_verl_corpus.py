@@ -98,13 +98,14 @@ def merge(base: list[str], extra: list[str]) -> list[str]:
     return [o for o in base if _key(o) not in keys] + extra
 
 
-def run_overrides(run: Run, a: assets.Assets, work: Path) -> list[str]:
-    """The Hydra overrides of one corpus run."""
+def run_overrides(run: Run, a: assets.Assets, work: Path, steps: int = STEPS, save_freq: int = SAVE_FREQ,
+                  test_freq: int = TEST_FREQ) -> list[str]:
+    """The Hydra overrides of one corpus run (``bench/verl_stability.py`` runs the same with its own lengths)."""
     grpo = run.algo == "grpo"
     batch = 4 if grpo else 8  # GRPO: 4 prompts x 4 answers; PPO: 8 prompts x 1 answer (16 / 8 sequences)
-    base = overrides.ppo_overrides(a, steps=STEPS, save_freq=SAVE_FREQ, batch=batch, mini_batch=batch,
+    base = overrides.ppo_overrides(a, steps=steps, save_freq=save_freq, batch=batch, mini_batch=batch,
                                    micro_batch=4, response_length=run.response_length, lr=run.lr,
-                                   kl_coef=0.01, test_freq=TEST_FREQ)
+                                   kl_coef=0.01, test_freq=test_freq)
     algo = ([
         "algorithm.adv_estimator=grpo",
         "algorithm.use_kl_in_reward=False",

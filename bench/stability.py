@@ -235,7 +235,8 @@ def table(summary: dict) -> str:
     return "\n".join(rows)
 
 
-def plot(summary: dict, path: Path) -> None:
+def plot(summary: dict, path: Path, title: str = "Hostile embedded-trainer runs", alone: str = "plain") -> None:
+    """Stable rates per family, alone (the summary's ``alone`` key) and watched, with their intervals."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -244,7 +245,7 @@ def plot(summary: dict, path: Path) -> None:
     names = [*summary["families"], "overall"]
     entries = [*summary["families"].values(), summary["overall"]]
     fig, ax = plt.subplots(figsize=(11, 4.5))
-    for i, (key, colour, label) in enumerate((("plain", "#c44", "alone"), ("watched", "#2a7", "with the watchdog"))):
+    for i, (key, colour, label) in enumerate(((alone, "#c44", "alone"), ("watched", "#2a7", "with the watchdog"))):
         xs = [j + (i - 0.5) * 0.38 for j in range(len(names))]
         rates = [100 * e[key]["rate"] for e in entries]
         lo = [100 * (e[key]["rate"] - e[key]["wilson95"][0]) for e in entries]
@@ -254,7 +255,7 @@ def plot(summary: dict, path: Path) -> None:
     ax.set_ylabel("stable runs (%) with Wilson 95% CI")
     ax.set_ylim(0, 105)
     ax.axhline(95, color="grey", lw=0.8, ls="--")
-    ax.set_title("Hostile embedded-trainer runs: stable alone vs under `watchdog run` (default pack)")
+    ax.set_title(f"{title}: stable alone vs under `watchdog run` (default pack)")
     ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

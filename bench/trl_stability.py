@@ -106,9 +106,11 @@ def greedy_accuracy(model_dir: Path) -> float:
 MODEL = Path()
 
 
-def _run(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, float]:
+def _run(cmd: list[str], timeout: float, log: Path, env: dict[str, str] | None = None) -> tuple[int | None, float]:
+    """Run ``cmd`` in its own session to its end or ``timeout`` (then its whole group is killed): (exit code or
+    None when killed, wall seconds)."""
     t0 = time.time()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TRAINER_LOG_LEVEL": "WARNING"}
+    env = env or {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TRAINER_LOG_LEVEL": "WARNING"}
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True)
         try:
@@ -158,26 +160,36 @@ def run_one(family: str, seed: int, watched: bool, work: Path, start_acc: float,
         cmd = [sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run_dir), "--state-dir", str(state),
                "--no-report", "--on-escalate", "stop", "--tick", "0.5", "--startup-timeout", "120", "--", *trainer]
         code, r.wall_s = _run(cmd, timeout, base / "watchdog.log")
-        from ppo_watchdog.control.store import Store
-
-        store = Store(state)
-        run = store.get_run("run")
-        r.phase = run.phase if run else "none"
-        r.restarts = run.restarts if run else 0
-        decisions = store.decisions("run")
-        r.rollbacks = sum(1 for d in decisions for j in d["journal"] if j["kind"] == "rollback")
-        r.live_sets = sum(1 for d in decisions for j in d["journal"] if j["kind"] == "live_set")
-        r.decisions = [f"{d['step']}:{d['rule']}:{d['kind']}" for d in decisions if d["kind"] != "resolve"]
-        store.close()
+        read_watched(r, state)
     else:
         code, r.wall_s = _run(trainer, timeout, base / "trainer.log")
         r.phase = "exit " + ("killed at the time limit" if code is None else str(code))
     return classify(r, run_dir, start_acc)
 
 
-def summarize(results: list[RunResult]) -> dict:
+def read_watched(r: RunResult, state: Path) -> None:
+    """What the watchdog did to a watched run (its state database under ``state``): phase, restarts, rollbacks,
+    live sets and each decision as ``step:rule:kind`` (resolves left out)."""
+    from ppo_watchdog.control.store import Store
+
+    store = Store(state)
+    try:
+        run = store.get_run("run")
+        r.phase = run.phase if run else "none"
+        r.restarts = run.restarts if run else 0
+        decisions = store.decisions("run")
+    finally:
+        store.close()
+    r.rollbacks = sum(1 for d in decisions for j in d["journal"] if j["kind"] == "rollback")
+    r.live_sets = sum(1 for d in decisions for j in d["journal"] if j["kind"] == "live_set")
+    r.decisions = [f"{d['step']}:{d['rule']}:{d['kind']}" for d in decisions if d["kind"] != "resolve"]
+
+
+def summarize(results: list[RunResult], families: dict[str, tuple[list[str], str]] = FAMILIES) -> dict:
+    """Per family (and overall), alone and watched: runs, stable (with its Wilson 95% interval), escalated,
+    rollbacks, live sets, steps trained and wall time. ``families``: name -> (settings, what it is)."""
     out: dict = {"families": {}, "overall": {}}
-    for name in [*FAMILIES, "overall"]:
+    for name in [*families, "overall"]:
         rows = results if name == "overall" else [r for r in results if r.family == name]
         if not rows:
             continue
@@ -194,7 +206,7 @@ def summarize(results: list[RunResult]) -> dict:
         if name == "overall":
             out["overall"] = entry
         else:
-            out["families"][name] = {"what": FAMILIES[name][1], **entry}
+            out["families"][name] = {"what": families[name][1], **entry}
     return out
 
 
@@ -276,12 +288,12 @@ def main() -> None:
     print(table(summary))
 
 
-def per_run(doc: dict) -> str:
+def per_run(doc: dict, families: dict[str, tuple[list[str], str]] = FAMILIES) -> str:
     """One row per (family, seed): final greedy accuracy alone and watched, and what the watchdog did."""
     rows = ["| family | seed | alone: final accuracy | with the watchdog: final accuracy | what the watchdog did |",
             "|---|---|---|---|---|"]
     runs = {(r["family"], r["seed"], r["watched"]): r for r in doc["runs"]}
-    for (family, seed, watched), r in sorted(runs.items(), key=lambda kv: (list(FAMILIES).index(kv[0][0]), kv[0][1])):
+    for (family, seed, watched), r in sorted(runs.items(), key=lambda kv: (list(families).index(kv[0][0]), kv[0][1])):
         if watched:
             continue
         w = runs.get((family, seed, True), {})

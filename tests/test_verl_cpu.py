@@ -92,3 +92,36 @@ def test_injected_aborted_rollouts_are_an_exact_even_share_from_their_step_on(mo
         monkeypatch.setenv(plugin.INJECT_ABORT_ENV, bad)
         with pytest.raises(ValueError, match=plugin.INJECT_ABORT_ENV):
             plugin.abort_schedule()
+
+
+def test_an_injected_lr_spike_multiplies_the_real_optimizers_lr_once_and_the_schedule_keeps_it(
+        tmp_path: Path, monkeypatch) -> None:
+    """The spike goes into the optimizer's groups and verl's own lr schedule (constant with warmup, what
+    verl builds): after the scheduler steps on, the lr it reports (what verl logs as actor/lr) is still x100;
+    before its step, or in a second process of the same run (the marker), nothing changes."""
+    import torch
+    from verl.utils.torch_functional import get_constant_schedule_with_warmup
+
+    from ppo_watchdog.trainer.verl_cpu import plugin
+
+    monkeypatch.setenv(plugin.INJECT_LR_ENV, "10:100")
+    monkeypatch.setenv(plugin.INJECT_DIR_ENV, str(tmp_path))
+    monkeypatch.setattr(plugin, "_SPIKED", [False])
+    assert plugin.lr_spike() == (10, 100.0)
+
+    def engine() -> types.SimpleNamespace:
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=3e-4)
+        return types.SimpleNamespace(optimizer=opt, lr_scheduler=get_constant_schedule_with_warmup(opt, 0))
+
+    e = engine()
+    plugin.spike_lr(e, 9)
+    assert e.optimizer.param_groups[0]["lr"] == pytest.approx(3e-4)
+    plugin.spike_lr(e, 10)
+    plugin.spike_lr(e, 11)  # once per process
+    e.optimizer.step()
+    e.lr_scheduler.step()
+    assert e.lr_scheduler.get_last_lr()[0] == pytest.approx(3e-2)
+    monkeypatch.setattr(plugin, "_SPIKED", [False])  # a relaunch: a new process, the run's marker is there
+    again = engine()
+    plugin.spike_lr(again, 12)
+    assert again.optimizer.param_groups[0]["lr"] == pytest.approx(3e-4)

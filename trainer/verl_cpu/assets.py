@@ -128,6 +128,17 @@ def build_model(out: Path, seed: int = 0, sft_steps: int = 0) -> None:
     GenerationConfig(eos_token_id=eos, pad_token_id=pad, do_sample=True).save_pretrained(str(out))
 
 
+def _row(a: int, b: int, split: str, i: int) -> dict[str, Any]:
+    """One prompt ``a+b=?`` in the layout of verl's gsm8k preprocessing."""
+    return {
+        "data_source": DATA_SOURCE,
+        "prompt": [{"role": "user", "content": f"{a}+{b}=?"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+        "extra_info": {"split": split, "index": i, "answer": f"#### {a + b}", "question": f"{a}+{b}=?"},
+    }
+
+
 def build_data(out: Path, n_train: int = 256, n_val: int = 16, seed: int = 0) -> None:
     """Write train/val parquet in the layout of verl's gsm8k preprocessing."""
     import pandas as pd
@@ -135,17 +146,18 @@ def build_data(out: Path, n_train: int = 256, n_val: int = 16, seed: int = 0) ->
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     for split, n in (("train", n_train), ("val", n_val)):
-        rows = []
-        for i in range(n):
-            a, b = rng.randint(0, 9), rng.randint(0, 9)
-            rows.append({
-                "data_source": DATA_SOURCE,
-                "prompt": [{"role": "user", "content": f"{a}+{b}=?"}],
-                "ability": "math",
-                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-                "extra_info": {"split": split, "index": i, "answer": f"#### {a + b}", "question": f"{a}+{b}=?"},
-            })
+        rows = [_row(rng.randint(0, 9), rng.randint(0, 9), split, i) for i in range(n)]
         pd.DataFrame(rows).to_parquet(out / f"{split}.parquet")
+
+
+def build_grid(out: Path) -> Path:
+    """Every prompt ``a+b=?`` with a and b in 0-9, once each (100 rows): a validation set that measures the
+    whole task, not a sample of it. Returns the parquet's path."""
+    import pandas as pd
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame([_row(a, b, "val", 10 * a + b) for a in range(10) for b in range(10)]).to_parquet(out)
+    return out
 
 
 def build(root: Path | str, seed: int = 0, sft_steps: int = 0) -> Assets:

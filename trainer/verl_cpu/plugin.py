@@ -34,6 +34,10 @@ environment variables, with ``VERL_CPU_INJECT_DIR`` holding one-shot markers:
 - ``VERL_CPU_INJECT_NAN=STEP``: once, the actor's PPO loss at step STEP is NaN (the loss function
   verl's worker set, multiplied by NaN): verl's engine sees a non-finite grad norm, skips the
   optimizer step and logs it, as with a real NaN;
+- ``VERL_CPU_INJECT_LR_SPIKE=STEP:FACTOR``: once, from global step STEP on, the actor's learning rate is
+  FACTOR times what it was (every optimizer group's ``lr`` and the lr scheduler's ``base_lrs``, so the
+  schedule keeps it and verl logs it as ``actor/lr``), for the rest of the process that reached STEP
+  first: a mid-run lr blunder. A checkpoint saved after it carries it; a relaunch does not redo it;
 - ``VERL_CPU_INJECT_ROLLOUT_FAIL=STEP``: once, the rollout server's ``generate`` raises at step STEP;
 - ``VERL_CPU_INJECT_ROLLOUT_ABORT=STEP:SHARE``: from step STEP on, a share SHARE (0-1) of the rollout
   server's requests come back aborted: no tokens, ``stop_reason="aborted"``, what vLLM's server
@@ -64,6 +68,7 @@ PLATFORM = "cpu"
 INJECT_DIR_ENV = "VERL_CPU_INJECT_DIR"
 INJECT_OOM_ENV = "VERL_CPU_INJECT_OOM"
 INJECT_NAN_ENV = "VERL_CPU_INJECT_NAN"
+INJECT_LR_ENV = "VERL_CPU_INJECT_LR_SPIKE"
 INJECT_ROLLOUT_ENV = "VERL_CPU_INJECT_ROLLOUT_FAIL"
 INJECT_ABORT_ENV = "VERL_CPU_INJECT_ROLLOUT_ABORT"
 #: Set by the hf rollout on an aborted response's extra fields: whether the caller asked for log-probs.
@@ -436,6 +441,33 @@ def oom_budget() -> tuple[int, int] | None:
     return int(step), int(micro or 0)
 
 
+def lr_spike() -> tuple[int, float] | None:
+    """``(step, factor)`` of VERL_CPU_INJECT_LR_SPIKE, or None."""
+    raw = os.environ.get(INJECT_LR_ENV)
+    if not raw:
+        return None
+    step, _, factor = raw.partition(":")
+    return int(step), float(factor)
+
+
+#: Whether this process already multiplied its lr (without VERL_CPU_INJECT_DIR there is no marker).
+_SPIKED: list[bool] = [False]
+
+
+def spike_lr(engine: Any, step: int) -> None:
+    """Multiply the engine's lr by the spike's factor, once, from the spike's step on (see the module doc)."""
+    spike = lr_spike()
+    if spike is None or step < spike[0] or _SPIKED[0] or not _once(f"lrspike.rank{os.environ.get('RANK', '0')}"):
+        return
+    _SPIKED[0] = True
+    for group in engine.optimizer.param_groups:
+        group["lr"] *= spike[1]
+    scheduler = getattr(engine, "lr_scheduler", None)
+    if scheduler is not None:
+        scheduler.base_lrs = [lr * spike[1] for lr in scheduler.base_lrs]
+    log.warning("injected: lr x%g from step %d", spike[1], step)
+
+
 def _step_env(name: str) -> int | None:
     raw = os.environ.get(name)
     return int(raw) if raw else None
@@ -459,6 +491,7 @@ def _patch_injection(mod: Any) -> None:
                 raise torch.OutOfMemoryError(
                     f"CUDA out of memory. Tried to allocate 2.00 GiB (injected by ppo_watchdog.trainer.verl_cpu: "
                     f"{INJECT_OOM_ENV} allows ppo_micro_batch_size_per_gpu <= {budget[1]}, got {micro} at step {step})")
+        spike_lr(self.actor.engine, step)
         nan_at = _step_env(INJECT_NAN_ENV)
         if nan_at is not None and step == nan_at and _once(f"nan.step{nan_at}.rank{os.environ.get('RANK', '0')}"):
             worker = self.actor

@@ -1,0 +1,217 @@
+"""Stability of hostile runs of real verl, with and without the watchdog (the default pack).
+
+    .venv/bin/python bench/verl_stability.py               # 6 families x 3 seeds, alone and watched: ~1.5-2 h on 2 cores
+    .venv/bin/python bench/verl_stability.py --seeds 1     # one seed per family, ~30-40 min
+    .venv/bin/python bench/verl_stability.py --resume      # keep the runs already judged under --work, run the rest
+
+Each run is verl 0.9.1's own ``python -m verl.trainer.main_ppo`` on CPU through :mod:`ppo_watchdog.trainer.verl_cpu`
+(the plugin, its tiny Qwen2 warm-started on ``a+b=?`` for 300 supervised steps, its dense reward: the share of
+digits in the answer plus 1 for the right sum), GRPO with 4 prompts x 4 answers a step, the layout of
+bench/make_verl_corpus.py's runs at :data:`STEPS` steps with a checkpoint every :data:`SAVE_FREQ`. Every
+(family, seed) runs twice with the same seed: once alone, once under
+``watchdog run --mode verl --on-escalate stop -- python -m verl.trainer.main_ppo ...`` (no human at the keyboard).
+One verl run at a time (a verl run is ~20 processes and ~5.7 GB here).
+
+Outcome of a run, as bench/stability.py and bench/trl_stability.py judge:
+
+- stable: it trained to its last step, and the greedy accuracy of its final weights on all 100 ``a+b=?`` prompts
+  (verl's own validation at the last step, ``trainer.validation_data_dir``; an answer is right when the number
+  after its last ``####`` is the sum) is at least the start's less :data:`TOLERANCE`. The dense reward pays for
+  digits, so a policy collapsed into printing digits scores well and answers nothing: accuracy, not the score,
+  is what the run is for;
+- escalated: the watchdog stopped it for a human;
+- unstable: anything else (below the start, crashed, past the time limit).
+
+Results: ``bench/results/verl_stability.{json,md,png}``, in bench/results/trl_stability.json's shape
+(``summary.families.<name>.alone|watched`` with ``n``, ``stable``, ``rollbacks``). Each run's verdict is also kept
+beside it (``--work``/FAMILY/seedS/alone|watched/result.json), so ``--resume`` continues an interrupted bench.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from bench_rules import provenance, provenance_line  # noqa: E402
+from make_verl_corpus import SFT_STEPS, Run, merge, run_overrides  # noqa: E402
+from stability import plot  # noqa: E402
+from trl_stability import RunResult, _run, per_run, read_watched, summarize, table  # noqa: E402
+
+from ppo_watchdog.trainer.verl_cpu import assets, overrides  # noqa: E402
+
+STEPS, SAVE_FREQ = 20, 4
+#: How far below the start's greedy accuracy (100 prompts) a final one may land and still count as stable:
+#: 5 prompts, as bench/trl_stability.py allows (a tiny model's greedy answer flips on a few prompts by chance).
+TOLERANCE = 0.05
+#: The step the mid-run faults strike: after the good checkpoints of steps 4 and 8.
+FAULT_STEP = 10
+HEALTHY_LR = 3e-4
+
+
+@dataclass(frozen=True)
+class Family:
+    """A way to run verl: its lr, its extra overrides, its injected fault, and what it is in words."""
+
+    what: str
+    lr: float = HEALTHY_LR
+    settings: tuple[str, ...] = ()
+    inject: dict[str, str] = field(default_factory=dict)
+
+
+FAMILIES: dict[str, Family] = {
+    "healthy": Family("GRPO, lr 3e-4, KL loss 0.01 to the reference (the control)"),
+    "lr_high": Family("lr 1e-1 from the start (330x)", lr=1e-1),
+    "no_kl_lr_high": Family("no KL anchor (use_kl_loss false) and lr 1e-2", lr=1e-2,
+                            settings=("actor_rollout_ref.actor.use_kl_loss=False",)),
+    "lr_spike": Family(f"injected: the lr x100 from step {FAULT_STEP} (3e-2), after good checkpoints",
+                       inject={"VERL_CPU_INJECT_LR_SPIKE": f"{FAULT_STEP}:100"}),
+    "entropy_bonus": Family("an entropy bonus (entropy_coeff 1.0) with no KL anchor, lr 1e-3", lr=1e-3,
+                            settings=("actor_rollout_ref.actor.entropy_coeff=1.0",
+                                      "actor_rollout_ref.actor.use_kl_loss=False")),
+    "nan": Family(f"injected: the actor's loss is NaN once, at step {FAULT_STEP}",
+                  inject={"VERL_CPU_INJECT_NAN": str(FAULT_STEP)}),
+}
+ANSWER = re.compile(r"####\s*(\d+)")
+
+
+def accuracy(dump: Path) -> float | None:
+    """Share of verl's validation answers in ``dump`` (one JSON line per prompt) whose last ``#### N`` is the sum."""
+    if not dump.is_file():
+        return None
+    rows = [json.loads(line) for line in dump.read_text().splitlines() if line.strip()]
+    if not rows:
+        return None
+    right = 0
+    for row in rows:
+        found = ANSWER.findall(str(row["output"]))
+        right += bool(found) and found[-1] == str(row["gts"]).strip()
+    return right / len(rows)
+
+
+def last_step(path: Path) -> int | None:
+    """The newest step of a FileLogger or timeline file (``{"step": N, ...}`` lines), or None."""
+    from ppo_watchdog.protocol import rundir
+
+    if not path.is_file():
+        return None
+    return max((int(r["step"]) for r in rundir.read_jsonl(path).records), default=None)
+
+
+def classify(r: RunResult, run_dir: Path, timeline: Path) -> RunResult:
+    """Judge a finished (or killed) run by its timeline and verl's validation dumps at step 0 and the last step."""
+    from ppo_watchdog.protocol import rundir
+
+    r.steps_trained = len(rundir.read_jsonl(timeline).records) if timeline.is_file() else 0
+    r.last_step = last_step(timeline)
+    r.start_acc = accuracy(run_dir / "val" / "0.jsonl")
+    if r.watched and r.phase in ("stopped", "failed"):
+        r.outcome, r.reason = "escalated", f"watchdog {r.phase}"
+        return r
+    r.final_acc = accuracy(run_dir / "val" / f"{STEPS}.jsonl")
+    if r.last_step != STEPS or r.final_acc is None or r.start_acc is None:
+        r.outcome, r.reason = "unstable", f"did not finish (last step {r.last_step}, {r.phase})"
+        return r
+    verdict = f"greedy accuracy {r.start_acc:.2f} -> {r.final_acc:.2f}"
+    r.outcome = "stable" if r.final_acc >= r.start_acc - TOLERANCE else "unstable"
+    r.reason = verdict
+    return r
+
+
+def run_one(name: str, seed: int, watched: bool, work: Path, timeout: float, resume: bool) -> RunResult:
+    """One verl run of ``name`` at ``seed``, alone or watched, judged; its verdict kept beside it."""
+    base = work / name / f"seed{seed}" / ("watched" if watched else "alone")
+    verdict = base / "result.json"
+    if resume and verdict.is_file():
+        return RunResult(**json.loads(verdict.read_text()))
+    if base.exists():
+        shutil.rmtree(base)
+    base.mkdir(parents=True)
+    family, run_dir, state = FAMILIES[name], base / "run", base / "state"
+    a = assets.build(work / "assets" / f"seed{seed}_sft{SFT_STEPS}", seed=seed, sft_steps=SFT_STEPS)
+    grid = assets.build_grid(work / "assets" / "val_grid.parquet")
+    run = Run(f"{name}_seed{seed}", "grpo", seed, family.what, family.settings, family.inject, family.lr)
+    ovr = merge(run_overrides(run, a, run_dir, steps=STEPS, save_freq=SAVE_FREQ, test_freq=STEPS),
+                [f"data.val_files={grid}", "data.val_batch_size=100", f"trainer.validation_data_dir={run_dir / 'val'}"])
+    inject = {**family.inject, "VERL_CPU_INJECT_DIR": str(base / "injected")}
+    verl = overrides.verl_command(sys.executable, ovr)
+    r = RunResult(name, seed, watched)
+    if watched:
+        cmd = [sys.executable, "-m", "ppo_watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir),
+               "--state-dir", str(state), "--no-report", "--on-escalate", "stop", "--startup-timeout", "300", "--", *verl]
+        _, r.wall_s = _run(cmd, timeout, base / "watchdog.log", overrides.verl_env(inject=inject))
+        read_watched(r, state)
+        timeline = run_dir / "metrics.jsonl"
+    else:
+        timeline = run_dir / "verl.jsonl"
+        run_dir.mkdir(parents=True)
+        code, r.wall_s = _run(verl, timeout, base / "trainer.log",
+                              overrides.verl_env(inject={**inject, "VERL_FILE_LOGGER_PATH": str(timeline)}))
+        r.phase = "exit " + ("killed at the time limit" if code is None else str(code))
+    classify(r, run_dir, timeline)
+    verdict.write_text(json.dumps(asdict(r), indent=1) + "\n")
+    return r
+
+
+def write_results(doc: dict) -> None:
+    """bench/results/verl_stability.json, .md and .png."""
+    stem = RESULTS / "verl_stability"
+    whats = {name: ([], f.what) for name, f in FAMILIES.items()}
+    stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    planned = f" ({doc['planned']} planned)" if doc["planned"] != len(doc["runs"]) else ""
+    stem.with_suffix(".md").write_text(
+        f"# `{doc['command']}`\n\n{provenance_line(doc, with_command=False)}\n\n{len(doc['runs'])} verl runs"
+        f"{planned} of {doc['steps']} steps (verl {doc['verl']} on CPU, GRPO, 4 prompts x 4 answers, tiny Qwen2 "
+        f"warm-started), seeds {doc['seeds']}, {doc['wall_s'] / 60:.0f} min on 2 cores (shared). Stable: "
+        f"finished, final greedy accuracy on the 100 `a+b=?` prompts at least the start's - {TOLERANCE}.\n\n"
+        f"{table(doc['summary'])}\n\nPer run (decisions: step:rule:kind, resolves left out):\n\n"
+        f"{per_run(doc, whats)}\n\n![stable runs by family](verl_stability.png)\n")
+    plot(doc["summary"], stem.with_suffix(".png"), title="Hostile verl runs on CPU", alone="alone")
+
+
+def main() -> None:
+    from importlib.metadata import version
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES), choices=list(FAMILIES))
+    ap.add_argument("--timeout", type=float, default=1200.0, help="wall limit of one run, alone or watched (s)")
+    ap.add_argument("--work", type=Path, default=ROOT / "runs" / "verl_stability")
+    ap.add_argument("--resume", action="store_true", help="keep the runs already judged under --work")
+    ap.add_argument("--render", action="store_true", help="rewrite the .md and .png from the committed .json and exit")
+    args = ap.parse_args()
+    if args.render:
+        write_results(json.loads((RESULTS / "verl_stability.json").read_text()))
+        return
+    seeds = list(range(1, args.seeds + 1))
+    # Seed by seed, so an interrupted bench has every family at the seeds it finished.
+    jobs = [(f, s, w) for s in seeds for f in args.families for w in (False, True)]
+    command = "python bench/verl_stability.py" + (f" --seeds {args.seeds}" if args.seeds != 3 else "")
+    t0, results, doc = time.time(), [], {}
+    for f, s, w in jobs:
+        r = run_one(f, s, w, args.work, args.timeout, args.resume)
+        results.append(r)
+        print(f"{r.family:14s} seed {r.seed} {'watched' if r.watched else 'alone  '}: {r.outcome:9s} {r.reason} "
+              f"({r.wall_s:.0f} s, {r.steps_trained} steps, {r.rollbacks} rollbacks) {' '.join(r.decisions)}", flush=True)
+        doc = {**provenance("recovery of hostile verl runs, alone and watched", "verl_stability.py", None),
+               "command": command, "verl": version("verl"), "steps": STEPS, "seeds": seeds, "planned": len(jobs),
+               "wall_s": round(sum(x.wall_s for x in results), 1),
+               "summary": summarize(results, {n: ([], FAMILIES[n].what) for n in args.families}),
+               "runs": [asdict(x) for x in results]}
+        if w:  # after every pair: an interrupted bench leaves what it measured
+            write_results(doc)
+    print(table(doc["summary"]))
+    print(f"{time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
