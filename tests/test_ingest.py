@@ -53,6 +53,22 @@ def test_scaled_lr_key_is_also_recorded_in_real_units() -> None:
     assert rec["data"]["critic/lr"] == pytest.approx(1e-5)
 
 
+def test_the_batchs_sequence_count_is_derived_from_verls_token_total_on_every_path(tmp_path: Path) -> None:
+    """verl logs no count of sequences; 16 sequences of 24 + 8 tokens are 512. The typed FileLogger path (numbers
+    only), the general one (a null among them) and a console line give the same count; a step without all three
+    parts gives none."""
+    parts = {"perf/total_num_tokens": 512, "prompt_length/mean": 24.0, "response_length/mean": 8.0}
+    log = tmp_path / "verl.jsonl"
+    log.write_text(json.dumps({"step": 1, "data": parts}) + "\n"
+                   + json.dumps({"step": 2, "data": {**parts, "actor/grad_norm": None}}) + "\n"
+                   + json.dumps({"step": 3, "data": {"perf/total_num_tokens": 512, "prompt_length/mean": 24.0}}) + "\n")
+    counts = {r["step"]: r["data"].get("derived/num_sequences") for r in ingest.read_records(log)}
+    assert counts == {1: 16.0, 2: 16.0, 3: None}
+    console = ingest.parse_console_line("step:4 - perf/total_num_tokens:384 - prompt_length/mean:24.0 - "
+                                        "response_length/mean:8.0")
+    assert console is not None and console[1]["derived/num_sequences"] == 12.0
+
+
 @needs_logs
 def test_nan_excerpts_give_nan_values_and_report_the_truncated_tail() -> None:
     res = ingest.read_run(NAN)

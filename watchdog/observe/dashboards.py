@@ -233,6 +233,10 @@ def ppo_run() -> dict[str, Any]:
         ))
         .with_panel(_series(ids, "Rollout time", "Wall time of the step's rollout (generation); 3x its median "
                             "or a third of it confirms failing rollouts.", [_per_run("timing_s/gen")], unit="s", w=6))
+        .with_panel(_series(ids, "Sequences a step", "Sequences in the step's batch (derived: verl's token total over "
+                            "its mean prompt and response lengths); a batch short of its own usual count with no "
+                            "aborted response is the rollout engine dropping requests (batch_shrink).",
+                            [_per_run(catalog.SEQUENCES_KEY)], w=6))
         .with_row(db.Row("Knobs the watchdog turns").id(ids()))
         .with_panel(_series(ids, "Learning rate", "Actor and critic learning rates (log axis).", [
             _per_run("actor/lr"), _per_run("critic/lr"),

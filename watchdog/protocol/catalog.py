@@ -98,6 +98,10 @@ class Metric:
     """The verl setting that makes verl log this metric, for the warning about rules that cannot fire."""
 
 
+#: The derived count of sequences a step trained on (see :func:`derive`).
+SEQUENCES_KEY = "derived/num_sequences"
+_SEQUENCE_PARTS = ("perf/total_num_tokens", "prompt_length/mean", "response_length/mean")
+
 _KL_NEEDS = ("algorithm.use_kl_in_reward=True (KL in the reward: actor/reward_kl_penalty) or "
              "actor_rollout_ref.actor.use_kl_loss=True (KL loss: actor/kl_loss)")
 _CRITIC_NEEDS = "a critic (algorithm.adv_estimator=gae); GRPO-style runs have none"
@@ -182,6 +186,13 @@ METRICS: tuple[Metric, ...] = (
         "response_length_non_aborted/clip_ratio", "ppo_response_non_aborted_clip_ratio", "response_clip_ratio_ok",
         "Fraction of the responses that were not aborted cut at max_response_length.",
     ),
+    # verl logs no count of the batch's sequences; normalize_data (ppo_watchdog.sources.ingest) derives it.
+    Metric(
+        SEQUENCES_KEY, "ppo_batch_sequences", "sequences",
+        "Sequences trained on in the step, derived: perf/total_num_tokens / (prompt_length/mean + "
+        "response_length/mean) (the total counts each sequence's prompt and response tokens).",
+        needs="verl's perf/total_num_tokens, prompt_length/mean and response_length/mean",
+    ),
     Metric("timing_s/gen", "ppo_rollout_seconds", "gen_time", "Wall time of the step's rollout (generation).",
            unit="s", aliases=("timing/gen",)),
     Metric(
@@ -238,8 +249,16 @@ VERL_ONLY_KEYS = frozenset({
     "response/aborted_ratio", "response_length_non_aborted/mean", "response_length_non_aborted/max",
     "response_length_non_aborted/min", "response_length_non_aborted/clip_ratio", "response_length/min",
     "timing_s/gen", "training/rollout_probs_diff_max", "training/rollout_probs_diff_std", "rollout_corr/kl",
-    "rollout_corr/log_ppl_abs_diff", "rollout_corr/chi2_token",
+    "rollout_corr/log_ppl_abs_diff", "rollout_corr/chi2_token", SEQUENCES_KEY,
 })
+
+
+def derive(data: dict[str, float]) -> None:
+    """Add the values the catalog derives from a step's keys (in place): the batch's sequence count, from
+    verl's token total and its mean prompt and response lengths, where the step logs all three."""
+    tokens, prompt, response = (data.get(k) for k in _SEQUENCE_PARTS)
+    if tokens is not None and prompt is not None and response is not None and prompt + response > 0:
+        data.setdefault(SEQUENCES_KEY, tokens / (prompt + response))
 
 BY_KEY: dict[str, Metric] = {m.key: m for m in METRICS}
 BY_SHORT: dict[str, Metric] = {m.short: m for m in METRICS}

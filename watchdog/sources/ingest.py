@@ -150,7 +150,8 @@ _NUMBERS = frozenset({float, int})
 
 
 def normalize_data(data: Mapping[str, Any]) -> dict[str, float]:
-    """Numeric metrics only, as floats: ``null`` -> NaN (orjson's NaN), scaled keys unscaled."""
+    """Numeric metrics only, as floats: ``null`` -> NaN (orjson's NaN), scaled keys unscaled, plus the values the
+    catalog derives (:func:`ppo_watchdog.protocol.catalog.derive`)."""
     values = data.values()
     types = set(map(type, values))  # one pass in C; a FileLogger line is floats, ints now and then
     if types <= _FLOATS:
@@ -172,10 +173,17 @@ def normalize_data(data: Mapping[str, Any]) -> dict[str, float]:
                 parsed = parse_value(value)
                 if parsed is not None:
                     out[key] = parsed
-    for key, base, scale in _scaled_keys(tuple(out)):
-        if base not in out:
-            out[base] = out[key] * scale
-    return out
+    return _complete(out)
+
+
+def _complete(data: dict[str, float]) -> dict[str, float]:
+    """A step's numbers (this line's own dict) with its scaled keys unscaled (``x(1e-3)``) and the catalog's
+    derived values added."""
+    for key, base, scale in _scaled_keys(tuple(data)):
+        if base not in data:
+            data[base] = data[key] * scale
+    catalog.derive(data)
+    return data
 
 
 @functools.lru_cache(maxsize=256)
@@ -327,10 +335,7 @@ def _typed_record(line: Any) -> tuple[dict[str, Any] | None, str | None]:
     data = line.data
     if not 0 <= line.step <= MAX_STEP:
         return record_from_json({"step": line.step, "data": data})  # says why
-    for key, base, scale in _scaled_keys(tuple(data)):  # as normalize_data; the dict is this line's own
-        if base not in data:
-            data[base] = data[key] * scale
-    return {"step": line.step, "data": data}, None
+    return {"step": line.step, "data": _complete(data)}, None
 
 
 def _parse_jsonl(path: Path, lines: Sequence[str]) -> tuple[list[dict[str, Any]], list[ParseIssue]]:
