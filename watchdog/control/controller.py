@@ -195,6 +195,12 @@ _tick_run_fields = operator.attrgetter(*_TICK_RUN_FIELDS)
 RECUR_STEPS = 30
 
 
+def _resumed_from(entry: Any) -> int | None:
+    """The step a done rollback or restart journal entry resumed from (its result's, else what it planned), or None."""
+    step = entry.result.get("resume_step", entry.payload.get("resume_step"))
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+
 def span_start(fire_step: int, for_steps: int, margin: int) -> int:
     """First step whose checkpoint is suspect when a divergence rule fires at ``fire_step``."""
     return fire_step - max(1, for_steps) + 1 - max(0, margin)
@@ -1062,11 +1068,10 @@ class RunController:
         ends = [s.end_step for s in self.store.bad_spans(self.run.run_id) if s.rule == rule and s.end_step is not None]
         if not ends or step > ends[-1]:
             return start
-        targets = [e.result.get("resume_step", e.payload.get("resume_step"))
-                   for e in self.store.journal(self.run.run_id)
+        targets = [_resumed_from(e) for e in self.store.journal(self.run.run_id)
                    if e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART) and e.status == ActionStatus.DONE
                    and e.payload.get("rule") == rule]
-        last = next((t for t in reversed(targets) if isinstance(t, int)), None)
+        last = next((t for t in reversed(targets) if t is not None), None)
         return start if last is None else min(start, last)
 
     def _recurrence(self, d: Any) -> tuple[int, int] | None:
@@ -1086,10 +1091,10 @@ class RunController:
         last = next((e for e in reversed(self.store.journal(self.run.run_id))
                      if e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART) and e.status == ActionStatus.DONE
                      and e.payload.get("rule") in spans and e.payload.get("resume") != "latest"
-                     and isinstance(e.result.get("resume_step", e.payload.get("resume_step")), int)), None)
-        if last is None:
+                     and _resumed_from(e) is not None), None)
+        target = None if last is None else _resumed_from(last)
+        if last is None or target is None:
             return None
-        target = int(last.result.get("resume_step", last.payload.get("resume_step")))
         progress = getattr(self.rules, "progress_steps", lambda _r: None)(d.rule) or RECUR_STEPS
         if d.step - target >= progress:
             return None  # the run trained ``progress`` steps past it: recovered, a new divergence
@@ -1435,7 +1440,7 @@ class RunController:
         reports success: verl issue 7401). A run without a relaunch, or with no stated length, is taken at its word."""
         last = next((e for e in reversed(self.store.journal(self.run.run_id))
                      if e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART) and e.status == ActionStatus.DONE
-                     and isinstance(e.result.get("resume_step", e.payload.get("resume_step")), int)), None)
+                     and _resumed_from(e) is not None), None)
         if last is None or self._launch_seen == self.run.launched_ts:
             return None  # (no relaunch, or a step of this launch was seen: it trained)
         try:
@@ -1444,8 +1449,8 @@ class RunController:
             return None  # (no length it can be held to: said where run.json is read)
         if total is None:
             return None
-        resumed = int(last.result.get("resume_step", last.payload.get("resume_step")))
-        if resumed >= total:
+        resumed = _resumed_from(last)
+        if resumed is None or resumed >= total:
             return None
         return (f"the trainer exited as finished, having trained no step since it resumed from step {resumed}'s "
                 f"checkpoint, short of its {total} steps: the resume loaded and did nothing")
