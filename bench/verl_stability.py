@@ -5,9 +5,11 @@
     .venv/bin/python bench/verl_stability.py --resume      # keep the runs already judged under --work, run the rest
 
 Each run is verl 0.9.1's own ``python -m verl.trainer.main_ppo`` on CPU through :mod:`ppo_watchdog.trainer.verl_cpu`
-(the plugin, its tiny Qwen2 warm-started on ``a+b=?`` for 300 supervised steps, its dense reward: the share of
-digits in the answer plus 1 for the right sum), GRPO with 4 prompts x 4 answers a step, the layout of
-bench/make_verl_corpus.py's runs at :data:`STEPS` steps with a checkpoint every :data:`SAVE_FREQ`. Every
+(the plugin, its tiny Qwen2 warm-started on ``a+b=?`` for 300 supervised steps so that about 60% of its greedy
+answers are right), GRPO with 4 prompts x 4 answers a step, the layout of bench/make_verl_corpus.py's runs at
+:data:`STEPS` steps with a checkpoint every :data:`SAVE_FREQ`, rewarded by verl's own gsm8k scorer (1 when the
+number after the answer's last ``#### `` is the sum, else 0: the task itself, not the plugin's dense reward, which
+pays for digits and so for a policy collapsed into printing them). Every
 (family, seed) runs twice with the same seed: once alone, once under
 ``watchdog run --mode verl --on-escalate stop -- python -m verl.trainer.main_ppo ...`` (no human at the keyboard).
 One verl run at a time (a verl run is ~20 processes and ~5.7 GB here).
@@ -15,10 +17,8 @@ One verl run at a time (a verl run is ~20 processes and ~5.7 GB here).
 Outcome of a run, as bench/stability.py and bench/trl_stability.py judge:
 
 - stable: it trained to its last step, and the greedy accuracy of its final weights on all 100 ``a+b=?`` prompts
-  (verl's own validation at the last step, ``trainer.validation_data_dir``; an answer is right when the number
-  after its last ``####`` is the sum) is at least the start's less :data:`TOLERANCE`. The dense reward pays for
-  digits, so a policy collapsed into printing digits scores well and answers nothing: accuracy, not the score,
-  is what the run is for;
+  (verl's own validation at the last step, scored by the same gsm8k scorer, read from the answers verl dumps to
+  ``trainer.validation_data_dir``) is at least the start's less :data:`TOLERANCE`;
 - escalated: the watchdog stopped it for a human;
 - unstable: anything else (below the start, crashed, past the time limit).
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import sys
 import time
@@ -55,7 +54,10 @@ STEPS, SAVE_FREQ = 20, 4
 TOLERANCE = 0.05
 #: The step the mid-run faults strike: after the good checkpoints of steps 4 and 8.
 FAULT_STEP = 10
-HEALTHY_LR = 3e-4
+#: The control's lr. At 3e-4 (bench/corpus_verl's healthy runs) this 27k-parameter model's greedy accuracy drifts
+#: down (0.63 -> 0.46 and 0.42 in two runs of seed 1: with 16 samples a step the sampled score stays flat at ~0.3,
+#: so the steps are noise, not learning); at 1e-4 it rises (0.63 -> 0.70).
+HEALTHY_LR = 1e-4
 
 
 @dataclass(frozen=True)
@@ -69,33 +71,27 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    "healthy": Family("GRPO, lr 3e-4, KL loss 0.01 to the reference (the control)"),
-    "lr_high": Family("lr 1e-1 from the start (330x)", lr=1e-1),
-    "no_kl_lr_high": Family("no KL anchor (use_kl_loss false) and lr 1e-2", lr=1e-2,
+    "healthy": Family("GRPO, lr 1e-4, KL loss 0.01 to the reference (the control)"),
+    "lr_high": Family("lr 1e-1 from the start (1000x)", lr=1e-1),
+    "no_kl_lr_high": Family("no KL anchor (use_kl_loss false) and lr 1e-2 (100x)", lr=1e-2,
                             settings=("actor_rollout_ref.actor.use_kl_loss=False",)),
-    "lr_spike": Family(f"injected: the lr x100 from step {FAULT_STEP} (3e-2), after good checkpoints",
+    "lr_spike": Family(f"injected: the lr x100 from step {FAULT_STEP} (1e-2), after good checkpoints",
                        inject={"VERL_CPU_INJECT_LR_SPIKE": f"{FAULT_STEP}:100"}),
-    "entropy_bonus": Family("an entropy bonus (entropy_coeff 1.0) with no KL anchor, lr 1e-3", lr=1e-3,
+    "entropy_bonus": Family("an entropy bonus (entropy_coeff 1.0) with no KL anchor, lr 1e-3 (10x)", lr=1e-3,
                             settings=("actor_rollout_ref.actor.entropy_coeff=1.0",
                                       "actor_rollout_ref.actor.use_kl_loss=False")),
     "nan": Family(f"injected: the actor's loss is NaN once, at step {FAULT_STEP}",
                   inject={"VERL_CPU_INJECT_NAN": str(FAULT_STEP)}),
 }
-ANSWER = re.compile(r"####\s*(\d+)")
 
 
 def accuracy(dump: Path) -> float | None:
-    """Share of verl's validation answers in ``dump`` (one JSON line per prompt) whose last ``#### N`` is the sum."""
+    """Mean score of verl's validation answers in ``dump`` (one JSON line per prompt, scored by verl's gsm8k scorer:
+    1 right, 0 not), or None when there is no such dump."""
     if not dump.is_file():
         return None
-    rows = [json.loads(line) for line in dump.read_text().splitlines() if line.strip()]
-    if not rows:
-        return None
-    right = 0
-    for row in rows:
-        found = ANSWER.findall(str(row["output"]))
-        right += bool(found) and found[-1] == str(row["gts"]).strip()
-    return right / len(rows)
+    scores = [float(json.loads(line)["score"]) for line in dump.read_text().splitlines() if line.strip()]
+    return sum(scores) / len(scores) if scores else None
 
 
 def last_step(path: Path) -> int | None:
@@ -141,7 +137,8 @@ def run_one(name: str, seed: int, watched: bool, work: Path, timeout: float, res
     grid = assets.build_grid(work / "assets" / "val_grid.parquet")
     run = Run(f"{name}_seed{seed}", "grpo", seed, family.what, family.settings, family.inject, family.lr)
     ovr = merge(run_overrides(run, a, run_dir, steps=STEPS, save_freq=SAVE_FREQ, test_freq=STEPS),
-                [f"data.val_files={grid}", "data.val_batch_size=100", f"trainer.validation_data_dir={run_dir / 'val'}"])
+                [f"data.val_files={grid}", "data.val_batch_size=100", f"trainer.validation_data_dir={run_dir / 'val'}",
+                 "reward.custom_reward_function.path=null"])  # verl's own gsm8k scorer
     inject = {**family.inject, "VERL_CPU_INJECT_DIR": str(base / "injected")}
     verl = overrides.verl_command(sys.executable, ovr)
     r = RunResult(name, seed, watched)
