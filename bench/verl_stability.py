@@ -49,9 +49,12 @@ from trl_stability import RunResult, _run, per_run, read_watched, summarize, tab
 from ppo_watchdog.trainer.verl_cpu import assets, overrides  # noqa: E402
 
 STEPS, SAVE_FREQ = 20, 4
-#: How far below the start's greedy accuracy (100 prompts) a final one may land and still count as stable:
-#: 5 prompts, as bench/trl_stability.py allows (a tiny model's greedy answer flips on a few prompts by chance).
-TOLERANCE = 0.05
+#: How far below the start's greedy accuracy (100 prompts) a final one may land and still count as stable: a tenth.
+#: The control's own noise sets it: identical healthy runs of seed 1 (same config, same seed) ended at 0.70, 0.64 and
+#: 0.57 from a start of 0.63 (verl's CPU reductions are not deterministic across its processes), while a collapsed
+#: policy loses most of its answers (0.63 -> 0.00 under the lr spike alone). bench/trl_stability.py's 0.05 would call
+#: one healthy run in three unstable here.
+TOLERANCE = 0.1
 #: The step the mid-run faults strike: after the good checkpoints of steps 4 and 8.
 FAULT_STEP = 10
 #: The control's lr. At 3e-4 (bench/corpus_verl's healthy runs) this 27k-parameter model's greedy accuracy drifts
@@ -117,9 +120,16 @@ def classify(r: RunResult, run_dir: Path, timeline: Path) -> RunResult:
     if r.last_step != STEPS or r.final_acc is None or r.start_acc is None:
         r.outcome, r.reason = "unstable", f"did not finish (last step {r.last_step}, {r.phase})"
         return r
-    verdict = f"greedy accuracy {r.start_acc:.2f} -> {r.final_acc:.2f}"
+    return judge(r)
+
+
+def judge(r: RunResult) -> RunResult:
+    """A finished run's outcome by its accuracies and :data:`TOLERANCE` (escalated and unfinished runs keep theirs):
+    runs judged earlier, by ``--resume`` or ``--render``, are judged again by today's rule."""
+    if r.outcome == "escalated" or r.last_step != STEPS or r.final_acc is None or r.start_acc is None:
+        return r
     r.outcome = "stable" if r.final_acc >= r.start_acc - TOLERANCE else "unstable"
-    r.reason = verdict
+    r.reason = f"greedy accuracy {r.start_acc:.2f} -> {r.final_acc:.2f}"
     return r
 
 
@@ -128,7 +138,7 @@ def run_one(name: str, seed: int, watched: bool, work: Path, timeout: float, res
     base = work / name / f"seed{seed}" / ("watched" if watched else "alone")
     verdict = base / "result.json"
     if resume and verdict.is_file():
-        return RunResult(**json.loads(verdict.read_text()))
+        return judge(RunResult(**json.loads(verdict.read_text())))
     if base.exists():
         shutil.rmtree(base)
     base.mkdir(parents=True)
@@ -184,10 +194,15 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1200.0, help="wall limit of one run, alone or watched (s)")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "verl_stability")
     ap.add_argument("--resume", action="store_true", help="keep the runs already judged under --work")
-    ap.add_argument("--render", action="store_true", help="rewrite the .md and .png from the committed .json and exit")
+    ap.add_argument("--render", action="store_true",
+                    help="judge the committed .json's runs again, rewrite the .json, .md and .png, and exit")
     args = ap.parse_args()
     if args.render:
-        write_results(json.loads((RESULTS / "verl_stability.json").read_text()))
+        doc = json.loads((RESULTS / "verl_stability.json").read_text())
+        runs = [judge(RunResult(**x)) for x in doc["runs"]]
+        doc.update(runs=[asdict(r) for r in runs],
+                   summary=summarize(runs, {n: ([], f.what) for n, f in FAMILIES.items() if any(r.family == n for r in runs)}))
+        write_results(doc)
         return
     seeds = list(range(1, args.seeds + 1))
     # Seed by seed, so an interrupted bench has every family at the seeds it finished.
