@@ -106,7 +106,7 @@ def greedy_accuracy(model_dir: Path) -> float:
 MODEL = Path()
 
 
-def _run(cmd: list[str], timeout: float, log: Path, env: dict[str, str] | None = None) -> tuple[int | None, float]:
+def run_to_end(cmd: list[str], timeout: float, log: Path, env: dict[str, str] | None = None) -> tuple[int | None, float]:
     """Run ``cmd`` in its own session to its end or ``timeout`` (then its whole group is killed): (exit code or
     None when killed, wall seconds)."""
     t0 = time.time()
@@ -159,10 +159,10 @@ def run_one(family: str, seed: int, watched: bool, work: Path, start_acc: float,
     if watched:
         cmd = [sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run_dir), "--state-dir", str(state),
                "--no-report", "--on-escalate", "stop", "--tick", "0.5", "--startup-timeout", "120", "--", *trainer]
-        code, r.wall_s = _run(cmd, timeout, base / "watchdog.log")
+        code, r.wall_s = run_to_end(cmd, timeout, base / "watchdog.log")
         read_watched(r, state)
     else:
-        code, r.wall_s = _run(trainer, timeout, base / "trainer.log")
+        code, r.wall_s = run_to_end(trainer, timeout, base / "trainer.log")
         r.phase = "exit " + ("killed at the time limit" if code is None else str(code))
     return classify(r, run_dir, start_acc)
 

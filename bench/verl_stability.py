@@ -9,8 +9,8 @@ Each run is verl 0.9.1's own ``python -m verl.trainer.main_ppo`` on CPU through 
 answers are right), GRPO with 4 prompts x 4 answers a step, the layout of bench/make_verl_corpus.py's runs at
 :data:`STEPS` steps with a checkpoint every :data:`SAVE_FREQ`, rewarded by verl's own gsm8k scorer (1 when the
 number after the answer's last ``#### `` is the sum, else 0: the task itself, not the plugin's dense reward, which
-pays for digits and so for a policy collapsed into printing them). Every
-(family, seed) runs twice with the same seed: once alone, once under
+pays for digits and so for a policy collapsed into printing them). Every (family, seed) runs twice with the same
+seed: once alone, once under
 ``watchdog run --mode verl --on-escalate stop -- python -m verl.trainer.main_ppo ...`` (no human at the keyboard).
 One verl run at a time (a verl run is ~20 processes and ~5.7 GB here).
 
@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_rules import provenance, provenance_line  # noqa: E402
 from make_verl_corpus import SFT_STEPS, Run, merge, run_overrides  # noqa: E402
 from stability import plot  # noqa: E402
-from trl_stability import RunResult, _run, per_run, read_watched, summarize, table  # noqa: E402
+from trl_stability import RunResult, per_run, read_watched, run_to_end, summarize, table  # noqa: E402
 
 from ppo_watchdog.trainer.verl_cpu import assets, overrides  # noqa: E402
 
@@ -85,6 +85,23 @@ FAMILIES: dict[str, Family] = {
                                       "actor_rollout_ref.actor.use_kl_loss=False")),
     "nan": Family(f"injected: the actor's loss is NaN once, at step {FAULT_STEP}",
                   inject={"VERL_CPU_INJECT_NAN": str(FAULT_STEP)}),
+}
+
+
+#: Why a family ends below all-stable with the watchdog, from its runs' decisions and numbers (the results page says it).
+EXPLAINED: dict[str, str] = {
+    "lr_high": (
+        "the remedies converge but not far enough in 20 steps. Seed 1: kl_explosion at step 3, kl_leap at 5 and "
+        "dead_after_learning at 6 each rewound to the initial weights, cutting the lr 0.1 -> 0.05 -> 0.005 -> 6.25e-4; "
+        "the run then trained its last 14 steps at 6x the control's lr, where this model drifts down (as at 3e-4), and "
+        "ended at 0.48 from 0.63. Seed 2 took a fourth rewind, to lr 3.91e-5, and ended above its start (0.47 -> 0.53)."),
+    "no_kl_lr_high": (
+        "not caught as a divergence. With no KL term the run dies on its first update (step 1 scores 0.38; from step 2 "
+        "every answer runs to the 16-token cap and scores 0, and the gradient is 0), before any rule has a baseline: "
+        "kl_leap and kl_explosion need a KL, and dead_after_learning needs a sign the run lived, which one healthy "
+        "record cannot give. Only the alerts fire (truncation, dead_run, never_healthy, length_runaway), and nothing "
+        "is rolled back. A rule that takes a single record as the run's healthy baseline would also roll back hard "
+        "tasks whose batches often score 0; it is left as a design question."),
 }
 
 
@@ -155,13 +172,13 @@ def run_one(name: str, seed: int, watched: bool, work: Path, timeout: float, res
     if watched:
         cmd = [sys.executable, "-m", "ppo_watchdog", "run", "--mode", "verl", "--run-dir", str(run_dir),
                "--state-dir", str(state), "--no-report", "--on-escalate", "stop", "--startup-timeout", "300", "--", *verl]
-        _, r.wall_s = _run(cmd, timeout, base / "watchdog.log", overrides.verl_env(inject=inject))
+        _, r.wall_s = run_to_end(cmd, timeout, base / "watchdog.log", overrides.verl_env(inject=inject))
         read_watched(r, state)
         timeline = run_dir / "metrics.jsonl"
     else:
         timeline = run_dir / "verl.jsonl"
         run_dir.mkdir(parents=True)
-        code, r.wall_s = _run(verl, timeout, base / "trainer.log",
+        code, r.wall_s = run_to_end(verl, timeout, base / "trainer.log",
                               overrides.verl_env(inject={**inject, "VERL_FILE_LOGGER_PATH": str(timeline)}))
         r.phase = "exit " + ("killed at the time limit" if code is None else str(code))
     classify(r, run_dir, timeline)
@@ -178,11 +195,20 @@ def write_results(doc: dict) -> None:
     stem.with_suffix(".md").write_text(
         f"# `{doc['command']}`\n\n{provenance_line(doc, with_command=False)}\n\n{len(doc['runs'])} verl runs"
         f"{planned} of {doc['steps']} steps (verl {doc['verl']} on CPU, GRPO, 4 prompts x 4 answers, tiny Qwen2 "
-        f"warm-started), seeds {doc['seeds']}, {doc['wall_s'] / 60:.0f} min on 2 cores (shared). Stable: "
+        f"warm-started), seeds {sorted({r['seed'] for r in doc['runs']})}, {doc['wall_s'] / 60:.0f} min on 2 cores (shared). Stable: "
         f"finished, final greedy accuracy on the 100 `a+b=?` prompts at least the start's - {TOLERANCE}.\n\n"
         f"{table(doc['summary'])}\n\nPer run (decisions: step:rule:kind, resolves left out):\n\n"
-        f"{per_run(doc, whats)}\n\n![stable runs by family](verl_stability.png)\n")
+        f"{per_run(doc, whats)}\n\n{explained(doc)}![stable runs by family](verl_stability.png)\n")
     plot(doc["summary"], stem.with_suffix(".png"), title="Hostile verl runs on CPU", alone="alone")
+
+
+def explained(doc: dict) -> str:
+    """The results page's section on each family whose watched runs are not all stable, from :data:`EXPLAINED`."""
+    short = [name for name, e in doc["summary"]["families"].items() if e["watched"]["stable"] < e["watched"]["n"]]
+    if not short:
+        return ""
+    lines = [f"- **{name}**: {EXPLAINED.get(name, 'not yet explained')}" for name in short]
+    return "Families not all stable with the watchdog, and why:\n\n" + "\n".join(lines) + "\n\n"
 
 
 def main() -> None:
