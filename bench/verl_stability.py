@@ -94,7 +94,10 @@ EXPLAINED: dict[str, str] = {
         "the remedies converge but not far enough in 20 steps. Seed 1: kl_explosion at step 3, kl_leap at 5 and "
         "dead_after_learning at 6 each rewound to the initial weights, cutting the lr 0.1 -> 0.05 -> 0.005 -> 6.25e-4; "
         "the run then trained its last 14 steps at 6x the control's lr, where this model drifts down (as at 3e-4), and "
-        "ended at 0.48 from 0.63. Seed 2 took a fourth rewind, to lr 3.91e-5, and ended above its start (0.47 -> 0.53)."),
+        "ended at 0.48 from 0.63. Seed 2 took a fourth rewind, to lr 3.91e-5, and ended above its start (0.47 -> 0.53). "
+        "Seed 3 stopped after two rewinds at lr 5e-3 (50x the control's): the KL settled near 1.2 nat with no new "
+        "jump for a divergence rule to read (kl_above_target's lr cut waited for a checkpoint the run did not reach), "
+        "and it ended at 0.08 from 0.48."),
     "no_kl_lr_high": (
         "not caught as a divergence. With no KL term the run dies on its first update (step 1 scores 0.38; from step 2 "
         "every answer runs to the 16-token cap and scores 0, and the gradient is 0), before any rule has a baseline: "
