@@ -34,6 +34,7 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -192,7 +193,6 @@ def run_one(name: str, seed: int, watched: bool, work: Path, timeout: float, res
 def write_results(doc: dict) -> None:
     """bench/results/verl_stability.json, .md and .png."""
     stem = RESULTS / "verl_stability"
-    whats = {name: ([], f.what) for name, f in FAMILIES.items()}
     stem.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     planned = f" ({doc['planned']} planned)" if doc["planned"] != len(doc["runs"]) else ""
     stem.with_suffix(".md").write_text(
@@ -201,8 +201,13 @@ def write_results(doc: dict) -> None:
         f"warm-started), seeds {sorted({r['seed'] for r in doc['runs']})}, {doc['wall_s'] / 60:.0f} min on 2 cores (shared). Stable: "
         f"finished, final greedy accuracy on the 100 `a+b=?` prompts at least the start's - {TOLERANCE}.\n\n"
         f"{table(doc['summary'])}\n\nPer run (decisions: step:rule:kind, resolves left out):\n\n"
-        f"{per_run(doc, whats)}\n\n{explained(doc)}![stable runs by family](verl_stability.png)\n")
+        f"{per_run(doc, whats(FAMILIES))}\n\n{explained(doc)}![stable runs by family](verl_stability.png)\n")
     plot(doc["summary"], stem.with_suffix(".png"), title="Hostile verl runs on CPU", alone="alone")
+
+
+def whats(names: Iterable[str]) -> dict[str, tuple[list[str], str]]:
+    """The named families as trl_stability's summary and tables take them: name -> (settings, what it is)."""
+    return {name: ([], FAMILIES[name].what) for name in names}
 
 
 def explained(doc: dict) -> str:
@@ -230,7 +235,7 @@ def main() -> None:
         doc = json.loads((RESULTS / "verl_stability.json").read_text())
         runs = [judge(RunResult(**x)) for x in doc["runs"]]
         doc.update(runs=[asdict(r) for r in runs],
-                   summary=summarize(runs, {n: ([], f.what) for n, f in FAMILIES.items() if any(r.family == n for r in runs)}))
+                   summary=summarize(runs, whats(n for n in FAMILIES if any(r.family == n for r in runs))))
         write_results(doc)
         return
     seeds = list(range(1, args.seeds + 1))
@@ -246,7 +251,7 @@ def main() -> None:
         doc = {**provenance("recovery of hostile verl runs, alone and watched", "verl_stability.py", None),
                "command": command, "verl": version("verl"), "steps": STEPS, "seeds": seeds, "planned": len(jobs),
                "wall_s": round(sum(x.wall_s for x in results), 1),
-               "summary": summarize(results, {n: ([], FAMILIES[n].what) for n in args.families}),
+               "summary": summarize(results, whats(args.families)),
                "runs": [asdict(x) for x in results]}
         if w:  # after every pair: an interrupted bench leaves what it measured
             write_results(doc)

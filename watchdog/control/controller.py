@@ -22,7 +22,7 @@ import operator
 import re
 import statistics
 import time
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
@@ -193,12 +193,6 @@ _tick_run_fields = operator.attrgetter(*_TICK_RUN_FIELDS)
 #: Steps of recovery past a rewind's target after which a divergence is a new one, for a rule whose budget
 #: states no ``progress`` (the default pack's divergence rules state 30).
 RECUR_STEPS = 30
-
-
-def _resumed_from(entry: Any) -> int | None:
-    """The step a done rollback or restart journal entry resumed from (its result's, else what it planned), or None."""
-    step = entry.result.get("resume_step", entry.payload.get("resume_step"))
-    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def span_start(fire_step: int, for_steps: int, margin: int) -> int:
@@ -1068,11 +1062,17 @@ class RunController:
         ends = [s.end_step for s in self.store.bad_spans(self.run.run_id) if s.rule == rule and s.end_step is not None]
         if not ends or step > ends[-1]:
             return start
-        targets = [_resumed_from(e) for e in self.store.journal(self.run.run_id)
-                   if e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART) and e.status == ActionStatus.DONE
-                   and e.payload.get("rule") == rule]
-        last = next((t for t in reversed(targets) if t is not None), None)
+        last = next((resumed for e, resumed in self._resumes() if e.payload.get("rule") == rule), None)
         return start if last is None else min(start, last)
+
+    def _resumes(self) -> Iterator[tuple[Any, int]]:
+        """This run's done rollbacks and restarts, newest first, each with the step it resumed from (its result's,
+        else what it planned); entries with no such step are left out."""
+        for e in reversed(self.store.journal(self.run.run_id)):
+            if e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART) and e.status == ActionStatus.DONE:
+                step = e.result.get("resume_step", e.payload.get("resume_step"))
+                if isinstance(step, int) and not isinstance(step, bool):
+                    yield e, step
 
     def _recurrence(self, d: Any) -> tuple[int, int] | None:
         """(the previous rewind's target step, which rewind this one is) when divergence ``d`` is the same
@@ -1088,13 +1088,11 @@ class RunController:
         ``ppo_watchdog.core.planner``).
         """
         spans = {s.rule for s in self.store.bad_spans(self.run.run_id) if s.rule not in (UNWATCHED, UNLOADABLE)}
-        last = next((e for e in reversed(self.store.journal(self.run.run_id))
-                     if e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART) and e.status == ActionStatus.DONE
-                     and e.payload.get("rule") in spans and e.payload.get("resume") != "latest"
-                     and _resumed_from(e) is not None), None)
-        target = None if last is None else _resumed_from(last)
-        if last is None or target is None:
+        found = next(((e, resumed) for e, resumed in self._resumes()
+                      if e.payload.get("rule") in spans and e.payload.get("resume") != "latest"), None)
+        if found is None:
             return None
+        last, target = found
         progress = getattr(self.rules, "progress_steps", lambda _r: None)(d.rule) or RECUR_STEPS
         if d.step - target >= progress:
             return None  # the run trained ``progress`` steps past it: recovered, a new divergence
@@ -1438,9 +1436,7 @@ class RunController:
         """Why a trainer that exited as finished did not finish, or None: it was relaunched from a checkpoint and
         trained no step past it, short of the steps its run.json names (a resume that loads, trains nothing and
         reports success: verl issue 7401). A run without a relaunch, or with no stated length, is taken at its word."""
-        last = next((e for e in reversed(self.store.journal(self.run.run_id))
-                     if e.kind in (JournalKind.ROLLBACK, JournalKind.RESTART) and e.status == ActionStatus.DONE
-                     and _resumed_from(e) is not None), None)
+        last = next(self._resumes(), None)
         if last is None or self._launch_seen == self.run.launched_ts:
             return None  # (no relaunch, or a step of this launch was seen: it trained)
         try:
@@ -1449,8 +1445,8 @@ class RunController:
             return None  # (no length it can be held to: said where run.json is read)
         if total is None:
             return None
-        resumed = _resumed_from(last)
-        if resumed is None or resumed >= total:
+        resumed = last[1]
+        if resumed >= total:
             return None
         return (f"the trainer exited as finished, having trained no step since it resumed from step {resumed}'s "
                 f"checkpoint, short of its {total} steps: the resume loaded and did nothing")

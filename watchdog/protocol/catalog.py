@@ -260,6 +260,7 @@ def derive(data: dict[str, float]) -> None:
     if tokens is not None and prompt is not None and response is not None and prompt + response > 0:
         data.setdefault(SEQUENCES_KEY, tokens / (prompt + response))
 
+
 BY_KEY: dict[str, Metric] = {m.key: m for m in METRICS}
 BY_SHORT: dict[str, Metric] = {m.short: m for m in METRICS}
 BY_PROM: dict[str, Metric] = {m.prom: m for m in METRICS}
