@@ -70,6 +70,39 @@ def test_the_same_kl_rise_with_a_fall_far_beyond_the_noise_is_rolled_back(pack: 
     assert (101, "kl_explosion", "rollback") in _acts(result)
 
 
+def one_prompt_run(*, spike_scores: tuple[float, float]) -> list[dict[str, Any]]:
+    """A GRPO run of ONE prompt x 4 answers a step on a 1-2 reward (sd of a step's score ~0.22 around
+    1.75), a KL loss of ~0.03 with a few-answer swing, and at step 100 one batch whose 4 answers are
+    empty: its KL estimate leaps to 5.9 nat; the next batch's is still 0.69, then back to 0.03. The
+    scores of steps 100 and 101 are ``spike_scores``."""
+    rng = random.Random(4)
+    records = []
+    for step in range(1, 141):
+        kl = max(0.0, 0.03 + rng.gauss(0, 0.01))
+        score = sum(1.0 + (rng.random() < 0.75) for _ in range(4)) / 4
+        if step in (100, 101):
+            kl = (5.9, 0.69)[step - 100]
+            score = spike_scores[step - 100]
+        records.append({"step": step, "data": {
+            "critic/score/mean": score, "critic/score/max": 2.0, "critic/score/min": 0.0,
+            "actor/kl_loss": kl, "actor/entropy": 0.5 + rng.gauss(0, 0.02),
+            "response_length/mean": 2.5 + rng.gauss(0, 0.2), "actor/grad_norm": 10 + rng.gauss(0, 2),
+        }})
+    return records
+
+
+def test_one_batch_that_carries_both_the_kl_leap_and_the_score_fall_is_not_rolled_back(pack: Any) -> None:
+    # With one prompt a step, the KL estimate and the score of a step come from the same 4 answers: the
+    # batch of empty answers that scores 0 is the batch whose KL leaps. The next batch scores as usual
+    # (1.5): the fall is one batch's, not a second, independent sign. The mean of the two scores, 0.75,
+    # is 4 standard deviations under the median; each score on its own is not.
+    assert _acts(replay(one_prompt_run(spike_scores=(0.0, 1.5)), pack)) == []
+
+
+def test_the_same_kl_leap_with_both_batches_scoring_zero_is_rolled_back(pack: Any) -> None:
+    assert (101, "kl_explosion", "rollback") in _acts(replay(one_prompt_run(spike_scores=(0.0, 0.0)), pack))
+
+
 def kl_runaway_run(*, steps: int = 300, start: int = 100, gain: float = 0.0) -> list[dict[str, Any]]:
     """A KL that grows 2% a step from ``start`` (0.04 -> ~2 nat by step 300) while the score holds at 0.6
     (sd 0.05), rising by ``gain`` over the run. Entropy and length do not move: no sign of damage."""
