@@ -3,6 +3,7 @@
     .venv/bin/python bench/verl_stability.py               # 6 families x 3 seeds, alone and watched: ~1.5-2 h on 2 cores
     .venv/bin/python bench/verl_stability.py --seeds 1     # one seed per family, ~30-40 min
     .venv/bin/python bench/verl_stability.py --resume      # keep the runs already judged under --work, run the rest
+    .venv/bin/python bench/verl_stability.py --watched-only  # after a pack change: only the watched runs, ~1 h
 
 Each run is verl 0.9.1's own ``python -m verl.trainer.main_ppo`` on CPU through :mod:`ppo_watchdog.trainer.verl_cpu`
 (the plugin, its tiny Qwen2 warm-started on ``a+b=?`` for 300 supervised steps so that about 60% of its greedy
@@ -25,6 +26,8 @@ Outcome of a run, as bench/stability.py and bench/trl_stability.py judge:
 Results: ``bench/results/verl_stability.{json,md,png}``, in bench/results/trl_stability.json's shape
 (``summary.families.<name>.alone|watched`` with ``n``, ``stable``, ``rollbacks``). Each run's verdict is also kept
 beside it (``--work``/FAMILY/seedS/alone|watched/result.json), so ``--resume`` continues an interrupted bench.
+A run alone involves no watchdog, so ``--watched-only`` takes the alone runs from the committed results (the page
+says from which commit and date) and runs only the watched ones: what a change to the pack or the controller moves.
 """
 
 from __future__ import annotations
@@ -198,11 +201,17 @@ def write_results(doc: dict) -> None:
     stem.with_suffix(".md").write_text(
         f"# `{doc['command']}`\n\n{provenance_line(doc, with_command=False)}\n\n{len(doc['runs'])} verl runs"
         f"{planned} of {doc['steps']} steps (verl {doc['verl']} on CPU, GRPO, 4 prompts x 4 answers, tiny Qwen2 "
-        f"warm-started), seeds {sorted({r['seed'] for r in doc['runs']})}, {doc['wall_s'] / 60:.0f} min on 2 cores (shared). Stable: "
+        f"warm-started), seeds {sorted({r['seed'] for r in doc['runs']})}, {doc['wall_s'] / 60:.0f} min on 2 cores (shared)"
+        f"{alone_note(doc)}. Stable: "
         f"finished, final greedy accuracy on the 100 `a+b=?` prompts at least the start's - {TOLERANCE}.\n\n"
         f"{table(doc['summary'])}\n\nPer run (decisions: step:rule:kind, resolves left out):\n\n"
         f"{per_run(doc, whats(FAMILIES))}\n\n{explained(doc)}![stable runs by family](verl_stability.png)\n")
     plot(doc["summary"], stem.with_suffix(".png"), title="Hostile verl runs on CPU", alone="alone")
+
+
+def alone_note(doc: dict) -> str:
+    """Where the alone runs come from when they were not run with the watched ones (``--watched-only``)."""
+    return f"; the runs alone (no watchdog in them) are those of {doc['alone_from'].rstrip('.')}" if doc.get("alone_from") else ""
 
 
 def whats(names: Iterable[str]) -> dict[str, tuple[list[str], str]]:
@@ -228,6 +237,8 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=1200.0, help="wall limit of one run, alone or watched (s)")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / "verl_stability")
     ap.add_argument("--resume", action="store_true", help="keep the runs already judged under --work")
+    ap.add_argument("--watched-only", action="store_true",
+                    help="run only the watched runs; the alone runs are the committed results' (no watchdog in them)")
     ap.add_argument("--render", action="store_true",
                     help="judge the committed .json's runs again, rewrite the .json, .md and .png, and exit")
     args = ap.parse_args()
@@ -242,17 +253,29 @@ def main() -> None:
     # Seed by seed, so an interrupted bench has every family at the seeds it finished.
     jobs = [(f, s, w) for s in seeds for f in args.families for w in (False, True)]
     command = "python bench/verl_stability.py" + (f" --seeds {args.seeds}" if args.seeds != 3 else "")
+    kept: dict[tuple[str, int], RunResult] = {}
+    alone_from = None
+    if args.watched_only:
+        committed = json.loads((RESULTS / "verl_stability.json").read_text())
+        kept = {(x["family"], x["seed"]): judge(RunResult(**x)) for x in committed["runs"] if not x["watched"]}
+        missing = sorted({(f, s) for f, s, _ in jobs} - set(kept))
+        if missing:
+            sys.exit(f"--watched-only: bench/results/verl_stability.json has no alone run of {missing}; run them first")
+        alone_from = committed.get("alone_from") or provenance_line(committed, with_command=False)
+        command += " --watched-only"
     t0, results, doc = time.time(), [], {}
     for f, s, w in jobs:
-        r = run_one(f, s, w, args.work, args.timeout, args.resume)
+        r = kept[(f, s)] if not w and args.watched_only else run_one(f, s, w, args.work, args.timeout, args.resume)
         results.append(r)
         print(f"{r.family:14s} seed {r.seed} {'watched' if r.watched else 'alone  '}: {r.outcome:9s} {r.reason} "
               f"({r.wall_s:.0f} s, {r.steps_trained} steps, {r.rollbacks} rollbacks) {' '.join(r.decisions)}", flush=True)
         doc = {**provenance("recovery of hostile verl runs, alone and watched", "verl_stability.py", None),
                "command": command, "verl": version("verl"), "steps": STEPS, "seeds": seeds, "planned": len(jobs),
-               "wall_s": round(sum(x.wall_s for x in results), 1),
+               "wall_s": round(sum(x.wall_s for x in results if x.watched or not args.watched_only), 1),
                "summary": summarize(results, whats(args.families)),
                "runs": [asdict(x) for x in results]}
+        if alone_from:
+            doc["alone_from"] = alone_from
         if w:  # after every pair: an interrupted bench leaves what it measured
             write_results(doc)
     print(table(doc["summary"]))
