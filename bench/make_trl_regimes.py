@@ -10,7 +10,7 @@ the repo's first corpora lacked: GRPO with no KL term (TRL's default ``beta`` 0)
 verifiable 0/1 reward (a group all right or all wrong has zero advantage: zero loss and gradient on
 many steps), TRL's sparse logging (``logging_steps`` 5 and 10: a record is the mean of the steps
 since the last one, ``grad_norm`` included), one prompt a step (the score of a step is the mean of 4
-answers), runs of 300 steps, and the same failure (lr 100x) at each cadence. Labels in
+answers), a LoRA adapter, runs of 300 steps, and the same failure (lr 100x) at each cadence. Labels in
 ``bench/corpus_trl_regimes/labels.yaml`` are written by hand from the numbers, never from a pack.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "bench" / "corpus_trl_regimes"
 sys.path.insert(0, str(ROOT / "bench"))
-from trl_stability import _run  # noqa: E402
+from trl_stability import run_to_end  # noqa: E402
 
 #: name -> overrides of the glue (beyond the model, the seed and the run length). lr 1e-4 is the
 #: glue's healthy rate on this model (bench/trl_stability.py), 1e-2 its 100x failure.
@@ -45,6 +45,11 @@ REGIMES: dict[str, tuple[int, int, list[str]]] = {
     "lr_10x_seed8": (8, 200, ["actor_rollout_ref.actor.optim.lr=0.001", "trainer.save_freq=25"]),
     "lr_10x_log5_seed9": (9, 200, ["actor_rollout_ref.actor.optim.lr=0.001", "trl.logging_steps=5",
                                    "trainer.save_freq=25"]),
+    # LoRA (peft, rank 8, alpha 16, every linear layer) at 10x the full model's lr, the usual LoRA ratio.
+    "lora_seed10": (10, 300, ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+                              "actor_rollout_ref.actor.optim.lr=0.001", "trainer.save_freq=50"]),
+    "lora_lr_high_seed11": (11, 100, ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16",
+                                      "actor_rollout_ref.actor.optim.lr=0.1", "trainer.save_freq=10"]),
     "log5_lr_high_seed1": (1, 60, [*EXACT_BETA0, "actor_rollout_ref.actor.optim.lr=0.01", "trl.logging_steps=5",
                                    "trainer.save_freq=10"]),
     "log10_lr_high_seed2": (2, 80, [*EXACT_BETA0, "actor_rollout_ref.actor.optim.lr=0.01", "trl.logging_steps=10",
@@ -69,7 +74,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "ppo_watchdog.trainer.trl_glue", "--run-dir", str(run_dir),
                f"actor_rollout_ref.model.path={model}", f"trainer.total_training_steps={steps}",
                f"trainer.seed={seed}", *overrides]
-        code, wall = _run(cmd, args.timeout, args.work / f"{name}.log")
+        code, wall = run_to_end(cmd, args.timeout, args.work / f"{name}.log")
         print(f"{name}: exit {code} in {wall / 60:.1f} min", flush=True)
         dst = CORPUS / name
         dst.mkdir(parents=True, exist_ok=True)

@@ -101,6 +101,7 @@ def test_verl_keys_map_onto_trl_and_the_kl_key_follows_the_trainer(tiny_model: P
     ("actor_rollout_ref.actor.optim.lr=-1", LR),
     ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3", "ppo_micro_batch_size_per_gpu"),
     (f"{KL_COEF}=0.1", KL_COEF),  # GRPO's KL is a loss term: the reward penalty's key means another KL
+    ("actor_rollout_ref.model.lora_rank=-8", "actor_rollout_ref.model.lora_rank"),
 ])
 def test_a_bad_key_or_value_is_refused_naming_it(tiny_model: Path, arg: str, named: str) -> None:
     with pytest.raises(TRLConfigError, match=named.replace(".", r"\.")):
@@ -265,6 +266,23 @@ def test_a_resumed_step_replays_the_original_unless_a_rollback_skips_its_batch(t
     assert runs["skip"]["trl/num_tokens"] != runs["orig"]["trl/num_tokens"]
     (started,) = _events(tmp_path / "skip", "started")
     assert started["skipped_batches"] == 1
+
+
+def test_a_lora_run_checkpoints_its_adapter_and_a_resume_replays_the_step_it_would_have_trained(
+        tiny_model: Path, tmp_path: Path) -> None:
+    lora = ("actor_rollout_ref.model.lora_rank=4", "actor_rollout_ref.model.lora_alpha=8")
+    assert _run(tmp_path / "orig", tiny_model, *lora, steps=3) == 0
+    assert _run(tmp_path / "base", tiny_model, *lora, steps=2) == 0
+    back = ckpt.step_dir(tmp_path / "base" / rundir.CHECKPOINTS, 2)
+    assert (back / "adapter_model.safetensors").is_file() and not (back / "model.safetensors").exists()
+    assert _run(tmp_path / "resumed", tiny_model, *lora, "trainer.resume_mode=resume_path",
+                f"trainer.resume_from_path={back}", steps=3) == 0
+    # Step 3 from the restored adapter and optimizer is step 3 of the run that never stopped (exact on CPU); an
+    # adapter not restored would start from the base model again, whose KL to itself is 0.
+    orig, resumed = _metrics(tmp_path / "orig")[3], _metrics(tmp_path / "resumed")[3]
+    assert resumed["trl/kl"] == orig["trl/kl"] and orig["trl/kl"] > 0
+    model = json.loads((tmp_path / "resumed" / "run.json").read_text())["config"]["actor_rollout_ref"]["model"]
+    assert (model["lora_rank"], model["lora_alpha"], model["target_modules"]) == (4, 8, "all-linear")
 
 
 def test_rloo_smoke_logs_its_kl_as_a_reward_penalty(tiny_model: Path, tmp_path: Path) -> None:

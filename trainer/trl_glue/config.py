@@ -79,6 +79,13 @@ class TRLRun:
     """``data.max_response_length``: TRL's ``max_completion_length``."""
     temperature: float = 1.0
     """``actor_rollout_ref.rollout.temperature``."""
+    lora_rank: int = 0
+    """``actor_rollout_ref.model.lora_rank``: train a LoRA adapter of this rank (peft's ``r``); 0 trains every weight.
+    With an adapter, TRL's reference policy is the base model with the adapter off (no second copy)."""
+    lora_alpha: int = 16
+    """``actor_rollout_ref.model.lora_alpha``: peft's ``lora_alpha`` (the adapter's scale is alpha / rank)."""
+    target_modules: str = "all-linear"
+    """``actor_rollout_ref.model.target_modules``: peft's ``target_modules`` (``all-linear``, or comma-separated names)."""
     lr: float = 1e-5
     """``actor_rollout_ref.actor.optim.lr``: TRL's ``learning_rate``."""
     lr_scheduler: str = "constant"
@@ -133,6 +140,10 @@ class TRLRun:
             raise TRLConfigError(f"trainer.reward={self.reward!r}: one of digits, exact")
         if not self.model_path:
             raise TRLConfigError("actor_rollout_ref.model.path: required (a local model directory with its tokenizer)")
+        if self.lora_rank < 0 or self.lora_alpha < 1 or not self.target_modules.strip():
+            raise TRLConfigError(f"actor_rollout_ref.model.lora_rank={self.lora_rank!r}, lora_alpha={self.lora_alpha!r}, "
+                                 f"target_modules={self.target_modules!r}: rank >= 0 (0: no adapter), alpha >= 1, "
+                                 "target_modules named")
         if not 0 < self.lr < MAX_LR:  # (NaN fails too)
             raise TRLConfigError(f"{ACTOR_LR}={self.lr!r}: must be a number > 0 and < {MAX_LR:g}")
         if not math.isfinite(self.clip_grad) or self.clip_grad <= 0:
@@ -207,8 +218,11 @@ class TRLRun:
             actor["clip_ratio_high"] = self.clip_ratio_high
         if self.algorithm == GRPO:
             actor["kl_loss_coef"] = self.beta
+        model: dict[str, Any] = {"path": self.model_path}
+        if self.lora_rank:
+            model.update(lora_rank=self.lora_rank, lora_alpha=self.lora_alpha, target_modules=self.target_modules)
         cfg: dict[str, Any] = {
-            "actor_rollout_ref": {"model": {"path": self.model_path}, "actor": actor,
+            "actor_rollout_ref": {"model": model, "actor": actor,
                                   "rollout": {"n": self.n, "temperature": self.temperature}},
             "algorithm": {"adv_estimator": self.algorithm, "use_kl_in_reward": self.algorithm == RLOO and self.beta != 0},
             "data": {"train_files": self.train_files, "train_batch_size": self.train_batch_size,
@@ -230,6 +244,9 @@ class TRLRun:
 KEYS: dict[str, str] = {
     "trainer.algorithm": "algorithm",
     "actor_rollout_ref.model.path": "model_path",
+    "actor_rollout_ref.model.lora_rank": "lora_rank",
+    "actor_rollout_ref.model.lora_alpha": "lora_alpha",
+    "actor_rollout_ref.model.target_modules": "target_modules",
     "data.train_files": "train_files",
     "data.train_batch_size": "train_batch_size",
     "actor_rollout_ref.rollout.n": "n",

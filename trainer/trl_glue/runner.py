@@ -84,6 +84,16 @@ def dataset(run: TRLRun) -> Any:
     return Dataset.from_list(rows)
 
 
+def lora_config(run: TRLRun) -> Any:
+    """peft's LoraConfig for ``actor_rollout_ref.model.lora_rank`` > 0 (verl's keys), else None (every weight trains)."""
+    if not run.lora_rank:
+        return None
+    from peft import LoraConfig
+
+    modules = run.target_modules if run.target_modules == "all-linear" else [m.strip() for m in run.target_modules.split(",")]
+    return LoraConfig(r=run.lora_rank, lora_alpha=run.lora_alpha, target_modules=modules, task_type="CAUSAL_LM")
+
+
 def launch(run: TRLRun, run_dir: Path, command: list[str], callbacks: Sequence[Any] = ()) -> int:
     """Train; returns the exit code (see the module docstring). ``callbacks``: more TrainerCallbacks,
     after the glue's (a test writes control.json from one, at a step it chooses)."""
@@ -119,7 +129,7 @@ def launch(run: TRLRun, run_dir: Path, command: list[str], callbacks: Sequence[A
     cls: Any = GRPOTrainer if run.algorithm == GRPO else RLOOTrainer
     try:
         trainer = cls(model=run.model_path, reward_funcs=[REWARDS[run.reward]], args=args, train_dataset=data,
-                      processing_class=tokenizer, callbacks=[callback, *callbacks])
+                      processing_class=tokenizer, callbacks=[callback, *callbacks], peft_config=lora_config(run))
     except (ValueError, TypeError, OSError) as exc:
         sys.stderr.write(f"config error: {type(exc).__name__}: {exc}\n")
         rundir.append_event(run_dir, "error", 0, message=f"config error: {exc}", source="trl")
