@@ -103,6 +103,28 @@ def test_the_same_kl_leap_with_both_batches_scoring_zero_is_rolled_back(pack: An
     assert (101, "kl_explosion", "rollback") in _acts(replay(one_prompt_run(spike_scores=(0.0, 0.0)), pack))
 
 
+def test_a_relaunch_from_the_start_is_not_judged_by_the_entropy_of_the_branch_it_abandoned(pack: Any) -> None:
+    # TRL GRPO at lr 1e-2 (bench/trl_stability.py, lr_high seed 2): the first launch collapsed to an entropy of
+    # 0.03 and was rolled back to the initial weights; the relaunch at a sane lr trains as a healthy run does
+    # (its own numbers below). Its entropy is 20x the collapsed branch's lowest, and its small batch's scores dip
+    # below their median now and then: judged against a policy that no longer exists, it was "blowing up", and
+    # the budget of rollbacks ran out on a healthy run.
+    collapsed = [{"step": step, "data": {
+        "critic/score/mean": 1.5 if step == 1 else 0.0, "critic/score/max": 2.0 if step == 1 else 0.0,
+        "critic/score/min": 1.0 if step == 1 else 0.0, "actor/entropy": 0.6 if step == 1 else 0.03,
+        "actor/kl_loss": 0.0 if step == 1 else 7.0, "response_length/mean": 3.0 if step == 1 else 16.0,
+    }} for step in range(1, 4)]
+    scores = (1.5, 1.5, 1.375, 1.25, 1.375, 1.325, 1.75, 1.333, 1.375, 1.5)
+    entropy = (0.622, 0.535, 0.586, 0.67, 0.653, 0.713, 0.467, 0.555, 0.609, 0.576)
+    kls = (0.0, 0.001, 0.005, 0.007, 0.003, 0.003, 0.01, 0.003, 0.001, 0.008)
+    relaunch = [{"step": i + 1, "data": {
+        "critic/score/mean": scores[i], "critic/score/max": 2.0, "critic/score/min": 1.0, "actor/entropy": entropy[i],
+        "actor/kl_loss": kls[i], "response_length/mean": 2.5,
+    }} for i in range(10)]
+    result = replay(collapsed + relaunch, pack)  # (the collapsed branch's own decisions leave with it)
+    assert _fires(result, "early_entropy_blowup") == [] and _acts(result) == []
+
+
 def kl_runaway_run(*, steps: int = 300, start: int = 100, gain: float = 0.0) -> list[dict[str, Any]]:
     """A KL that grows 2% a step from ``start`` (0.04 -> ~2 nat by step 300) while the score holds at 0.6
     (sd 0.05), rising by ``gain`` over the run. Entropy and length do not move: no sign of damage."""

@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 class Ref:
     """The window as plain lists (what it was before the arrays): per metric its own steps and values,
-    trimmed in halves by its own count, a running best covering what was trimmed."""
+    trimmed in halves by its own count, a running best and lowest covering what was trimmed; a rewind drops the
+    steps after it, and with them their part in both."""
 
     def __init__(self, size: int | None) -> None:
         self.size = size
@@ -34,7 +35,7 @@ class Ref:
                 del s[0][i:], s[1][i:]
             del self.steps[bisect_right(self.steps, step - 1):]
         for name, v in values.items():
-            s = self.series.setdefault(name, [[], [], -math.inf, 0])
+            s = self.series.setdefault(name, [[], [], -math.inf, 0, math.inf])
             s[0].append(step)
             s[1].append(v)
             if self.size is not None and len(s[0]) > 2 * self.size:
@@ -42,6 +43,8 @@ class Ref:
                 for st, x in zip(s[0][:cut], s[1][:cut], strict=True):
                     if x > s[2]:
                         s[2], s[3] = x, st
+                    if x < s[4]:
+                        s[4] = x
                 del s[0][:cut], s[1][:cut]
         self.steps.append(step)
         if self.size is not None and len(self.steps) > 2 * self.size:
@@ -56,8 +59,11 @@ class Ref:
         st, vs = self.series.get(name, [[], []])[:2]
         return [v for s, v in zip(st, vs, strict=True) if at - n * self.cadence < s <= at]
 
+    def lowest(self, name: str) -> float:
+        return min([self.series[name][4], *(v for v in self.series[name][1] if v == v)])
+
     def best(self, name: str, at: int) -> tuple[float, int]:
-        st, vs, b, b_at = self.series[name]
+        st, vs, b, b_at, _ = self.series[name]
         for s, v in zip(st, vs, strict=True):
             if s <= at and v > b:
                 b, b_at = v, s
@@ -111,6 +117,11 @@ def test_same_answers_as_plain_lists(seed: int, size: int | None) -> None:
                     if b != -math.inf:
                         assert w.best(name, mid) == b and w.since_best(name, mid) == mid - b_at
                 assert w.has(name, ref.series[name][0][-1])
+                if ref.lowest(name) == math.inf:
+                    with pytest.raises(MissingDataError):
+                        w.lowest(name)
+                else:
+                    assert w.lowest(name) == ref.lowest(name)
 
 
 def test_unkept_metrics_still_count_as_nonfinite_and_source() -> None:

@@ -226,7 +226,7 @@ FUNCTIONS: dict[str, FuncSpec] = {
     ),
     "best": FuncSpec(("metric", "window"), NUM, "best (max) so far over the run, or over the last N steps", optional=1),
     "since_best": FuncSpec(("metric",), NUM, "steps since the metric last reached a new best"),
-    "lowest": FuncSpec(("metric",), NUM, "lowest value the run has ever logged (rolled-back steps included)"),
+    "lowest": FuncSpec(("metric",), NUM, "lowest value so far over the run (a rolled-back branch's steps left with it)"),
     "holds": FuncSpec(("cond",), BOOL, "the condition, or false when its data is missing: a signal the run does "
                                        "not log (yet) cannot confirm another"),
     "count_over": FuncSpec(("cond", "window"), NUM, "number of steps in the last N where the condition held"),

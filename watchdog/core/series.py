@@ -96,7 +96,8 @@ class _Series:
     steps array. Otherwise ``steps`` holds its own steps, one per value.
     """
 
-    __slots__ = ("values", "row0", "steps", "top", "top_at", "evicted_best", "evicted_best_at", "lowest", "base")
+    __slots__ = ("values", "row0", "steps", "top", "top_at", "evicted_best", "evicted_best_at", "lowest",
+                 "evicted_lowest", "base")
 
     def __init__(self, row0: int) -> None:
         self.values = array("d")
@@ -113,7 +114,19 @@ class _Series:
         self.evicted_best = _NEG_INF
         self.evicted_best_at = 0
         self.lowest = math.inf
-        """Lowest value ever appended (also from a rolled-back branch; NaN never)."""
+        """Lowest (min, NaN never) over every value of the branch, kept or trimmed: ``lowest`` now. A rolled-back
+        branch's values leave it with them: the entropy of a policy the run no longer has is no baseline."""
+        self.evicted_lowest = math.inf
+        """The running min of values already trimmed away."""
+
+
+def _running_lowest(values: Sequence[float], hi: int, low: float) -> float:
+    """The min of ``low`` and ``values[:hi]`` (NaN never wins)."""
+    for k in range(hi):
+        v = values[k]
+        if v < low:
+            low = v
+    return low
 
 
 def _running_best(values: Sequence[float], hi: int, best: float) -> tuple[float, int]:
@@ -270,6 +283,7 @@ class Window:
         best, k = _running_best(s.values, cut, s.evicted_best)
         if k >= 0:
             s.evicted_best, s.evicted_best_at = best, self._step_of(s, k)
+        s.evicted_lowest = _running_lowest(s.values, cut, s.evicted_lowest)
         del s.values[:cut]
         s.base += cut
         if s.steps is None:
@@ -317,6 +331,7 @@ class Window:
                 del s.values[keep:]
                 best, k = _running_best(s.values, keep, s.evicted_best)
                 s.top, s.top_at = best, (self._step_of(s, k) if k >= 0 else s.evicted_best_at)
+                s.lowest = _running_lowest(s.values, keep, s.evicted_lowest)
             if not keep:
                 s.row0, s.steps = end, None  # empty: aligned again, from the next row
         del rows[end - self._lo:]
@@ -499,7 +514,8 @@ class Window:
         return b
 
     def lowest(self, name: str) -> float:
-        """The lowest value ``name`` ever had in this run (NaN ignored); MissingDataError if none."""
+        """The lowest value ``name`` had on the run's current branch (every kept or trimmed step; a rolled-back
+        branch's steps left with it, as for :meth:`best`; NaN ignored); MissingDataError if none."""
         s = self._series.get(name)
         if s is None or s.lowest == math.inf:
             raise MissingDataError(f"no finite data for metric {name!r}")
