@@ -31,6 +31,15 @@ def _fires(result: Any, rule: str) -> list[int]:
     return [d.step for d in result.decisions if d.rule == rule and d.kind == "fire"]
 
 
+def _record(step: int, score: float, kl: float, entropy: float, length: float, grad_norm: float, *,
+            top: float) -> dict[str, Any]:
+    """One step in verl's keys: the batch's scores lie in [0, ``top``]."""
+    return {"step": step, "data": {
+        "critic/score/mean": score, "critic/score/max": top, "critic/score/min": 0.0, "actor/kl_loss": kl,
+        "actor/entropy": entropy, "response_length/mean": length, "actor/grad_norm": grad_norm,
+    }}
+
+
 def small_batch_run(seed: int, *, steps: int = 120, kl_jump_at: int | None = None,
                     reward_at_jump: tuple[float, float] | None = None) -> list[dict[str, Any]]:
     """A GRPO run of 2 prompts x 4 answers a step: a score of 0-1 that swings with sd 0.15 around 0.5,
@@ -45,11 +54,8 @@ def small_batch_run(seed: int, *, steps: int = 120, kl_jump_at: int | None = Non
             kl = 0.2 + 0.01 * (step - kl_jump_at)
         if reward_at_jump is not None and kl_jump_at is not None and step in (kl_jump_at, kl_jump_at + 1):
             score = reward_at_jump[step - kl_jump_at]
-        records.append({"step": step, "data": {
-            "critic/score/mean": score, "critic/score/max": 1.0, "critic/score/min": 0.0,
-            "actor/kl_loss": kl, "actor/entropy": 0.4 + rng.gauss(0, 0.01),
-            "response_length/mean": 200 + rng.gauss(0, 5), "actor/grad_norm": 0.3 + rng.gauss(0, 0.03),
-        }})
+        records.append(_record(step, score, kl, 0.4 + rng.gauss(0, 0.01), 200 + rng.gauss(0, 5),
+                               0.3 + rng.gauss(0, 0.03), top=1.0))
     return records
 
 
@@ -83,11 +89,8 @@ def one_prompt_run(*, spike_scores: tuple[float, float]) -> list[dict[str, Any]]
         if step in (100, 101):
             kl = (5.9, 0.69)[step - 100]
             score = spike_scores[step - 100]
-        records.append({"step": step, "data": {
-            "critic/score/mean": score, "critic/score/max": 2.0, "critic/score/min": 0.0,
-            "actor/kl_loss": kl, "actor/entropy": 0.5 + rng.gauss(0, 0.02),
-            "response_length/mean": 2.5 + rng.gauss(0, 0.2), "actor/grad_norm": 10 + rng.gauss(0, 2),
-        }})
+        records.append(_record(step, score, kl, 0.5 + rng.gauss(0, 0.02), 2.5 + rng.gauss(0, 0.2), 10 + rng.gauss(0, 2),
+                               top=2.0))
     return records
 
 
