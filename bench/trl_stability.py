@@ -304,6 +304,31 @@ def per_run(doc: dict, families: dict[str, tuple[list[str], str]] = FAMILIES) ->
     return "\n".join(rows)
 
 
+#: Why a family ends below all-stable with the watchdog, from its runs' decisions and numbers (the results page says it).
+EXPLAINED: dict[str, str] = {
+    "beta_tiny": (
+        "seed 3's drift began in its first steps (KL 0.66 by step 7 at lr 1e-3 with beta 1e-4). kl_drift rolled it back "
+        "at step 16 to the checkpoint of step 10, and again at step 16 of the relaunch to step 5 (lr 6.25e-5, beta "
+        "0.0096): each rewind goes one known-good checkpoint further back, and both checkpoints were already trained "
+        "under the cause. It trained 35 steps at a sane lr from step 5 and ended at 0.34 (alone 0.09). A third "
+        "recurrence would have gone back to the initial weights; the run ended first."),
+    "entropy_bonus": (
+        "the family drifts slowly (an entropy bonus of 0.5 at lr 3x; one seed in three loses accuracy alone). Seed 3's "
+        "KL passed 4x its baseline at step 20 with the score holding (kl_runaway told a person; a drift with no damage "
+        "is not rolled back on one sign), and kl_drift rolled it back at step 33 to step 30 once the score fell; the "
+        "checkpoint of step 30 was already past most of the fall, and it ended at 0.37 (alone 0.31)."),
+}
+
+
+def explained(doc: dict, why: dict[str, str]) -> str:
+    """The results page's section on each family whose watched runs are not all stable, from ``why``."""
+    short = [name for name, e in doc["summary"]["families"].items() if e["watched"]["stable"] < e["watched"]["n"]]
+    if not short:
+        return ""
+    lines = [f"- **{name}**: {why.get(name, 'not yet explained')}" for name in short]
+    return "Families not all stable with the watchdog, and why:\n\n" + "\n".join(lines) + "\n\n"
+
+
 def write_results(doc: dict) -> None:
     """bench/results/trl_stability.json and .md."""
     stem = RESULTS / "trl_stability"
@@ -313,7 +338,7 @@ def write_results(doc: dict) -> None:
         f"warm-started to greedy accuracy {doc['start_accuracy']:.2f}), seeds {doc['seeds']}, "
         f"{doc['wall_s'] / 60:.0f} min on 2 cores (shared). Stable: finished, final greedy accuracy at least the "
         f"warm start's - {TOLERANCE}.\n\n{table(doc['summary'])}\n\nPer run (decisions: step:rule:kind, "
-        f"resolves left out):\n\n{per_run(doc)}\n")
+        f"resolves left out):\n\n{per_run(doc)}\n\n{explained(doc, EXPLAINED)}".rstrip("\n") + "\n")
 
 
 if __name__ == "__main__":

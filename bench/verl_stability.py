@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from bench_rules import provenance, provenance_line  # noqa: E402
 from make_verl_corpus import SFT_STEPS, Run, merge, run_overrides  # noqa: E402
 from stability import plot  # noqa: E402
-from trl_stability import RunResult, per_run, read_watched, run_to_end, summarize, table  # noqa: E402
+from trl_stability import RunResult, explained, per_run, read_watched, run_to_end, summarize, table  # noqa: E402
 
 from ppo_watchdog.trainer.verl_cpu import assets, overrides  # noqa: E402
 
@@ -205,7 +205,7 @@ def write_results(doc: dict) -> None:
         f"{alone_note(doc)}. Stable: "
         f"finished, final greedy accuracy on the 100 `a+b=?` prompts at least the start's - {TOLERANCE}.\n\n"
         f"{table(doc['summary'])}\n\nPer run (decisions: step:rule:kind, resolves left out):\n\n"
-        f"{per_run(doc, whats(FAMILIES))}\n\n{explained(doc)}![stable runs by family](verl_stability.png)\n")
+        f"{per_run(doc, whats(FAMILIES))}\n\n{explained(doc, EXPLAINED)}![stable runs by family](verl_stability.png)\n")
     plot(doc["summary"], stem.with_suffix(".png"), title="Hostile verl runs on CPU", alone="alone")
 
 
@@ -217,15 +217,6 @@ def alone_note(doc: dict) -> str:
 def whats(names: Iterable[str]) -> dict[str, tuple[list[str], str]]:
     """The named families as trl_stability's summary and tables take them: name -> (settings, what it is)."""
     return {name: ([], FAMILIES[name].what) for name in names}
-
-
-def explained(doc: dict) -> str:
-    """The results page's section on each family whose watched runs are not all stable, from :data:`EXPLAINED`."""
-    short = [name for name, e in doc["summary"]["families"].items() if e["watched"]["stable"] < e["watched"]["n"]]
-    if not short:
-        return ""
-    lines = [f"- **{name}**: {EXPLAINED.get(name, 'not yet explained')}" for name in short]
-    return "Families not all stable with the watchdog, and why:\n\n" + "\n".join(lines) + "\n\n"
 
 
 def main() -> None:
