@@ -97,8 +97,9 @@ EXPLAINED: dict[str, str] = {
     "lr_high": (
         "the rewinds go back to the start but the lr cuts do not go far enough in 20 steps. Each seed was rewound to "
         "the initial weights three times (kl_explosion at step 3, then kl_leap, early_entropy_blowup or "
-        "dead_after_learning within the relaunch's first 6 steps), cutting the lr 0.1 -> 0.05 -> 0.0125 or 6.25e-4 -> "
-        "1e-3 or 5e-4: 5-10x the control's, where this model drifts down (as at 3e-4); seed 1 ended at 0.20 from "
+        "dead_after_learning within the relaunch's first 6 steps), cutting the lr 0.1 -> 0.05 -> 0.0125 -> 1e-3 (seed "
+        "1) and 0.1 -> 0.05 -> 6.25e-4 -> 5e-4 (seed 2): 5-10x the control's, where this model drifts down (as at "
+        "3e-4); seed 1 ended at 0.20 from "
         "0.63, seed 2 at 0.26 from 0.47. The cuts follow each rule's stated schedule (x0.5 growing, x0.1 for a KL "
         "leap); a cut sized from the measured KL of the first update is not built."),
 }
