@@ -95,13 +95,19 @@ FAMILIES: dict[str, Family] = {
 #: Why a family ends below all-stable with the watchdog, from its runs' decisions and numbers (the results page says it).
 EXPLAINED: dict[str, str] = {
     "lr_high": (
-        "the rewinds go back to the start but the lr cuts do not go far enough in 20 steps. Each seed was rewound to "
+        "the rewinds go back to the start but the lr cuts do not go far enough in 20 steps. Seeds 1 and 2 were rewound to "
         "the initial weights three times (kl_explosion at step 3, then kl_leap, early_entropy_blowup or "
         "dead_after_learning within the relaunch's first 6 steps), cutting the lr 0.1 -> 0.05 -> 0.0125 -> 1e-3 (seed "
         "1) and 0.1 -> 0.05 -> 6.25e-4 -> 5e-4 (seed 2): 5-10x the control's, where this model drifts down (as at "
         "3e-4); seed 1 ended at 0.20 from "
-        "0.63, seed 2 at 0.26 from 0.47. The cuts follow each rule's stated schedule (x0.5 growing, x0.1 for a KL "
-        "leap); a cut sized from the measured KL of the first update is not built."),
+        "0.63, seed 2 at 0.26 from 0.47. Seed 3 took a fourth rewind and ended at 0.52 from 0.48. The cuts follow "
+        "each rule's stated schedule (x0.5 growing, x0.1 for a KL leap); a cut sized from the measured KL of the "
+        "first update is not built."),
+    "nan": (
+        "seed 3's NaN at step 10 was rolled back to the checkpoint of step 8, but that checkpoint's own validation "
+        "(verl's, at the resume) was already 0.33 from the start's 0.48: this seed's first 8 steps at the control's "
+        "lr, before any fault, had lost that much (its healthy run ended at 0.45 alone). The rollback restores what "
+        "the run had; it ended at 0.30 (alone, NaN and all, 0.37)."),
 }
 
 
