@@ -68,6 +68,8 @@ RUNS: tuple[Run, ...] = (
         "GRPO at lr 1e-3 (3.3x the healthy runs'), KL loss 0.01: too weak an anchor at this lr", lr=1e-3),
     Run("healthy_grpo_seed2", "grpo", 2, "GRPO, lr 3e-4, KL loss 0.01 to the reference"),
     Run("healthy_grpo_seed8", "grpo", 8, "GRPO, lr 3e-4, another seed"),
+    Run("healthy_grpo_no_kl_seed9", "grpo", 9, "GRPO with no KL term at all (use_kl_loss False: no reference, "
+        "as DAPO-style runs have), lr 3e-4", settings=("actor_rollout_ref.actor.use_kl_loss=False",)),
     Run("healthy_ppo_seed1", "ppo", 1, "PPO with GAE and a critic, KL in the reward (fixed 0.01), lr 1e-3", lr=1e-3),
     Run("healthy_ppo_seed2", "ppo", 2, "PPO with a critic, lr 3e-4, another seed"),
     Run("lr_1e-1_grpo_seed3", "grpo", 3, "lr far too high: 1e-1 (the healthy runs': 3e-4 to 1e-3)", lr=1e-1),
