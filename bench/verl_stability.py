@@ -208,6 +208,12 @@ def write_results(doc: dict) -> None:
     plot(doc["summary"], stem.with_suffix(".png"), title="Hostile verl runs on CPU", alone="alone")
 
 
+def committed() -> tuple[dict, list[RunResult]]:
+    """The committed results (bench/results/verl_stability.json) and their runs, judged again by today's rule."""
+    doc = json.loads((RESULTS / "verl_stability.json").read_text())
+    return doc, [judge(RunResult(**x)) for x in doc["runs"]]
+
+
 def alone_note(doc: dict) -> str:
     """Where the alone runs come from when they were not run with the watched ones (``--watched-only``)."""
     return f"; the runs alone (no watchdog in them) are those of {doc['alone_from'].rstrip('.')}" if doc.get("alone_from") else ""
@@ -233,8 +239,7 @@ def main() -> None:
                     help="judge the committed .json's runs again, rewrite the .json, .md and .png, and exit")
     args = ap.parse_args()
     if args.render:
-        doc = json.loads((RESULTS / "verl_stability.json").read_text())
-        runs = [judge(RunResult(**x)) for x in doc["runs"]]
+        doc, runs = committed()
         doc.update(runs=[asdict(r) for r in runs],
                    summary=summarize(runs, whats(n for n in FAMILIES if any(r.family == n for r in runs))))
         write_results(doc)
@@ -246,12 +251,12 @@ def main() -> None:
     kept: dict[tuple[str, int], RunResult] = {}
     alone_from = None
     if args.watched_only:
-        committed = json.loads((RESULTS / "verl_stability.json").read_text())
-        kept = {(x["family"], x["seed"]): judge(RunResult(**x)) for x in committed["runs"] if not x["watched"]}
+        before, runs = committed()
+        kept = {(r.family, r.seed): r for r in runs if not r.watched}
         missing = sorted({(f, s) for f, s, _ in jobs} - set(kept))
         if missing:
             sys.exit(f"--watched-only: bench/results/verl_stability.json has no alone run of {missing}; run them first")
-        alone_from = committed.get("alone_from") or provenance_line(committed, with_command=False)
+        alone_from = before.get("alone_from") or provenance_line(before, with_command=False)
         command += " --watched-only"
     t0, results, doc = time.time(), [], {}
     for f, s, w in jobs:
