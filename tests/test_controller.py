@@ -634,8 +634,9 @@ def test_a_divergence_that_recurs_after_its_rollback_suspects_the_checkpoint_it_
     assert choose_known_good([SimpleNamespace(step=s, complete=True) for s in (70, 75)], spans).step == 70
 
 
-def _rewound_run(tmp_path: Path, target: int) -> tuple[Any, Any, str]:
-    """A watched run whose kl_leap rewind (lr 1e-3 -> 1e-4) resumed from ``target`` (0: the start)."""
+def _rewound_run(tmp_path: Path, target: int, decided: int | None = None) -> tuple[Any, Any, str]:
+    """A watched run whose kl_leap rewind (lr 1e-3 -> 1e-4), decided at step ``decided`` (None: not
+    recorded), resumed from ``target`` (0: the start)."""
     run = tmp_path / "run"
     RunInfo(id="run", live_keys=[LR], config={"actor_rollout_ref": {"actor": {"optim": {"lr": 1e-3}}}}).write(run)
     wd = build_watchdog(tmp_path / "state", [])
@@ -644,7 +645,7 @@ def _rewound_run(tmp_path: Path, target: int) -> tuple[Any, Any, str]:
     wd.store.open_bad_span(rid, "kl_leap", target + 4 if target else 1)  # fired a few steps past its target
     resume = "scratch" if target == 0 else "path"
     entry = wd.store.add_action(rid, "restart", {"rule": "kl_leap", "resume": resume, "resume_step": target,
-                                                 "set": {LR: 1e-4}})
+                                                 "set": {LR: 1e-4}, **({} if decided is None else {"step": decided})})
     wd.store.update_action(entry, status="done")
     wd.store.close_bad_spans(rid, target + 5)
     ctl.run.overrides = {LR: 1e-4}
@@ -659,7 +660,8 @@ def _drift(step: int) -> Decision:
 def test_a_divergence_soon_after_a_rewind_to_the_start_goes_to_the_start_again_and_cuts_harder(tmp_path: Path) -> None:
     """Issue 45 item 3, found on TRL: an lr 100x too high caught by kl_leap at step 2 went back to the start
     with lr x0.1; at 10x it drifted, and kl_drift at step 20 went back to a checkpoint trained at 10x. The
-    cause was there from the first step: the start again, with the lr cut as a second rewind (x0.25)."""
+    cause was there from the first step: the start again, with the lr cut by a decade (a config fault: x0.1,
+    harder than the rule's second halving, x0.25)."""
     wd, ctl, rid = _rewound_run(tmp_path, 0)
     try:
         ctl._commit([_drift(20)], TickResult())
@@ -669,7 +671,39 @@ def test_a_divergence_soon_after_a_rewind_to_the_start_goes_to_the_start_again_a
         assert choose_known_good(checkpoints, wd.store.bad_spans(rid)) is None  # so: the initial weights
         (rollback,) = [j for j in wd.store.journal(rid) if j.kind == "rollback"]
         assert rollback.payload["rewind"] == 2
-        assert rollback.payload["set"][LR] == pytest.approx(1e-4 * 0.25)
+        assert rollback.payload["set"][LR] == pytest.approx(1e-4 * 0.1)
+    finally:
+        wd.close()
+
+
+def test_a_divergence_from_the_first_step_is_a_config_fault_whose_lr_cut_goes_by_decades(tmp_path: Path) -> None:
+    """Issue 45 item 3, found on verl (lr 1000x): halvings from the start left the lr 5-10x above a sane one
+    after three rewinds. A rollback whose suspect steps begin at the run's first step keeps nothing the run
+    trained: the config is at fault, and its lr cut is at least x0.1; one caught later halves as its rule says."""
+    for step, factor in ((3, 0.1), (30, 0.5)):
+        run = tmp_path / f"run{step}"
+        RunInfo(id=f"run{step}", live_keys=[LR], config={"actor_rollout_ref": {"actor": {"optim": {"lr": 1e-1}}}}).write(run)
+        wd = build_watchdog(tmp_path / f"state{step}", [])
+        try:
+            ctl = wd.add_run(run, managed=False)
+            ctl._commit([_drift(step)], TickResult())
+            (rollback,) = [j for j in wd.store.journal(ctl.run.run_id) if j.kind == "rollback"]
+            assert rollback.payload["set"][LR] == pytest.approx(1e-1 * factor), step
+        finally:
+            wd.close()
+
+
+def test_each_rewind_that_proves_too_short_goes_back_twice_as_far(tmp_path: Path) -> None:
+    """Issue 45 item 3, found on TRL (beta 1e-4, lr 10x): kl_drift went back 6 steps (16 -> 10) and the drift
+    came back at once; going back one checkpoint more (to 5) was still under the cause. The second rewind
+    goes back at least twice as far from its own detection as the first went: 48 - 2 x 10 = 28."""
+    wd, ctl, rid = _rewound_run(tmp_path, 40, decided=50)
+    try:
+        ctl._commit([_drift(48)], TickResult())
+        (span,) = [s for s in wd.store.bad_spans(rid) if s.rule == "kl_drift"]
+        assert span.start_step == 28
+        checkpoints = [SimpleNamespace(step=s, complete=True, ts=None) for s in (20, 25, 30, 35, 40, 45)]
+        assert choose_known_good(checkpoints, wd.store.bad_spans(rid)).step == 25
     finally:
         wd.close()
 

@@ -1,6 +1,6 @@
 """One run's control loop: tail -> rules engine -> decisions -> actuator, one tick at a time.
 
-The pure half (:func:`heartbeat_timeout`, :func:`span_start`, and
+The pure half (:func:`heartbeat_timeout`, and
 :mod:`ppo_watchdog.core.planner` and :mod:`ppo_watchdog.core.pricing`, shared with replay and eval) takes data
 and returns data; :class:`RunController` is the thin shell
 that reads the run directory, persists to the store and hands journal entries to the
@@ -50,12 +50,14 @@ from ppo_watchdog.control.store import UNLOADABLE, UNWATCHED, ActionRecord, Phas
 from ppo_watchdog.core.engine import BLIND_AFTER_STEPS, Verdict
 from ppo_watchdog.core.planner import (
     ON_ESCALATE,
+    ROLLBACK_MARGIN_STEPS,
     PlanContext,
     Planned,
     config_value,
     left_out_reason,
     oom_remedy,
     plan_decision,
+    span_start,
 )
 from ppo_watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
 from ppo_watchdog.core.vocabulary import OPEN_ACTION_STATUSES, ActionStatus, DecisionKind, JournalKind
@@ -111,7 +113,7 @@ class ControllerConfig:
     window_size: int | None = None
     """Steps of history the rules see (None: what the loaded rules read, their longest window and the
     current step, at most ``ppo_watchdog.core.series.MAX_WINDOW_STEPS``). A daemon holds one window per run."""
-    rollback_margin_steps: int = 1
+    rollback_margin_steps: int = ROLLBACK_MARGIN_STEPS
     """Checkpoints this many steps before a divergence rule's condition first held count as bad too:
     the checkpoint at step N holds the weights that produced step N+1's diverged metrics."""
     live_keys: tuple[str, ...] = catalog.LIVE_KEYS
@@ -193,11 +195,6 @@ _tick_run_fields = operator.attrgetter(*_TICK_RUN_FIELDS)
 #: Steps of recovery past a rewind's target after which a divergence is a new one, for a rule whose budget
 #: states no ``progress`` (the default pack's divergence rules state 30).
 RECUR_STEPS = 30
-
-
-def span_start(fire_step: int, for_steps: int, margin: int) -> int:
-    """First step whose checkpoint is suspect when a divergence rule fires at ``fire_step``."""
-    return fire_step - max(1, for_steps) + 1 - max(0, margin)
 
 
 # -- the rules engine, behind a narrow interface ---------------------------------------
@@ -978,7 +975,8 @@ class RunController:
                 if recurrence is not None and recurrence[1] > getattr(d, "repeat", 1):
                     # The same trouble again after a rewind: every growing set cuts as its n-th fire.
                     d = dataclasses.replace(d, repeat=recurrence[1])
-                ctx = self._plan_context(overrides, cfg)
+                suspect = self._suspect_from(d, recurrence) if getattr(d, "divergence", False) else None
+                ctx = dataclasses.replace(self._plan_context(overrides, cfg), suspect_from=suspect)
                 planned = plan_decision(d, ctx)
                 if recurrence is not None:
                     for p in planned:
@@ -1025,11 +1023,8 @@ class RunController:
                 if planned and (getattr(d, "divergence", False) or any(p.kind == JournalKind.ROLLBACK for p in planned)):
                     # (A divergence covered by the rollback in progress is the abandoned timeline's: that
                     # rollback closes its span; a span opened for it would never close.)
-                    start = span_start(d.step, self.rules.for_steps(d.rule), self.config.rollback_margin_steps)
-                    if recurrence is not None:
-                        start = min(start, recurrence[0])
-                    self.store.open_bad_span(self.run.run_id, d.rule, self._recurring_start(d.rule, d.step, start),
-                                             did)
+                    start = suspect if suspect is not None else self._suspect_from(d, None)
+                    self.store.open_bad_span(self.run.run_id, d.rule, start, did)
                 for p in planned:
                     self._journal(p, did, d.kind == DecisionKind.ESCALATE)
             self._release_waiting(None if decisions else waiting)  # (a decision may have added one)
@@ -1051,6 +1046,23 @@ class RunController:
     def _deferrable(p: Planned) -> bool:
         """A relaunch wanted only for tuning: it waits for the next checkpoint."""
         return p.kind == JournalKind.RESTART and p.payload.get("urgent") is False
+
+    def _suspect_from(self, d: Any, recurrence: tuple[int, int, int | None] | None) -> int:
+        """The first step whose checkpoints divergence ``d`` makes suspect (its rollback goes before it).
+
+        As the rule says (its ``for`` and the margin), and on a recurrence (:meth:`_recurrence`) at the
+        previous rewind's target at the latest, and twice as far back from ``d`` as that rewind went
+        from its own detection: the cause took hold at a step nobody saw, and a rewind that proved too
+        short doubles the distance back (a backoff: the start is reached in a few rewinds, not one
+        checkpoint per rewind, and a run whose cause came late keeps most of what it learned).
+        """
+        start = self._recurring_start(d.rule, d.step, span_start(d.step, self.rules.for_steps(d.rule),
+                                                                 self.config.rollback_margin_steps))
+        if recurrence is None:
+            return start
+        target, _, lost = recurrence
+        start = min(start, target)
+        return start if lost is None else min(start, d.step - 2 * lost)
 
     def _recurring_start(self, rule: str, step: int, start: int) -> int:
         """Where the suspect steps begin when ``rule`` fires again on the timeline its last rollback began.
@@ -1074,16 +1086,17 @@ class RunController:
                 if isinstance(step, int) and not isinstance(step, bool):
                     yield e, step
 
-    def _recurrence(self, d: Any) -> tuple[int, int] | None:
-        """(the previous rewind's target step, which rewind this one is) when divergence ``d`` is the same
-        trouble as the run's last rewind (a rollback of a divergence rule); None when it is a new one.
+    def _recurrence(self, d: Any) -> tuple[int, int, int | None] | None:
+        """(the previous rewind's target step, which rewind this one is, how many steps back that rewind
+        went from the step it was decided at, None when unknown) when divergence ``d`` is the same trouble
+        as the run's last rewind (a rollback of a divergence rule); None when it is a new one.
 
         It is the same trouble when the run has not trained the firing rule's budget ``progress`` steps
         (:data:`RECUR_STEPS` without one) past the step that rewind resumed from, whichever divergence rule
         fires: an lr 100x too high caught by kl_leap at step 2 and cut 10x drifts at 10x until kl_drift fires.
-        Every checkpoint since that target was trained under the cause, so the span opens at the target and
-        the rollback goes to a known-good checkpoint before it, or the start (the initial weights) when the
-        target was the start or the first checkpoint; the n-th rewind in a row plans its sets as the rule's
+        Every checkpoint since that target was trained under the cause, so the span opens at the target (or
+        further back: :meth:`_suspect_from`) and the rollback goes to a known-good checkpoint before it, or the
+        start (the initial weights) when none is left; the n-th rewind in a row plans its sets as the rule's
         n-th fire (``grow: true`` sets compound: x0.5, then x0.25 on top, then x0.125; the schedule is in
         ``ppo_watchdog.core.planner``).
         """
@@ -1096,7 +1109,9 @@ class RunController:
         progress = getattr(self.rules, "progress_steps", lambda _r: None)(d.rule) or RECUR_STEPS
         if d.step - target >= progress:
             return None  # the run trained ``progress`` steps past it: recovered, a new divergence
-        return target, int(last.payload.get("rewind", 1)) + 1
+        decided = last.payload.get("step")
+        lost = decided - target if isinstance(decided, int) and decided > target else None
+        return target, int(last.payload.get("rewind", 1)) + 1, lost
 
     def _journal(self, p: Planned, did: int, escalation: bool) -> None:
         """Write one planned entry (priced; a tuning relaunch as ``waiting``)."""
