@@ -676,19 +676,26 @@ def test_a_divergence_soon_after_a_rewind_to_the_start_goes_to_the_start_again_a
         wd.close()
 
 
-def test_a_divergence_from_the_first_step_is_a_config_fault_whose_lr_cut_goes_by_decades(tmp_path: Path) -> None:
+def test_a_divergence_before_any_healthy_checkpoint_is_a_config_fault_whose_lr_cut_goes_by_decades(
+        tmp_path: Path) -> None:
     """Issue 45 item 3, found on verl (lr 1000x): halvings from the start left the lr 5-10x above a sane one
-    after three rewinds. A rollback whose suspect steps begin at the run's first step keeps nothing the run
-    trained: the config is at fault, and its lr cut is at least x0.1; one caught later halves as its rule says."""
-    for step, factor in ((3, 0.1), (30, 0.5)):
-        run = tmp_path / f"run{step}"
-        RunInfo(id=f"run{step}", live_keys=[LR], config={"actor_rollout_ref": {"actor": {"optim": {"lr": 1e-1}}}}).write(run)
-        wd = build_watchdog(tmp_path / f"state{step}", [])
+    after three rewinds. A rollback that goes to the initial weights (no checkpoint predates the divergence)
+    keeps nothing the run trained: the config is at fault, and its lr cut is at least x0.1. With a healthy
+    checkpoint before it, the rule's own halving."""
+    import torch
+
+    for saved, factor in (((), 0.1), ((5,), 0.1), ((5, 20), 0.5)):
+        name = "run" + "_".join(map(str, saved))
+        run = tmp_path / name
+        RunInfo(id=name, live_keys=[LR], config={"actor_rollout_ref": {"actor": {"optim": {"lr": 1e-1}}}}).write(run)
+        for step in saved:
+            ckpt.save_checkpoint(run / rundir.CHECKPOINTS, step, 0, {"actor": {"w": torch.zeros(2)}})
+        wd = build_watchdog(tmp_path / f"state{name}", [])
         try:
             ctl = wd.add_run(run, managed=False)
-            ctl._commit([_drift(step)], TickResult())
+            ctl._commit([_drift(6 if len(saved) < 2 else 30)], TickResult())
             (rollback,) = [j for j in wd.store.journal(ctl.run.run_id) if j.kind == "rollback"]
-            assert rollback.payload["set"][LR] == pytest.approx(1e-1 * factor), step
+            assert rollback.payload["set"][LR] == pytest.approx(1e-1 * factor), saved
         finally:
             wd.close()
 
@@ -721,7 +728,10 @@ def test_a_divergence_soon_after_a_rewind_goes_back_before_that_rewinds_checkpoi
 
 
 def test_a_divergence_after_the_run_recovered_past_its_rewind_is_a_new_one(tmp_path: Path) -> None:
+    import torch
+
     wd, ctl, rid = _rewound_run(tmp_path, 0)
+    ckpt.save_checkpoint(tmp_path / "run" / rundir.CHECKPOINTS, 35, 0, {"actor": {"w": torch.zeros(2)}})
     try:
         ctl._commit([_drift(45)], TickResult())  # 45 steps trained past the start: the budget's progress is 30
         (span,) = [s for s in wd.store.bad_spans(rid) if s.rule == "kl_drift"]

@@ -42,6 +42,7 @@ from ppo_watchdog.control.actuator import (
     alert_payload,
     check_approve,
     check_finite,
+    choose_known_good,
     needs_approval,
     run_config,
     run_world_size,
@@ -976,7 +977,9 @@ class RunController:
                     # The same trouble again after a rewind: every growing set cuts as its n-th fire.
                     d = dataclasses.replace(d, repeat=recurrence[1])
                 suspect = self._suspect_from(d, recurrence) if getattr(d, "divergence", False) else None
-                ctx = dataclasses.replace(self._plan_context(overrides, cfg), suspect_from=suspect)
+                ctx = self._plan_context(overrides, cfg)
+                if suspect is not None:
+                    ctx = dataclasses.replace(ctx, from_start=self._known_good_before(suspect) is None)
                 planned = plan_decision(d, ctx)
                 if recurrence is not None:
                     for p in planned:
@@ -1063,6 +1066,15 @@ class RunController:
         target, _, lost = recurrence
         start = min(start, target)
         return start if lost is None else min(start, d.step - 2 * lost)
+
+    def _known_good_before(self, step: int) -> Any | None:
+        """The checkpoint a rollback whose suspect steps begin at ``step`` goes to (None: the initial weights)."""
+        try:
+            older = [c for c in self.h.dialect.checkpoints() if c.step < step]
+        except OSError as exc:  # an unreadable checkpoint folder: as if none (the actuator says why when it acts)
+            log.warning("%s: cannot list the checkpoints: %s", self.run.run_id, exc)
+            older = []
+        return choose_known_good(older, self.store.bad_spans(self.run.run_id))
 
     def _recurring_start(self, rule: str, step: int, start: int) -> int:
         """Where the suspect steps begin when ``rule`` fires again on the timeline its last rollback began.

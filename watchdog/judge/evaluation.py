@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from ppo_watchdog.core import engine
-from ppo_watchdog.core.planner import PlanContext, Planned, plan_decision, suspect_context
+from ppo_watchdog.core.planner import PlanContext, Planned, plan_decision, start_context
 from ppo_watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
 from ppo_watchdog.core.rulefile import MAX_FILE_BYTES, RuleError, RuleSet, YamlReader
 from ppo_watchdog.core.vocabulary import DecisionKind
@@ -443,8 +443,8 @@ def evaluate_log(label: Label, rules: RuleSet, cfg: EvalConfig) -> LogScore:
         firing = sr.state.firing()
         for d in sr.decisions:
             rule = rules.get(d.rule)
-            ctx = suspect_context(PlanContext({}, latest, {}, (), {**sr.sources, **d.signals}), d,
-                                  rule.for_ if rule is not None else 1)
+            ctx = start_context(PlanContext({}, latest, {}, (), {**sr.sources, **d.signals}), d,
+                                rule.for_ if rule is not None else 1, range(save_freq, sr.step + 1, save_freq))
             if d.kind != "resolve" and any(a.kind == "set" for a in d.actions):
                 score.set_decisions += 1
             planned = verl.plan(d, ctx)
