@@ -963,6 +963,8 @@ class RunController:
         """Decisions, intents, engine state and offsets in one transaction (before acting); the engine
         state and read positions only when the tick ``changed`` them."""
         cfg: dict[str, Any] | None = None  # run.json's config, read only when there is a decision to plan
+        # Listed (and verified) before the transaction, not inside it: where a divergence's rollback could go.
+        saved = self._checkpoints() if any(getattr(d, "divergence", False) for d in decisions) else []
         with self.store.transaction():
             waiting = self._waiting()
             overrides = {**self.run.overrides, **{k: v for e in waiting for k, v in e.payload.get("set", {}).items()}}
@@ -979,7 +981,9 @@ class RunController:
                 suspect = self._suspect_from(d, recurrence) if getattr(d, "divergence", False) else None
                 ctx = self._plan_context(overrides, cfg)
                 if suspect is not None:
-                    ctx = dataclasses.replace(ctx, from_start=self._known_good_before(suspect) is None)
+                    known_good = choose_known_good([c for c in saved if c.step < suspect],
+                                                   self.store.bad_spans(self.run.run_id))
+                    ctx = dataclasses.replace(ctx, from_start=known_good is None)
                 planned = plan_decision(d, ctx)
                 if recurrence is not None:
                     for p in planned:
@@ -1067,14 +1071,14 @@ class RunController:
         start = min(start, target)
         return start if lost is None else min(start, d.step - 2 * lost)
 
-    def _known_good_before(self, step: int) -> Any | None:
-        """The checkpoint a rollback whose suspect steps begin at ``step`` goes to (None: the initial weights)."""
+    def _checkpoints(self) -> list[Any]:
+        """The run's checkpoints as its dialect judges them (none when the folder cannot be read: the actuator
+        says why when it acts)."""
         try:
-            older = [c for c in self.h.dialect.checkpoints() if c.step < step]
-        except OSError as exc:  # an unreadable checkpoint folder: as if none (the actuator says why when it acts)
+            return list(self.h.dialect.checkpoints())
+        except OSError as exc:
             log.warning("%s: cannot list the checkpoints: %s", self.run.run_id, exc)
-            older = []
-        return choose_known_good(older, self.store.bad_spans(self.run.run_id))
+            return []
 
     def _recurring_start(self, rule: str, step: int, start: int) -> int:
         """Where the suspect steps begin when ``rule`` fires again on the timeline its last rollback began.
