@@ -660,8 +660,7 @@ def _drift(step: int) -> Decision:
 def test_a_divergence_soon_after_a_rewind_to_the_start_goes_to_the_start_again_and_cuts_harder(tmp_path: Path) -> None:
     """Issue 45 item 3, found on TRL: an lr 100x too high caught by kl_leap at step 2 went back to the start
     with lr x0.1; at 10x it drifted, and kl_drift at step 20 went back to a checkpoint trained at 10x. The
-    cause was there from the first step: the start again, with the lr cut by a decade (a config fault: x0.1,
-    harder than the rule's second halving, x0.25)."""
+    cause was there from the first step: the start again, with the lr cut as a second rewind (x0.25)."""
     wd, ctl, rid = _rewound_run(tmp_path, 0)
     try:
         ctl._commit([_drift(20)], TickResult())
@@ -671,33 +670,9 @@ def test_a_divergence_soon_after_a_rewind_to_the_start_goes_to_the_start_again_a
         assert choose_known_good(checkpoints, wd.store.bad_spans(rid)) is None  # so: the initial weights
         (rollback,) = [j for j in wd.store.journal(rid) if j.kind == "rollback"]
         assert rollback.payload["rewind"] == 2
-        assert rollback.payload["set"][LR] == pytest.approx(1e-4 * 0.1)
+        assert rollback.payload["set"][LR] == pytest.approx(1e-4 * 0.25)
     finally:
         wd.close()
-
-
-def test_a_divergence_before_any_healthy_checkpoint_is_a_config_fault_whose_lr_cut_goes_by_decades(
-        tmp_path: Path) -> None:
-    """Issue 45 item 3, found on verl (lr 1000x): halvings from the start left the lr 5-10x above a sane one
-    after three rewinds. A rollback that goes to the initial weights (no checkpoint predates the divergence)
-    keeps nothing the run trained: the config is at fault, and its lr cut is at least x0.1. With a healthy
-    checkpoint before it, the rule's own halving."""
-    import torch
-
-    for saved, factor in (((), 0.1), ((5,), 0.1), ((5, 20), 0.5)):
-        name = "run" + "_".join(map(str, saved))
-        run = tmp_path / name
-        RunInfo(id=name, live_keys=[LR], config={"actor_rollout_ref": {"actor": {"optim": {"lr": 1e-1}}}}).write(run)
-        for step in saved:
-            ckpt.save_checkpoint(run / rundir.CHECKPOINTS, step, 0, {"actor": {"w": torch.zeros(2)}})
-        wd = build_watchdog(tmp_path / f"state{name}", [])
-        try:
-            ctl = wd.add_run(run, managed=False)
-            ctl._commit([_drift(6 if len(saved) < 2 else 30)], TickResult())
-            (rollback,) = [j for j in wd.store.journal(ctl.run.run_id) if j.kind == "rollback"]
-            assert rollback.payload["set"][LR] == pytest.approx(1e-1 * factor), saved
-        finally:
-            wd.close()
 
 
 def test_each_rewind_that_proves_too_short_goes_back_twice_as_far(tmp_path: Path) -> None:
@@ -728,10 +703,7 @@ def test_a_divergence_soon_after_a_rewind_goes_back_before_that_rewinds_checkpoi
 
 
 def test_a_divergence_after_the_run_recovered_past_its_rewind_is_a_new_one(tmp_path: Path) -> None:
-    import torch
-
     wd, ctl, rid = _rewound_run(tmp_path, 0)
-    ckpt.save_checkpoint(tmp_path / "run" / rundir.CHECKPOINTS, 35, 0, {"actor": {"w": torch.zeros(2)}})
     try:
         ctl._commit([_drift(45)], TickResult())  # 45 steps trained past the start: the budget's progress is 30
         (span,) = [s for s in wd.store.bad_spans(rid) if s.rule == "kl_drift"]

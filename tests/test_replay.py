@@ -175,21 +175,3 @@ def test_replay_of_a_bad_config_trainer_run_shows_kl_high_after_kl_passes_thresh
     # never before KL passed 0.1, and the input it reports is the recorded value
     assert kl_fires[0]["step"] >= over[0]
     assert kl_fires[0]["inputs"]["kl"] == pytest.approx(kl[kl_fires[0]["step"]])
-
-
-def test_replay_plans_a_divergence_before_any_checkpoint_as_the_live_watchdog_does(tmp_path: Path) -> None:
-    """One planner: a rollback that goes to the initial weights (no checkpoint event before its suspect steps)
-    cuts the lr by a decade in replay as live (``ppo_watchdog.core.planner.CONFIG_FAULT_CUT``); with a
-    checkpoint before it, it halves as its rule says."""
-    p = tmp_path / "pack.yaml"
-    p.write_text("version: 1\nrules:\n  - name: kl_blowup\n    description: KL far out.\n    expr: kl > 1\n"
-                 "    divergence: true\n    actions:\n      - rollback: {skip_batches: 1}\n"
-                 "      - set: {key: actor_rollout_ref.actor.optim.lr, scale: 0.5, grow: true}\n")
-    lr = "actor_rollout_ref.actor.optim.lr"
-    records = [{"step": s, "data": {"actor/kl_loss": 5.0 if s == 30 else 0.01, "actor/lr": 1e-2}} for s in range(1, 31)]
-    for saved, factor in (((), 0.1), ((10, 20), 0.5)):
-        events = [{"kind": "checkpoint", "step": s, "path": f"global_step_{s}"} for s in saved]
-        out = replay.replay(records, load_rules([p]), events, config={lr: 1e-2})
-        (fire,) = [d for d in out.decisions if d.kind == "fire"]
-        (act,) = [a for a in fire.actions if a["kind"] == "set"]
-        assert act["to"] == pytest.approx(1e-2 * factor), saved

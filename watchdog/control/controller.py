@@ -1,6 +1,6 @@
 """One run's control loop: tail -> rules engine -> decisions -> actuator, one tick at a time.
 
-The pure half (:func:`heartbeat_timeout`, and
+The pure half (:func:`heartbeat_timeout`, :func:`span_start`, and
 :mod:`ppo_watchdog.core.planner` and :mod:`ppo_watchdog.core.pricing`, shared with replay and eval) takes data
 and returns data; :class:`RunController` is the thin shell
 that reads the run directory, persists to the store and hands journal entries to the
@@ -42,7 +42,6 @@ from ppo_watchdog.control.actuator import (
     alert_payload,
     check_approve,
     check_finite,
-    choose_known_good,
     needs_approval,
     run_config,
     run_world_size,
@@ -51,14 +50,12 @@ from ppo_watchdog.control.store import UNLOADABLE, UNWATCHED, ActionRecord, Phas
 from ppo_watchdog.core.engine import BLIND_AFTER_STEPS, Verdict
 from ppo_watchdog.core.planner import (
     ON_ESCALATE,
-    ROLLBACK_MARGIN_STEPS,
     PlanContext,
     Planned,
     config_value,
     left_out_reason,
     oom_remedy,
     plan_decision,
-    span_start,
 )
 from ppo_watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
 from ppo_watchdog.core.vocabulary import OPEN_ACTION_STATUSES, ActionStatus, DecisionKind, JournalKind
@@ -114,7 +111,7 @@ class ControllerConfig:
     window_size: int | None = None
     """Steps of history the rules see (None: what the loaded rules read, their longest window and the
     current step, at most ``ppo_watchdog.core.series.MAX_WINDOW_STEPS``). A daemon holds one window per run."""
-    rollback_margin_steps: int = ROLLBACK_MARGIN_STEPS
+    rollback_margin_steps: int = 1
     """Checkpoints this many steps before a divergence rule's condition first held count as bad too:
     the checkpoint at step N holds the weights that produced step N+1's diverged metrics."""
     live_keys: tuple[str, ...] = catalog.LIVE_KEYS
@@ -196,6 +193,11 @@ _tick_run_fields = operator.attrgetter(*_TICK_RUN_FIELDS)
 #: Steps of recovery past a rewind's target after which a divergence is a new one, for a rule whose budget
 #: states no ``progress`` (the default pack's divergence rules state 30).
 RECUR_STEPS = 30
+
+
+def span_start(fire_step: int, for_steps: int, margin: int) -> int:
+    """First step whose checkpoint is suspect when a divergence rule fires at ``fire_step``."""
+    return fire_step - max(1, for_steps) + 1 - max(0, margin)
 
 
 # -- the rules engine, behind a narrow interface ---------------------------------------
@@ -963,8 +965,6 @@ class RunController:
         """Decisions, intents, engine state and offsets in one transaction (before acting); the engine
         state and read positions only when the tick ``changed`` them."""
         cfg: dict[str, Any] | None = None  # run.json's config, read only when there is a decision to plan
-        # Listed (and verified) before the transaction, not inside it: where a divergence's rollback could go.
-        saved = self._checkpoints() if any(getattr(d, "divergence", False) for d in decisions) else []
         with self.store.transaction():
             waiting = self._waiting()
             overrides = {**self.run.overrides, **{k: v for e in waiting for k, v in e.payload.get("set", {}).items()}}
@@ -978,12 +978,7 @@ class RunController:
                 if recurrence is not None and recurrence[1] > getattr(d, "repeat", 1):
                     # The same trouble again after a rewind: every growing set cuts as its n-th fire.
                     d = dataclasses.replace(d, repeat=recurrence[1])
-                suspect = self._suspect_from(d, recurrence) if getattr(d, "divergence", False) else None
                 ctx = self._plan_context(overrides, cfg)
-                if suspect is not None:
-                    known_good = choose_known_good([c for c in saved if c.step < suspect],
-                                                   self.store.bad_spans(self.run.run_id))
-                    ctx = dataclasses.replace(ctx, from_start=known_good is None)
                 planned = plan_decision(d, ctx)
                 if recurrence is not None:
                     for p in planned:
@@ -1030,8 +1025,7 @@ class RunController:
                 if planned and (getattr(d, "divergence", False) or any(p.kind == JournalKind.ROLLBACK for p in planned)):
                     # (A divergence covered by the rollback in progress is the abandoned timeline's: that
                     # rollback closes its span; a span opened for it would never close.)
-                    start = suspect if suspect is not None else self._suspect_from(d, None)
-                    self.store.open_bad_span(self.run.run_id, d.rule, start, did)
+                    self.store.open_bad_span(self.run.run_id, d.rule, self._suspect_from(d, recurrence), did)
                 for p in planned:
                     self._journal(p, did, d.kind == DecisionKind.ESCALATE)
             self._release_waiting(None if decisions else waiting)  # (a decision may have added one)
@@ -1070,15 +1064,6 @@ class RunController:
         target, _, lost = recurrence
         start = min(start, target)
         return start if lost is None else min(start, d.step - 2 * lost)
-
-    def _checkpoints(self) -> list[Any]:
-        """The run's checkpoints as its dialect judges them (none when the folder cannot be read: the actuator
-        says why when it acts)."""
-        try:
-            return list(self.h.dialect.checkpoints())
-        except OSError as exc:
-            log.warning("%s: cannot list the checkpoints: %s", self.run.run_id, exc)
-            return []
 
     def _recurring_start(self, rule: str, step: int, start: int) -> int:
         """Where the suspect steps begin when ``rule`` fires again on the timeline its last rollback began.

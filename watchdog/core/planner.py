@@ -17,21 +17,14 @@ so lr x0.5 is x0.5, x0.25, x0.125 of the value before each (x0.0156 in all), and
 repeats its factor (kl_leap's lr x0.1: x0.001 after three). A divergence that recurs after a rollback,
 whichever divergence rule catches it, is planned as the n-th rewind of that trouble (the controller
 passes ``Decision.repeat``; ``RunController._recurrence``), and its rollback goes further back.
-
-A rollback that goes to the initial weights because no checkpoint predates its suspect steps
-(:attr:`PlanContext.from_start`: the run diverged before it saved one healthy state) keeps nothing
-the run trained: the config is at fault. Its lr cut goes by decades (at least x0.1,
-:data:`CONFIG_FAULT_CUT`), as an lr search does: a halving is the remedy for a run that drifted late
-from a good lr, not for an lr off by orders of magnitude (verl on CPU, lr 1000x: halvings and x0.1
-cuts left it 5-10x above a sane lr after three rewinds to the start, bench/results/verl_stability.md).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ppo_watchdog.core.actions import (
@@ -71,10 +64,6 @@ _SHARE_OF: dict[str, tuple[str, str]] = {
     REF_MICRO: ("data.train_batch_size", "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
 }
 ROLLOUT_N = "actor_rollout_ref.rollout.n"
-#: The learning rates a rollback of a config fault cuts by decades.
-LR_KEYS = ("actor_rollout_ref.actor.optim.lr", "critic.optim.lr")
-#: The least an lr cut of a config fault divides by: one decade, the grid of an lr search.
-CONFIG_FAULT_CUT = 0.1
 #: What "a human is needed" becomes (``--on-escalate``): wait paused, stop with a verdict, or carry on alerted.
 ON_ESCALATE = ("pause", "stop", "continue")
 
@@ -98,9 +87,6 @@ class PlanContext:
     world_size: int | None = None
     """GPUs the trainer's data-parallel ranks spread over (a verl run: a micro batch must divide each
     rank's share); None: one process (the embedded trainer: it must divide the mini batch)."""
-    from_start: bool = False
-    """The rollback being planned goes to the initial weights: no checkpoint predates the divergence's
-    suspect steps (:func:`before_any_checkpoint`), so nothing the run trained is kept (a config fault)."""
 
 
 @dataclass
@@ -116,31 +102,6 @@ class Planned:
     def relaunch(self) -> bool:
         """True when carrying it out stops and relaunches the trainer."""
         return self.kind in ("restart", "rollback")
-
-
-#: Steps before a divergence's first bad step whose checkpoints are suspect too (the default of
-#: ``rollback_margin_steps``): a checkpoint is written after its step's update, which made the bad step.
-ROLLBACK_MARGIN_STEPS = 1
-
-
-def span_start(fire_step: int, for_steps: int, margin: int = ROLLBACK_MARGIN_STEPS) -> int:
-    """First step whose checkpoint is suspect when a divergence rule fires at ``fire_step``."""
-    return fire_step - max(1, for_steps) + 1 - max(0, margin)
-
-
-def before_any_checkpoint(suspect_from: int, checkpoints: Iterable[int]) -> bool:
-    """True when none of the (known-good) ``checkpoints`` predates a divergence whose suspect steps begin
-    at ``suspect_from``: its rollback goes to the initial weights."""
-    return not any(step < suspect_from for step in checkpoints)
-
-
-def start_context(ctx: PlanContext, decision: Decision, for_steps: int, checkpoints: Iterable[int]) -> PlanContext:
-    """``ctx`` for planning ``decision`` from one log (replay, eval): whether a divergence goes to the initial
-    weights, its suspect steps as its rule's ``for`` and the default margin say (a live run also goes
-    further back on a recurrence, ``RunController._suspect_from``)."""
-    if not decision.divergence:
-        return ctx
-    return replace(ctx, from_start=before_any_checkpoint(span_start(decision.step, for_steps), checkpoints))
 
 
 # -- values ----------------------------------------------------------------------------
@@ -476,9 +437,6 @@ def _plan_sets(actions: Sequence[Any], ctx: PlanContext, repeat: int, rule: str,
             (log.debug if quiet else log.info)(
                 "rule %s: %s is steered by verl's adaptive KL controller; the tuning set is left out", rule, key)
             continue
-        if (key in LR_KEYS and a.op == "scale" and ctx.from_start
-                and CONFIG_FAULT_CUT < a.factor(repeat) < 1):
-            a = replace(a, value=CONFIG_FAULT_CUT, grow=False)  # a config fault: the lr goes down a decade
         cur = current_value(key, PlanContext({**ctx.overrides, **sets}, ctx.latest, ctx.config))
         if cur is None:
             say("rule %s: no current value for %s; skipping the set", rule, key)
@@ -580,7 +538,7 @@ def _pause(base: dict[str, Any], reason: str, severity: str, on_escalate: str) -
 
 
 __all__ = [
-    "CONFIG_FAULT_CUT", "KL_COEF", "KL_CTRL_COEF", "LR_KEYS", "MICRO_BATCH_KEYS", "MINI_BATCH_OF", "ON_ESCALATE", "PlanContext", "Planned", "clip_bound_sets",
+    "KL_COEF", "KL_CTRL_COEF", "MICRO_BATCH_KEYS", "MINI_BATCH_OF", "ON_ESCALATE", "PlanContext", "Planned", "clip_bound_sets",
     "config_value", "current_value", "micro_batch_share", "oom_remedy", "plan_decision", "plan_sets",
-    "settle_value", "snap_micro_batch", "snap_sets", "span_start", "start_context", "before_any_checkpoint", "ROLLBACK_MARGIN_STEPS", "adaptive_kl", "left_out_reason", "remedy_exhausted", "unchanged",
+    "settle_value", "snap_micro_batch", "snap_sets", "adaptive_kl", "left_out_reason", "remedy_exhausted", "unchanged",
 ]

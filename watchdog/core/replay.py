@@ -21,7 +21,7 @@ from typing import Any
 
 from ppo_watchdog.core import engine as _engine
 from ppo_watchdog.core.actions import resolve_key
-from ppo_watchdog.core.planner import PlanContext, Planned, plan_decision, start_context
+from ppo_watchdog.core.planner import PlanContext, Planned, plan_decision
 from ppo_watchdog.core.summary import action_phrase, evidence
 from ppo_watchdog.protocol import catalog
 from ppo_watchdog.protocol.events import Event, outside_message, past_the_end
@@ -142,10 +142,7 @@ def replay(
         latest.update(logged.get(sr.step, {}))
         for d in sr.decisions:
             ctx = PlanContext(overrides, latest, cfg, live_keys, {**sr.sources, **d.signals}, on_escalate)
-            rule = by_name.get(d.rule)
-            saved = (int(e["step"]) for e in evs if e.get("kind") == "checkpoint" and isinstance(e.get("step"), int)
-                     and e["step"] <= sr.step)
-            planned = plan_decision(d, start_context(ctx, d, rule.for_ if rule is not None else 1, saved))
+            planned = plan_decision(d, ctx)
             for p in planned:
                 overrides.update(p.payload.get("set", {}))
             said = evidence(by_name.get(d.rule), d.kind, d.step, d.inputs, d.message)

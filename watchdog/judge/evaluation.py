@@ -45,12 +45,12 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ppo_watchdog.core import engine
-from ppo_watchdog.core.planner import PlanContext, Planned, plan_decision, start_context
+from ppo_watchdog.core.planner import PlanContext, Planned, plan_decision
 from ppo_watchdog.core.pricing import DEFAULT_STARTUP_S, CostModel, RelaunchPolicy, Waiting, release
 from ppo_watchdog.core.rulefile import MAX_FILE_BYTES, RuleError, RuleSet, YamlReader
 from ppo_watchdog.core.vocabulary import DecisionKind
@@ -355,8 +355,8 @@ class _Ledger:
 
     def plan(self, d: engine.Decision, ctx: PlanContext) -> list[Planned]:
         """The decision planned in this mode, from the values this mode's run would have by now."""
-        return plan_decision(d, replace(ctx, overrides={**self.overrides, **self._waiting_sets()},
-                                                    live_keys=self.live_keys))
+        return plan_decision(d, PlanContext({**self.overrides, **self._waiting_sets()}, ctx.latest,
+                                            ctx.config, self.live_keys, ctx.signals, ctx.on_escalate))
 
     def _waiting_sets(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -442,9 +442,7 @@ def evaluate_log(label: Label, rules: RuleSet, cfg: EvalConfig) -> LogScore:
             score.last_step = sr.step
         firing = sr.state.firing()
         for d in sr.decisions:
-            rule = rules.get(d.rule)
-            ctx = start_context(PlanContext({}, latest, {}, (), {**sr.sources, **d.signals}), d,
-                                rule.for_ if rule is not None else 1, range(save_freq, sr.step + 1, save_freq))
+            ctx = PlanContext({}, latest, {}, (), {**sr.sources, **d.signals})
             if d.kind != "resolve" and any(a.kind == "set" for a in d.actions):
                 score.set_decisions += 1
             planned = verl.plan(d, ctx)
