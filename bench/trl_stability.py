@@ -306,18 +306,12 @@ def per_run(doc: dict, families: dict[str, tuple[list[str], str]] = FAMILIES) ->
 
 #: Why a family ends below all-stable with the watchdog, from its runs' decisions and numbers (the results page says it).
 EXPLAINED: dict[str, str] = {
-    "lr_high": (
-        "seed 1 was rolled back at step 3 to the initial weights, its lr cut by a decade (1e-2 -> 1e-3: a config "
-        "fault). At 10x the control's lr it then drifted slowly with its score holding: kl_above_target cut the lr "
-        "to 8e-4 at step 19 (KL 0.43 over 5 steps), kl_runaway told a person at step 31 (KL 4.35x its baseline, the "
-        "10-step score 1.30 not falling), and it ended at 0.49, 0.01 under the line. A drift with no sign of damage "
-        "is told, not rolled back (issue 43, item 7); the damage was in greedy accuracy, which the run does not log."),
     "entropy_bonus": (
         "the family drifts slowly (an entropy bonus of 0.5 at lr 3x; seed 3 loses accuracy alone too, 0.31). Seed "
         "3's KL passed 4x its baseline at step 20 with the score holding: kl_runaway told a person and "
         "kl_above_target cut the lr to 2.4e-4; the score never fell beyond its own noise, so no rule had a second "
-        "sign to roll back on, and it ended at 0.38. As for lr_high seed 1, the damage was in greedy accuracy, "
-        "which the run does not log."),
+        "sign to roll back on (a drift with no sign of damage is told, not rolled back: issue 43, item 7), and it "
+        "ended at 0.32. The damage was in greedy accuracy, which the run does not log."),
 }
 
 
