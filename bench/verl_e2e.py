@@ -36,6 +36,7 @@ its checks as rows in the same files. tests/test_verl_e2e.py asserts the zero-pa
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -525,6 +526,113 @@ def world_size_2_checks(run: VerlRun) -> list[Row]:
     return rows
 
 
+# -- a rollback in process beside the same rollback by relaunch -----------------------------------
+
+#: The glue's ``--rollback`` modes, the pair's two runs.
+ROLLBACK_MODES = ("in-process", "restart")
+#: The step whose actor loss is NaN in the rollback pair (of 8; a checkpoint every 2: nan_or_inf goes back to 2).
+ROLLBACK_NAN_STEP = 5
+#: What the first step after the rollback logs, compared between the two paths.
+FIRST_STEP_KEYS = ("actor/lr", "actor/reward_kl_penalty_coeff", "critic/score/mean", "response_length/mean",
+                   "actor/entropy", "actor/pg_loss", "critic/vf_loss")
+
+
+def run_rollback(root: Path, mode: str, gpus: int = 1) -> VerlRun:
+    """The glue under ``watchdog run`` with the default pack, ``--rollback MODE`` (in-process or restart) and a NaN
+    actor loss injected once at step 5 of 8: nan_or_inf rolls back to the checkpoint of step 2, skipping a batch."""
+    from ppo_watchdog.trainer.verl_cpu import assets, overrides
+
+    a = assets.build(root / "assets")
+    run_dir, state = root / "run", root / "state"
+    env = overrides.verl_env(inject={"VERL_CPU_INJECT_DIR": str(run_dir / "injected"),
+                                     "VERL_CPU_INJECT_NAN": str(ROLLBACK_NAN_STEP)})
+    ov = [o for o in overrides.ppo_overrides(a, steps=8, save_freq=2, gpus=gpus) if not o.startswith("trainer.logger=")]
+    argv = [sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run_dir), "--state-dir", str(state),
+            "--rules", str(REPO / "rules" / "default.yaml"), "--startup-timeout", "400", "--on-escalate", "stop",
+            "--no-report", "--", sys.executable, "-m", "ppo_watchdog.trainer.verl_glue", "--run-dir", str(run_dir),
+            "--rollback", mode, *ov]
+    return supervise(argv, env, run_dir, state, root)
+
+
+def _rollback_timing(run: VerlRun) -> tuple[Any, float, int, int]:
+    """(the nan_or_inf rollback's journal entry, seconds from its decision to the first new step, steps lost,
+    the step it went back to)."""
+    journal = run.journal()
+    entry = next(e for e in journal if e.kind == "rollback" and e.payload.get("rule") == "nan_or_inf")
+    if "first_step_s" in entry.result:  # restored in process
+        moved = next(e for e in run.events() if e["kind"] == "rollback")
+        to = int(moved["to_step"])
+        return entry, float(entry.result["first_step_s"]), int(moved["from_step"]) - to, to
+    restart = next(e for e in journal if e.id == entry.result["handed_to"])
+    first = float(restart.result["stopped_ts"]) + float(restart.result["relaunch_s"])
+    return entry, first - entry.created, int(restart.result.get("steps_lost") or 0), int(restart.result["resume_step"])
+
+
+def check_in_process_rollback(run: VerlRun, where: str = "") -> Row:
+    """The NaN rolled back in the running trainer: to the known-good checkpoint, the steps after it re-run, the
+    rollback's lr on the first of them, the rollout's log-probs matching the restored actor's, the abandoned
+    checkpoints set aside, the run finished."""
+    entry, seconds, lost, to = _rollback_timing(run)
+    done = str(entry.result.get("outcome", ""))
+    records = run.metrics()
+    moved = next(e for e in run.events() if e["kind"] == "rollback")
+    steps = [r["step"] for r in records]
+    # The timeline rewinds once: from the step the rollback left to the one after its checkpoint.
+    rewinds = [i for i in range(1, len(steps)) if steps[i] <= steps[i - 1]]
+    rerun = steps[rewinds[0]:] if rewinds else []
+    nan_at = steps.index(ROLLBACK_NAN_STEP) if ROLLBACK_NAN_STEP in steps else len(steps)
+    wanted = float(entry.payload.get("set", {}).get(LR, math.nan))
+    lr = run.after(to, "actor/lr")[:1]
+    diff_key = "training/rollout_probs_diff_max"
+    before = [float(r["data"][diff_key]) for r in records[:nan_at] if diff_key in r["data"]]
+    after = run.after(to, diff_key)[:1]
+    aside = sorted(p.parent.name + "/" + p.name for p in (run.run_dir / rundir.CHECKPOINTS).glob("abandoned-*/global_step_*"))
+    ok = (done.startswith(f"rolled back in process to step {to}") and run.exit_code == 0 and len(rewinds) == 1
+          and steps[rewinds[0] - 1] == int(moved["from_step"]) and rerun == list(range(to + 1, steps[-1] + 1)) and bool(lr) and math.isclose(lr[0], wanted, rel_tol=1e-9) and bool(before)
+          and bool(after) and after[0] <= 10 * max(before) and bool(aside))
+    return Row(f"in-process rollback restores the known-good state{where}", ok,
+               f"{done}; {seconds:.1f} s from the decision to the first new step, {lost} steps lost; steps {steps}; "
+               f"actor/lr {lr} after it (set {wanted:g}); {diff_key} {after} after it, at most "
+               f"{max(before, default=math.nan):.3g} before; set aside {aside}",
+               {"first_step_s": round(seconds, 1), "steps_lost": lost})
+
+
+def rollback_pair_checks(inproc: VerlRun, relaunch: VerlRun, label: str = "") -> list[Row]:
+    """The in-process rollback's rows beside the same rollback by relaunch (same checkpoint, sets, skip and seed):
+    verl logs the same lr and kl_coef and the same first-step metrics after each, and what each cost."""
+    where = " (world size 2)" if label else ""
+    _, ip_s, _, ip_to = _rollback_timing(inproc)
+    rs, rs_s, rs_lost, to = _rollback_timing(relaunch)
+    ip_first = {k: (inproc.after(to, k) or [math.nan])[0] for k in FIRST_STEP_KEYS}
+    rs_first = {k: (relaunch.after(to, k) or [math.nan])[0] for k in FIRST_STEP_KEYS}
+    shared = [k for k in FIRST_STEP_KEYS if math.isfinite(ip_first[k]) and math.isfinite(rs_first[k])]
+    relative = {k: abs(ip_first[k] - rs_first[k]) / max(1e-12, abs(rs_first[k])) for k in shared}
+    exact = [k for k in ("actor/lr", "actor/reward_kl_penalty_coeff") if k in shared]
+    # Where verl's dataloader stood at each checkpoint saved after the rollback: the same batches, skip included.
+    drawn = [(s, _drawn(inproc.run_dir / rundir.CHECKPOINTS / f"global_step_{s}"),
+              _drawn(relaunch.run_dir / rundir.CHECKPOINTS / f"global_step_{s}"))
+             for s in range(to + 1, inproc.last_step() + 1)
+             if (inproc.run_dir / rundir.CHECKPOINTS / f"global_step_{s}").is_dir()]
+    return [
+        check_in_process_rollback(inproc, where),
+        Row(f"the same rollback by relaunch{where}", rs.status == "done" and relaunch.exit_code == 0,
+            f"{rs.result.get('outcome', '')}; {rs_s:.1f} s from the decision to the first new step, {rs_lost} steps "
+            "lost", {"first_step_s": round(rs_s, 1), "steps_lost": rs_lost}),
+        Row(f"in process and by relaunch, the same rollback: lr, kl_coef and the batches verl trains on after it{where}",
+            ip_to == to and len(exact) == 2 and all(relative[k] <= 1e-9 for k in exact) and bool(drawn)
+            and all(a == b and a is not None for _, a, b in drawn),
+            f"back to step {ip_to} in process, {to} by relaunch; batches drawn at each later checkpoint (step, in "
+            f"process, relaunch) {drawn}; the first step after it: "
+            + "; ".join(f"{k} {ip_first[k]:.6g} in process, {rs_first[k]:.6g} by relaunch" for k in shared)
+            + " (the sampled ones are draws: the rollout server's sampling RNG is not in verl's checkpoint, a "
+              "relaunch starts it afresh and in process it goes on)",
+            {"in_process": ip_first, "relaunch": rs_first, "relative_difference": relative, "batches_drawn": drawn}),
+        Row(f"in-process rollback against relaunch: seconds from the decision to the first new step{where}",
+            ip_s < rs_s, f"{ip_s:.1f} s in process, {rs_s:.1f} s by relaunch ({rs_s / max(ip_s, 1e-9):.1f}x)",
+            {"in_process_s": round(ip_s, 1), "relaunch_s": round(rs_s, 1), "ratio": round(rs_s / max(ip_s, 1e-9), 2)}),
+    ]
+
+
 # -- the Ray Job backend on a real head with token auth -------------------------------------------
 
 
@@ -906,6 +1014,10 @@ RUNS: list[tuple[str, Callable[[VerlRun], list[Row]]]] = [
 ]
 
 
+def _rollback_pair_rows(inproc: VerlRun, relaunch: VerlRun, suffix: str) -> list[Row]:
+    return _guard_rows("rollback pair", functools.partial(rollback_pair_checks, relaunch=relaunch, label=suffix), inproc)
+
+
 def _guard_rows(name: str, fn: Callable[[VerlRun], list[Row]], run: VerlRun) -> list[Row]:
     try:
         return fn(run)
@@ -937,6 +1049,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ray-job", action="store_true", help="Also the Ray Job backend on a local token-auth head.")
     p.add_argument("--kl-adaptive", action="store_true", help="Also a kl_coef relaunch under the adaptive controller.")
     p.add_argument("--async-save", action="store_true", help="Also a run with the actor's async checkpoint save.")
+    p.add_argument("--rollback-in-process", action="store_true",
+                   help="Also a rollback in process and the same rollback by relaunch (two runs; with --world-size-2, "
+                        "two more at world size 2).")
     p.add_argument("--keep-rows", action="store_true",
                    help="Merge into --out: keep its rows (and notes) that this invocation does not produce.")
     p.add_argument("--recheck", action="store_true", help="Only the checks, on the runs kept under --root.")
@@ -961,6 +1076,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, checks in RUNS:
             if (root / name / "verlrun.json").exists():
                 rows += checks(VerlRun.load(root / name))
+        for suffix in ("", "-ws2"):
+            pair = [root / f"rollback-{mode}{suffix}" for mode in ROLLBACK_MODES]
+            if all((p / "verlrun.json").exists() for p in pair):
+                rows += _rollback_pair_rows(*(VerlRun.load(p) for p in pair), suffix)
         merged, notes, command = _merged(rows, [f"rechecked the runs kept under {ns.root}: `{command}`", *ns.note],
                                          ns, command)
         write_results(merged, command, "cpu", Path(ns.out), notes)
@@ -988,6 +1107,13 @@ def main(argv: list[str] | None = None) -> int:
             r = run_fn(root / name)
             rows += _guard_rows(name, checks, r)
             notes.append(f"{name} run: {r.wall_s:.0f} s wall, exit {r.exit_code} (`{command}`)")
+    if ns.rollback_in_process:
+        for gpus in (1, 2) if ns.world_size_2 else (1,):
+            suffix = "" if gpus == 1 else f"-ws{gpus}"
+            pair = [run_rollback(root / f"rollback-{mode}{suffix}", mode, gpus) for mode in ROLLBACK_MODES]
+            rows += _rollback_pair_rows(*pair, suffix)
+            notes.append(f"rollback pair{suffix}: {pair[0].wall_s:.0f} s and {pair[1].wall_s:.0f} s wall, exits "
+                         f"{pair[0].exit_code} and {pair[1].exit_code}")
     merged, notes, command = _merged(rows, [*notes, *ns.note], ns, command)
     write_results(merged, command, "cpu", Path(ns.out), notes)
     for r in rows:

@@ -41,6 +41,7 @@ from ppo_watchdog.control.daemon import DaemonConfigError, build_watchdog, load_
 from ppo_watchdog.control.store import BadSpan, RunRecord, Store
 from ppo_watchdog.core.actions import RollbackAction, SetAction
 from ppo_watchdog.core.engine import Decision
+from ppo_watchdog.core.pricing import DEFAULT_STARTUP_S
 from ppo_watchdog.protocol import catalog, rundir
 from ppo_watchdog.protocol import checkpoint as ckpt
 from ppo_watchdog.protocol.control import read_control
@@ -391,17 +392,49 @@ def test_rollback_goes_in_process_only_to_a_trainer_whose_run_json_offers_it(tmp
     store, act, h = _actuator_rig(tmp_path, run, [sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         act.launch(h, None, time.time())
-        rb = store.add_action("run", "rollback", {"rule": "kl_far_above", "set": {}})
-        act.drive(h, store.get_action(rb), time.time())
+        rb = store.add_action("run", "rollback", {"rule": "kl_far_above", "set": {LR: 5e-4}})
+        t0 = time.time()
+        act.drive(h, store.get_action(rb), t0)
         control = read_control(run)
         sent = [c.kind for c in control.commands] if control else []
         restarts = [e for e in store.open_actions("run") if e.kind == "restart"]
         if in_process:
             assert sent == ["rollback"] and not restarts and store.get_action(rb).status == "sent"
+            # The sets go with the restore (a restored optimizer brings its old lr back for the first step
+            # otherwise), and a restore may take as long as the relaunch it replaces.
+            assert control.commands[0].args["set"] == {LR: 5e-4}
+            assert store.get_action(rb).deadline >= t0 + act.config.live_timeout_s + DEFAULT_STARTUP_S
         else:
             # No 60 s wait for a confirmation that cannot come: the restart is planned at once.
             assert sent == [] and store.get_action(rb).status == "done"
             assert restarts and restarts[0].payload["resume_step"] == 4
+    finally:
+        act.stop(h)
+
+
+def test_a_rollback_the_trainer_refuses_in_process_goes_by_restart_at_once_saying_why(tmp_path):
+    """The verl glue applies the version and leaves a rollback it cannot restore (LoRA, the last step, ...)
+    unconfirmed, with an ``error`` naming the command: the relaunch goes at the next drive, not after the
+    in-process deadline (a relaunch's start-up on top of the live timeout)."""
+    import torch
+
+    run = tmp_path / "run"
+    ckpt.save_checkpoint(run / rundir.CHECKPOINTS, 4, 0, {"actor": {"w": torch.zeros(2)}})
+    RunInfo.from_json({"id": "run", "live_keys": list(catalog.LIVE_KEYS)}).write(run)
+    store, act, h = _actuator_rig(tmp_path, run, [sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        act.launch(h, None, time.time())
+        rb = store.add_action("run", "rollback", {"rule": "nan_or_inf", "set": {}})
+        act.drive(h, store.get_action(rb), time.time())
+        entry = store.get_action(rb)
+        cmd = entry.payload["command"]["id"]
+        act.confirm(h, entry.control_version, 6, [], [f"command {cmd}: a LoRA run; left unconfirmed so the watchdog "
+                                                      "rolls back by restart"])
+        act.drive(h, store.get_action(rb), time.time())
+        done = store.get_action(rb)
+        assert done.status == "done" and "could not roll back in process (command" in done.result["outcome"]
+        assert "a LoRA run" in done.result["outcome"]
+        assert [e.payload["resume_step"] for e in store.open_actions("run") if e.kind == "restart"] == [4]
     finally:
         act.stop(h)
 

@@ -7,7 +7,8 @@ in the reward, through :mod:`ppo_watchdog.trainer.verl_cpu` (no file of verl edi
 at step 5 and a memory budget from step 8; one tuning relaunch carries lr x0.5, kl_coef x2 and
 clip_ratio x0.5; verl prunes its checkpoints to one; the rollback skips one batch (the dataloader
 state in the resume copy's data.pt). About 7 minutes on 2 cores. The checks are bench/verl_e2e.py's rows (the bench
-runs them too, with figures, plus the in-process glue).
+runs them too, with figures, plus the in-process glue). A second run, under the in-process glue, has its NaN
+rolled back inside the running trainer (about 2 minutes).
 """
 
 from __future__ import annotations
@@ -81,3 +82,32 @@ def test_verls_own_pruning_cannot_remove_the_known_good_checkpoint_the_rollback_
 def test_a_rollback_with_skip_batches_resumes_verl_on_the_batch_after_the_one_it_would_have_rerun(
         verl_run: e2e.VerlRun) -> None:
     _passes(e2e.check_skip(verl_run))
+
+
+# -- a rollback restored inside the running trainer (the in-process glue) ---------------------------
+
+
+@pytest.fixture(scope="module")
+def rolled_back(tmp_path_factory: pytest.TempPathFactory) -> e2e.VerlRun:
+    """``watchdog run -- python -m ppo_watchdog.trainer.verl_glue`` with the default pack: a NaN actor loss once at
+    step 5 of 8, a checkpoint every 2; nan_or_inf rolls back to step 2 with lr x0.5 and one batch skipped, in the
+    running trainer. About 2 minutes (bench/verl_e2e.py --rollback-in-process runs it beside the relaunch)."""
+    return e2e.run_rollback(tmp_path_factory.mktemp("verl-rollback"), "in-process")
+
+
+def test_a_nan_in_verls_actor_is_rolled_back_inside_the_running_trainer(rolled_back: e2e.VerlRun) -> None:
+    _passes(e2e.check_in_process_rollback(rolled_back))
+
+
+def test_the_in_process_rollback_is_priced_as_a_restore_and_carries_its_sets(rolled_back: e2e.VerlRun) -> None:
+    entry, seconds, lost, _ = e2e._rollback_timing(rolled_back)
+    assert entry.payload["cost"]["relaunch"] is False and entry.payload["cost"]["steps_lost"] >= 1
+    assert entry.payload["command"]["set"] == entry.payload["set"]  # applied with the restore, not a step later
+    assert 0 < seconds and lost >= 2
+
+
+def test_one_launch_of_verl_did_the_whole_rolled_back_run(rolled_back: e2e.VerlRun) -> None:
+    assert len([e for e in rolled_back.events() if e["kind"] == "started"]) == 1  # no relaunch
+    (moved,) = [e for e in rolled_back.events() if e["kind"] == "rollback"]
+    assert moved["in_process"] is True and moved["skip_batches"] == 1
+    assert rolled_back.last_step() == 8

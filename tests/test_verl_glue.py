@@ -320,6 +320,8 @@ def test_kl_loss_coef_is_refused_while_the_kl_loss_is_off() -> None:
     (WatchdogActorRolloutRefWorker, "watchdog_set_lr"),
     (WatchdogActorRolloutRefWorker, "watchdog_set_loss_coefs"),
     (WatchdogTrainingWorker, "watchdog_set_lr"),
+    (WatchdogActorRolloutRefWorker, "watchdog_forget_saves_after"),
+    (WatchdogTrainingWorker, "watchdog_forget_saves_after"),
 ])
 def test_worker_methods_are_registered_with_verls_dispatch(cls: type, method: str) -> None:
     attrs = getattr(getattr(cls, method), MAGIC_ATTR)
@@ -350,6 +352,15 @@ def test_worker_group_call_changes_every_ranks_optimizer_and_loss_fn() -> None:
         assert w.actor.engine.lr_scheduler.base_lrs == [pytest.approx(3e-6)]
         assert w.actor.loss_fn.keywords["config"].kl_loss_coef == 0.02  # what train_batch will use
         assert w.loss_fn is w.actor.loss_fn
+
+
+def test_an_in_process_rollback_makes_every_rank_forget_the_abandoned_saves() -> None:
+    actors = [_actor_worker(1e-6) for _ in range(2)]
+    for w in actors:
+        w.actor.engine.checkpoint_manager = SimpleNamespace(
+            previous_saved_paths=[f"/c/global_step_{s}/actor" for s in (2, 4, 6)])
+    assert LocalWorkerGroup(actors).watchdog_forget_saves_after(2) == [2, 2]
+    assert all(w.actor.engine.checkpoint_manager.previous_saved_paths == ["/c/global_step_2/actor"] for w in actors)
 
 
 # -- the trainer subclass -------------------------------------------------------------------
@@ -449,6 +460,21 @@ def test_boundary_commands_checkpoint_then_stop_and_leaves_rollback_to_a_restart
         rig.trainer.on_step_begin()
     assert rig.saves == [3, 3]  # c1 not run twice; stop saved
     assert [e["kind"] for e in rig.events()][-2:] == ["applied", "stopped"]
+
+
+def test_a_rollback_the_trainer_cannot_restore_at_this_boundary_is_refused_with_why(rig: Rig) -> None:
+    t = rig.trainer  # at the boundary before step 4
+    t.total_training_steps = 20
+    root = Path(t.config.trainer.default_local_dir).resolve()
+    for args, why in (({"to_step": 0, "path": str(root)}, "the initial weights are a restart's"),
+                      ({"to_step": 4, "path": str(root / "global_step_4")}, "is not before the step about to run"),
+                      ({"to_step": 2, "path": "/elsewhere/global_step_2"}, "is not a checkpoint of step 2"),
+                      ({"to_step": 2, "path": str(root / "global_step_2")}, "not a directory")):
+        assert why in (t._check_rollback(args) or ""), args
+    t.total_training_steps = 4
+    assert "last step" in (t._check_rollback({"to_step": 2, "path": str(root / "global_step_2")}) or "")
+    t.config.watchdog.rollback = "restart"
+    assert t._restore_unsupported() == "launched with --rollback restart"
 
 
 def test_pause_waits_between_steps_until_resume(rig: Rig) -> None:

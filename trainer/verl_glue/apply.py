@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -269,3 +270,19 @@ def live_keys_for(config: Any) -> tuple[str, ...]:
             continue
         keys.append(key)
     return tuple(keys)
+
+
+_SAVED_STEP = re.compile(r"global_step_(\d+)")
+
+
+def forget_saves_after(manager: Any, step: int) -> int:
+    """Drop from a verl checkpoint manager's ``previous_saved_paths`` the saves of steps after ``step``
+    (a timeline an in-process rollback abandoned); returns how many. verl prunes by that list when
+    ``max_*_ckpt_to_keep`` is set: a stale entry named like a step the run saves again would have the
+    new save removed as the old one's excess."""
+    paths = getattr(manager, "previous_saved_paths", None)
+    if not isinstance(paths, list):
+        return 0
+    keep = [p for p in paths if (m := _SAVED_STEP.search(str(p))) is None or int(m.group(1)) <= step]
+    manager.previous_saved_paths = keep
+    return len(paths) - len(keep)

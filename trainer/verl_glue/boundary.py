@@ -12,9 +12,11 @@ a no-op, a garbled file is one ``error`` event per bad content, a version that n
 this run cannot change live is refused whole (the watchdog then restarts with it), and
 one ``applied`` event confirms each version. One-shot commands: ``checkpoint`` (verl's
 own save), ``pause`` / ``resume`` (the driver waits between steps, polling control.json),
-``stop`` (save, then end the run with exit code 0). ``rollback`` is not done in process
-(the rollout replicas would need new weights mid-run): it is reported as an ``error`` and
-left unconfirmed, so the watchdog falls back to its restart-based rollback.
+``stop`` (save, then end the run with exit code 0). ``rollback`` restores the checkpoint in the
+running trainer when the trainer lends a ``restore`` (the v1 trainer's
+``WatchdogPPOTrainer._rollback_at_boundary``: worker groups reloaded, dataloader, step counter and KL
+controller reset, weights pushed to the rollout replicas before the next step); one it cannot restore
+(``check``) is reported as an ``error`` and left unconfirmed, so the watchdog rolls back by restart.
 """
 
 from __future__ import annotations
@@ -104,6 +106,10 @@ class LiveSettings:
                 errors.append(str(exc))
         return applied, errors
 
+    def forget(self) -> None:
+        """Forget what is in force (a checkpoint restored in process brought its own values back)."""
+        self._in_force.clear()
+
     def _apply_one(self, key: str, value: Any) -> Any:
         t = self.targets
         if key == apply.KL_COEF:
@@ -185,20 +191,24 @@ class ControlBoundary:
     """control.json at verl's step boundaries: this run's hooks for the protocol's
     :class:`~ppo_watchdog.protocol.control.StepBoundary` (the embedded trainer's dispatcher too)."""
 
-    can_rollback = False
-    """verl's rollout replicas would need new weights mid-run: rollback goes by restart."""
-
     def __init__(
         self,
         run_dir: Path | str,
         settings: LiveSettings,
         recorder: RunRecorder,
         save: Callable[[], None],
+        restore: Callable[[Mapping[str, Any]], None] | None = None,
+        check: Callable[[Mapping[str, Any]], str | None] | None = None,
     ) -> None:
-        """``save`` runs verl's own checkpoint save (it records the ``checkpoint`` event)."""
+        """``save`` runs verl's own checkpoint save (it records the ``checkpoint`` event); ``restore``
+        rolls the running trainer back to the checkpoint a ``rollback`` command names, after ``check``
+        found nothing against it (None: rollback goes by restart)."""
         self.settings = settings
         self.recorder = recorder
         self.save = save
+        self.restore = restore
+        self.check = check
+        self.can_rollback = restore is not None
         self.applier = ControlApplier(run_dir, live_keys=settings.live_keys, on_event=recorder.count)
         self.steps = StepBoundary(self.applier, self, poll_s=PAUSE_POLL_S)
         self._step = 0
@@ -231,11 +241,15 @@ class ControlBoundary:
         self.recorder.event("stopped", self._step, reason=reason)
         raise StopRequested(reason)
 
-    def rollback(self, args: Mapping[str, Any]) -> None:  # never called: can_rollback is False
-        raise NotImplementedError("the verl glue rolls back by restart")
+    def rollback(self, args: Mapping[str, Any]) -> None:
+        if self.restore is None:
+            raise NotImplementedError("this run rolls back by restart")
+        self.restore(args)
 
-    def check_rollback(self, args: Mapping[str, Any]) -> str | None:  # never asked: can_rollback is False
-        return "the verl glue rolls back by restart"
+    def check_rollback(self, args: Mapping[str, Any]) -> str | None:
+        if self.restore is None:
+            return "this run rolls back by restart"
+        return self.check(args) if self.check is not None else None
 
     def event(self, kind: str, **fields: Any) -> None:
         self.recorder.event(kind, self._step, **fields)

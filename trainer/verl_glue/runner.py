@@ -79,18 +79,32 @@ def verl_config_dir() -> Path:
     return Path(verl.__file__).resolve().parent / "trainer" / "config"
 
 
+#: How the glue carries out a watchdog rollback: in the running trainer where it can, or always by restart.
+ROLLBACK_MODES = ("in-process", "restart")
+#: The key a relaunch names for skipping batches after its resume (run.json's ``skip_batches_key``): the
+#: glue's own, not verl's (verl has none), taken out of the overrides before verl's config is composed.
+SKIP_KEY = "watchdog.resume_skip_batches"
+
+
 def build_config(overrides: list[str], run_dir: Path | str, metrics_port: int = 0,
-                 config_name: str = "ppo_trainer", run_id: str | None = None) -> Any:
+                 config_name: str = "ppo_trainer", run_id: str | None = None, rollback: str = "in-process") -> Any:
     """Compose verl's config with the glue's overrides and ``watchdog`` node (no Ray, no GPU)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import open_dict
 
     run_dir = Path(run_dir).resolve()
+    skip = _overridden(overrides, SKIP_KEY)
+    overrides = [o for o in overrides if not o.lstrip("+").startswith(f"{SKIP_KEY}=")]
+    try:
+        skip_batches = int(skip or 0)
+    except ValueError as exc:
+        raise LaunchError(f"{SKIP_KEY}={skip}: a whole number of batches") from exc
     with initialize_config_dir(version_base=None, config_dir=str(verl_config_dir())):
         cfg = compose(config_name=config_name, overrides=glue_overrides(overrides, run_dir))
     rid = run_id or RunInfo.read(run_dir).id or f"{run_dir.name}-{int(time.time())}"
     with open_dict(cfg):
-        cfg.watchdog = {"run_dir": str(run_dir), "metrics_port": int(metrics_port), "run_id": rid}
+        cfg.watchdog = {"run_dir": str(run_dir), "metrics_port": int(metrics_port), "run_id": rid, "rollback": rollback,
+                        "resume_skip_batches": skip_batches}
     return cfg
 
 
@@ -139,8 +153,8 @@ def _write_launch_json(run_dir: Path, cfg: Any, command: list[str]) -> None:
     info = RunInfo.read(run_dir).replace(
         id=str(cfg.watchdog.run_id), command=command, pid=os.getpid(), cwd=os.getcwd(),
         mode=MODE_VERL_INPROCESS, live_keys=list(live_keys_for(cfg)), started=time.time(),
-        # One-shot commands done in process; a rollback is the watchdog's restart (see boundary.py).
-        commands=sorted(COMMAND_KINDS - {"rollback"}),
+        # One-shot commands done in process; rollback too once the trainer says it can (its run.json).
+        commands=sorted(COMMAND_KINDS - {"rollback"}), skip_batches_key=SKIP_KEY,
         checkpoint_dir=str(Path(str(cfg.trainer.default_local_dir)).resolve()),
     )
     info.without("trainer_pid", "trainer_host", "metrics_port").write(run_dir)  # the trainer actor writes its own
@@ -190,6 +204,9 @@ def main(
                                              "ppo_megatron_trainer, ...")] = "ppo_trainer",
     print_config: Annotated[bool, typer.Option("--print-config", help="Print the composed config "
                                                "(YAML) and exit: no Ray, no GPU.")] = False,
+    rollback: Annotated[str, typer.Option("--rollback", help="How a watchdog rollback is done: in-process "
+                                          "(restore the checkpoint in the running trainer where the run allows "
+                                          "it, else restart) or restart.")] = "in-process",
 ) -> None:
     """Train with verl in process, obeying the run-directory protocol; KEY=VALUE are verl's Hydra overrides."""
     logging.basicConfig(level=os.environ.get("TRAINER_LOG_LEVEL", "INFO"),
@@ -199,8 +216,11 @@ def main(
     if bad:
         typer.echo(f"unknown option(s): {' '.join(bad)} (verl overrides are KEY=VALUE)", err=True)
         raise typer.Exit(rundir.EXIT_USAGE)
+    if rollback not in ROLLBACK_MODES:
+        typer.echo(f"--rollback must be one of {', '.join(ROLLBACK_MODES)}, got {rollback!r}", err=True)
+        raise typer.Exit(rundir.EXIT_USAGE)
     try:
-        cfg = build_config(overrides, run_dir, metrics_port, config_name)
+        cfg = build_config(overrides, run_dir, metrics_port, config_name, rollback=rollback)
         if print_config:
             from omegaconf import OmegaConf
 

@@ -14,6 +14,13 @@ Registered with verl's ``register_trainer`` as ``watchdog_sync`` and chosen with
 - ``_save_checkpoint``: after verl's own save (marker written), a manifest (so the watchdog
   can restart or roll back from it, :mod:`ppo_watchdog.trainer.verl_glue.manifest`) and a
   ``checkpoint`` event.
+- A ``rollback`` command restores a checkpoint in the running trainer, at the step boundary
+  (:meth:`WatchdogPPOTrainer._rollback_at_boundary`): what verl's own resume does at start-up (the
+  actor and critic worker groups load the checkpoint: weights, optimizer, lr scheduler, RNG; the
+  dataloader its ``data.pt``), then the step counter, the KL controller (from the config, as a
+  relaunch has it: verl does not save it), the live overrides and the rollback's sets, and the
+  weights pushed to the rollout replicas before the step generates. A run this cannot serve
+  (:meth:`WatchdogPPOTrainer._restore_unsupported`) rolls back by restart.
 
 Worker classes are swapped for :mod:`ppo_watchdog.trainer.verl_glue.workers` so the driver can reach
 the optimizer, LambdaLR and loss function. Everything else (replay buffer, checkpoint
@@ -31,20 +38,27 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from omegaconf import OmegaConf
+from verl.trainer.ppo.utils import create_rl_sampler
 from verl.trainer.ppo.v1.trainer_base import register_trainer
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+from verl.utils.skip import SkipManager
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
+from ppo_watchdog.protocol import checkpoint as ckpt
 from ppo_watchdog.protocol import rundir
+from ppo_watchdog.protocol.control import COMMAND_KINDS
 from ppo_watchdog.protocol.exporter import MetricsExporter
 from ppo_watchdog.protocol.runinfo import RunInfo
 from ppo_watchdog.trainer.verl_glue import apply, workers
@@ -57,6 +71,8 @@ log = logging.getLogger(__name__)
 TRAINER_MODE = "watchdog_sync"
 #: Config node the launcher adds: ``watchdog.run_dir``, ``watchdog.metrics_port``, ``watchdog.run_id``.
 GLUE_NODE = "watchdog"
+#: The engines whose checkpoints an in-process rollback loads through verl's own worker calls.
+RESTORABLE_STRATEGIES = ("fsdp", "fsdp2")
 
 
 class GlueConfigError(ValueError):
@@ -147,16 +163,29 @@ class WatchdogPPOTrainer(PPOTrainerSync):
         self.recorder = RunRecorder(run_dir, exporter)
         settings = LiveSettings(VerlTargets(self.config, getattr(self, "kl_ctrl_in_reward", None),
                                             self._set_lr, self._set_loss_coefs))
-        self.glue = ControlBoundary(run_dir, settings, self.recorder, self._save_at_boundary)
+        restore = self._restore_unsupported() is None
+        self.glue = ControlBoundary(run_dir, settings, self.recorder, self._save_at_boundary,
+                                    self._rollback_at_boundary if restore else None, self._check_rollback)
         resumed_from = int(self.global_steps)
         restored = self._config_lr_wins(settings) if resumed_from > 0 else {}
+        skipped = self._skip_batches(int(self.config.get(GLUE_NODE, {}).get("resume_skip_batches", 0) or 0)) \
+            if resumed_from > 0 else 0
         applied = self.glue.start(resumed_from)
         self._write_run_json(run_dir, run_id, exporter.port, settings.live_keys)
         if threading.current_thread() is threading.main_thread():
             self.glue.applier.install_signal_handler()  # wakes a paused run at once
         self.recorder.event("started", resumed_from, resumed_from=resumed_from, applied=applied,
                             lr_from_config=restored, total_steps=int(self.total_training_steps),
-                            trainer_mode=TRAINER_MODE)
+                            trainer_mode=TRAINER_MODE, **({"skipped_batches": skipped} if skipped else {}))
+
+    def _skip_batches(self, steps: int) -> int:
+        """Draw and drop the batches of ``steps`` steps through verl's own fetch (a rollback's ``skip_batches``:
+        the data that led to the divergence is not trained on again); returns the steps skipped."""
+        data = self.config.data
+        per_step = math.ceil(int(data.train_batch_size) / int(data.get("gen_batch_size", None) or data.train_batch_size))
+        for _ in range(max(0, steps) * per_step):
+            self._fetch_one_gen_batch()
+        return max(0, steps)
 
     def _config_lr_wins(self, settings: LiveSettings) -> dict[str, float]:
         """After a resume: the configured lr, not the checkpoint's (verl reloads the old one)."""
@@ -245,6 +274,98 @@ class WatchdogPPOTrainer(PPOTrainerSync):
         finally:
             self.global_steps = done + 1
 
+    # -- rollback in process ----------------------------------------------------------------
+    def _restore_unsupported(self) -> str | None:
+        """Why this run cannot restore a checkpoint in process (None: it can)."""
+        if str(self.config.get(GLUE_NODE, {}).get("rollback", "in-process")) != "in-process":
+            return "launched with --rollback restart"
+        actor = self.config.actor_rollout_ref.actor
+        strategy = str(actor.get("strategy", "fsdp"))
+        if strategy not in RESTORABLE_STRATEGIES:
+            return f"actor strategy {strategy} (in process: {', '.join(RESTORABLE_STRATEGIES)})"
+        if actor.get("checkpoint", {}).get("async_save", False):
+            return "checkpoints are saved asynchronously"
+        if int(self.config.actor_rollout_ref.model.get("lora_rank", 0) or 0) > 0:
+            return "a LoRA run (its rollout holds merged weights)"
+        return None
+
+    def _check_rollback(self, args: Mapping[str, Any]) -> str | None:
+        """Why the checkpoint a ``rollback`` command names cannot be restored at this boundary (None: it can)."""
+        why = self._restore_unsupported()
+        if why:
+            return why
+        step = args.get("to_step")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            return f"no checkpoint step to restore ({step!r}; the initial weights are a restart's)"
+        if step >= int(self.global_steps):
+            return f"step {step} is not before the step about to run ({int(self.global_steps)})"
+        if int(self.global_steps) >= int(self.total_training_steps):
+            return "the run is at its last step (verl's loop ends after it whatever the step counter says)"
+        root = Path(self.config.trainer.default_local_dir).resolve()
+        path = Path(str(args.get("path", ""))).resolve()
+        if path.name != f"global_step_{step}" or root not in path.parents:
+            return f"{path} is not a checkpoint of step {step} under {root}"
+        if self.manifests is not None:
+            self.manifests.wait()
+        try:
+            ckpt.verify_checkpoint(path)
+        except ckpt.CheckpointError as exc:
+            return str(exc)
+        roles = ["actor", "critic"] if getattr(self, "use_critic", False) else ["actor"]
+        missing = [p for p in (*roles, "data.pt") if not (path / p).exists()]
+        return f"{path} lacks {', '.join(missing)}" if missing else None
+
+    def _rollback_at_boundary(self, args: Mapping[str, Any]) -> None:
+        """Restore the checkpoint ``args`` name in this running trainer, before the step about to run.
+
+        What verl's resume does at start-up (``_setup``: sleep the replicas, ``_load_checkpoint``), from
+        its own worker calls: the actor and critic worker groups load the checkpoint (weights, optimizer,
+        lr scheduler, RNG); the dataloader is built anew and loads ``data.pt``, then draws ``skip_batches``
+        steps' batches through verl's own fetch; the step counter names the step after the checkpoint. Then what a
+        relaunch gets: the KL controller at its configured value, the configured lr over the
+        checkpoint's, the live overrides and the rollback's sets. Last, verl's own weight sync pushes the
+        restored actor to the rollout replicas (``on_init_end``'s), so the next step generates with it.
+        The newer checkpoints go aside first: a crash from here on resumes from the restored one.
+        """
+        assert self.glue is not None and self.recorder is not None
+        t0 = time.monotonic()
+        step, skip = int(args["to_step"]), int(args.get("skip_batches") or 0)
+        path = Path(str(args["path"])).resolve()  # (verl's own folder, or the watchdog's kept link of it)
+        from_step = int(self.global_steps) - 1
+        ckpt.set_aside_newer(Path(self.config.trainer.default_local_dir), step, f"rollback-{args.get('id') or from_step}")
+        self.checkpoint_manager.sleep_replicas()
+        self.actor_rollout_wg.load_checkpoint(local_path=str(path / "actor"), del_local_after_load=False)
+        getattr(self.actor_rollout_wg, workers.FORGET_SAVES)(step)
+        if getattr(self, "use_critic", False):
+            self.critic_wg.load_checkpoint(local_path=str(path / "critic"), del_local_after_load=False)
+            getattr(self.critic_wg, workers.FORGET_SAVES)(step)
+        # As verl builds it at start-up (a fresh sampler, seeded from the config: the state in data.pt does not
+        # carry the shuffle of the epochs after it), then its state; a dataloader state is plain data.
+        old = self.train_dataloader
+        self.train_dataloader = type(old)(dataset=old.dataset, batch_size=old.batch_size, num_workers=old.num_workers,
+                                          drop_last=old.drop_last, collate_fn=old.collate_fn,
+                                          sampler=create_rl_sampler(self.config.data, old.dataset))
+        self.train_dataloader.load_state_dict(torch.load(path / "data.pt", weights_only=True))
+        self.train_dataloader_it = None
+        self._skip_batches(skip)
+        self.global_steps = step + 1
+        SkipManager.set_step(self.global_steps)
+        kl_ctrl = getattr(self, "kl_ctrl_in_reward", None)
+        if kl_ctrl is not None:
+            # As a relaunch starts it: verl does not save the controller, so from the configured value (which
+            # follows every live set); an adaptive controller adapts from there.
+            kl_ctrl.value = float(self.config.algorithm.kl_ctrl.kl_coef)
+        settings = self.glue.settings
+        settings.forget()  # the checkpoint brought its own values back: every override is sent again
+        lr = self._config_lr_wins(settings)
+        applied, errors = settings.apply({**self.glue.applier.current_overrides(), **dict(args.get("set") or {})})
+        for message in errors:
+            self.recorder.event("error", step, message=message, source="rollback")
+        self.checkpoint_manager.update_weights(step)
+        self.recorder.event("rollback", step, from_step=from_step, to_step=step, path=str(path),
+                            skip_batches=skip, in_process=True, seconds=round(time.monotonic() - t0, 3),
+                            lr_from_config=lr, applied=applied)
+
     # -- run.json and the end ---------------------------------------------------------------
     def _write_run_json(self, run_dir: Path, run_id: str, port: int, live_keys: tuple[str, ...]) -> None:
         info = RunInfo.read(run_dir)  # the launcher's: id, command, pid (the process to signal)
@@ -255,6 +376,8 @@ class WatchdogPPOTrainer(PPOTrainerSync):
             total_steps=int(self.total_training_steps), steps_per_epoch=int(self.steps_per_epoch),
             checkpoint_dir=str(Path(self.config.trainer.default_local_dir).resolve()),
             exit_codes={"oom": rundir.EXIT_OOM, "stopped": rundir.EXIT_STOPPED},
+            commands=sorted(COMMAND_KINDS if self.glue is not None and self.glue.can_rollback
+                            else COMMAND_KINDS - {"rollback"}),
             started=info.started if info.started is not None else time.time(),
         ).write(run_dir)
 

@@ -24,10 +24,12 @@ from ppo_watchdog.trainer.verl_glue import apply
 #: Names of the registered methods (the driver calls them on the worker groups).
 SET_LR = "watchdog_set_lr"
 SET_LOSS_COEFS = "watchdog_set_loss_coefs"
+FORGET_SAVES = "watchdog_forget_saves_after"
 
 
 class LiveLrMixin:
-    """``watchdog_set_lr``: :func:`apply.apply_lr` on this worker's optimizer and LambdaLR."""
+    """``watchdog_set_lr``: :func:`apply.apply_lr` on this worker's optimizer and LambdaLR; and
+    ``watchdog_forget_saves_after`` for an in-process rollback."""
 
     def _watchdog_engine(self) -> Any:
         raise NotImplementedError
@@ -37,6 +39,12 @@ class LiveLrMixin:
         """Set the lr on this rank; returns the lr the next optimizer step uses."""
         engine = self._watchdog_engine()
         return apply.apply_lr(getattr(engine, "optimizer", None), getattr(engine, "lr_scheduler", None), lr, key)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # type: ignore[attr-defined]  # a DynamicEnum
+    def watchdog_forget_saves_after(self, step: int) -> int:
+        """After an in-process rollback to ``step``: :func:`apply.forget_saves_after` on this rank's
+        checkpoint manager; returns how many saves it forgot."""
+        return apply.forget_saves_after(getattr(self._watchdog_engine(), "checkpoint_manager", None), step)
 
 
 class WatchdogActorRolloutRefWorker(LiveLrMixin, ActorRolloutRefWorker):

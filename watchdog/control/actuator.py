@@ -56,7 +56,7 @@ from ppo_watchdog.backends.local import (
 from ppo_watchdog.control.store import UNLOADABLE, UNWATCHED, ActionRecord, BadSpan, Phase, RunRecord, Store
 from ppo_watchdog.core.engine import evidence_text
 from ppo_watchdog.core.planner import clip_bound_sets, config_value, snap_sets
-from ppo_watchdog.core.pricing import Cost, duration_text
+from ppo_watchdog.core.pricing import DEFAULT_STARTUP_S, Cost, duration_text
 from ppo_watchdog.core.summary import entry_words, sets_text
 from ppo_watchdog.core.vocabulary import APPROVE_KINDS, ActionStatus, JournalKind
 from ppo_watchdog.protocol import checkpoint as ckpt
@@ -794,13 +794,14 @@ class Actuator:
 
     _drive_command = _drive_live_set
 
-    def _send(self, h: RunHandle, entry: ActionRecord, version: int, now: float) -> None:
-        """Write control.json at the entry's ``version``, signal the trainer, and wait for its ``applied`` (SENT)."""
+    def _send(self, h: RunHandle, entry: ActionRecord, version: int, now: float, extra_s: float = 0.0) -> None:
+        """Write control.json at the entry's ``version``, signal the trainer, and wait for its ``applied`` (SENT)
+        ``live_timeout_s`` (and ``extra_s`` more)."""
         self.write_control(h, version)
         self.crash_hook("control_written")
         self._signal(h)
         self.crash_hook("signalled")
-        deadline = now + self.config.live_timeout_s
+        deadline = now + self.config.live_timeout_s + max(0.0, extra_s)
         self.store.update_action(entry.id, status=ActionStatus.SENT, deadline=deadline)
         entry.status, entry.deadline = ActionStatus.SENT, deadline
 
@@ -1059,7 +1060,7 @@ class Actuator:
                              handed_to=restart_id)
                 return
             p.update(resume_path=str(info.path), resume_step=info.step)
-            if h.proc is None or not h.proc.alive() or not h.dialect.live or not _rolls_back_in_process(h):
+            if not restores_in_process(h):
                 # No live trainer that restores in process (dead; verl, which reads no control.json; or
                 # a trainer whose run.json leaves rollback out of its commands): a restart from that
                 # checkpoint carries the sets.
@@ -1070,11 +1071,18 @@ class Actuator:
                 return
             cmd = {"id": f"rb{entry.id}", "kind": "rollback", "path": str(info.path), "to_step": info.step,
                    "skip_batches": int(p.get("skip_batches", 0))}
+            if p.get("set"):
+                # Applied with the restore (a trainer that can: the verl glue), not one step later: the
+                # checkpoint brings its own lr back, and the first restored step would train at it.
+                cmd["set"] = self._snap(h, p["set"])
             p["command"] = cmd
             self.store.update_action(entry.id, payload=p)
             entry.payload = p
             entry.control_version = self.reserve_version(h, entry, dict(h.run.overrides))
-            self._send(h, entry, entry.control_version, now)
+            # A restore in process may take as long as the relaunch it replaces (which loads the same
+            # checkpoint after its start-up): past that, the relaunch.
+            startup = h.run.startup_s if h.run.startup_s is not None else DEFAULT_STARTUP_S
+            self._send(h, entry, entry.control_version, now, extra_s=startup)
             return
         if entry.status == ActionStatus.SENT and entry.payload["command"]["id"] in h.applied_commands:
             sets = self._snap(h, p.get("set", {}))
@@ -1090,8 +1098,9 @@ class Actuator:
             p.pop("command", None)
             p["resume"] = "path"
             rid = self.store.add_action(h.run.run_id, "restart", p, decision_id=entry.decision_id)
-            why = ("the trainer ended before rolling back in process: re-running the tail by restart"
-                   if ended else "in-process rollback timed out: by restart")
+            why = ("the trainer ended before rolling back in process: re-running the tail by restart" if ended
+                   else f"the trainer could not roll back in process ({p['refused_in_process']}): by restart"
+                   if p.get("refused_in_process") else "in-process rollback timed out: by restart")
             self._finish(h, entry, "done", outcome=f"{why} (journal {rid}) from step {p.get('resume_step')}",
                          handed_to=rid)
 
@@ -1138,6 +1147,14 @@ class Actuator:
                     reopened.append(e)
                     continue
             if cmd and cmd["id"] not in h.applied_commands:
+                if (e.kind == JournalKind.ROLLBACK and foreign is None and e.status == ActionStatus.SENT
+                        and e.control_version == version):
+                    # The trainer applied the version and left the rollback out: it cannot restore this checkpoint
+                    # in process (``check_rollback``). By restart at the next drive, not after the deadline.
+                    why = next((m for m in refusals if cmd["id"] in m), "not confirmed with its version")
+                    p = {**e.payload, "refused_in_process": why}
+                    self.store.update_action(e.id, payload=p, deadline=0.0)
+                    e.payload, e.deadline = p, 0.0
                 continue
             if e.kind in (JournalKind.LIVE_SET, "command", JournalKind.RESUME):
                 refused = [m for m in refusals if any(k in m for k in (e.payload.get("set") or {}))]
@@ -1215,8 +1232,11 @@ def skip_batches_arg(run_dir: str | Path, n: int) -> str | None:
     return hydra.format_override(key, int(n)) if key and n > 0 else None
 
 
-def _rolls_back_in_process(h: RunHandle) -> bool:
-    """Whether the trainer restores a checkpoint itself: run.json's ``commands`` (all when absent)."""
+def restores_in_process(h: RunHandle) -> bool:
+    """Whether a rollback now goes in process: a live trainer that reads control.json and restores a checkpoint
+    itself (run.json's ``commands``, all when absent)."""
+    if h.proc is None or not h.proc.alive() or not h.dialect.live:
+        return False
     commands = RunInfo.read(h.run.run_dir).commands
     return commands is None or "rollback" in commands
 

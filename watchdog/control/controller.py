@@ -43,6 +43,7 @@ from ppo_watchdog.control.actuator import (
     check_approve,
     check_finite,
     needs_approval,
+    restores_in_process,
     run_config,
     run_world_size,
 )
@@ -643,6 +644,7 @@ class RunController:
         if self._rewind_to is not None and min(read.steps) <= self._rewind_to + 1:
             # A step of the new timeline: metrics from there on are after the rollback.
             self._rewind_pending, self._rewind_to = False, None
+            self._measure_restore(now)
         if self._started_ts is not None and self._started_ts >= (self.run.launched_ts or 0):
             # A step from the process launched last (not a stale line of the one stopped before).
             if self._launch_seen != self.run.launched_ts:
@@ -1119,6 +1121,8 @@ class RunController:
         payload = dict(p.payload)
         if p.kind == JournalKind.LIVE_SET:
             payload["cost"] = CostModel.LIVE.to_json()
+        elif p.kind == JournalKind.ROLLBACK and restores_in_process(self.h):
+            payload["cost"] = self.cost_model().restore(self._steps_since_checkpoint()).to_json()
         elif p.relaunch:
             payload["cost"] = self.cost_model().relaunch(self._steps_since_checkpoint()).to_json()
         if self._deferrable(p):
@@ -1292,6 +1296,16 @@ class RunController:
         self.store.update_run(self.run.run_id, startup_s=startup)
         self.store.update_action(done[-1].id, result={**done[-1].result, "relaunch_s": round(startup, 3)})
         log.info("%s: relaunch took %.1f s (stop to first new step)", self.run.run_id, startup)
+
+    def _measure_restore(self, now: float) -> None:
+        """The first step after a rollback done in process: decision to this step (``first_step_s``, on its entry)."""
+        last = next((e for e in reversed(self.store.journal(self.run.run_id)) if e.kind == JournalKind.ROLLBACK), None)
+        if (last is None or last.status != ActionStatus.DONE or "command" not in last.payload
+                or "handed_to" in last.result or "first_step_s" in last.result):
+            return  # none, by restart (measured as relaunch_s), or measured already
+        self.store.update_action(last.id, result={**last.result, "first_step_s": round(now - last.created, 3)})
+        log.info("%s: rolled back in process: %.1f s from the decision to the first new step", self.run.run_id,
+                 now - last.created)
 
     def _protect_known_good(self) -> None:
         """Keep the last known-good checkpoints, and the one a rollback waiting for approval chose, out of reach

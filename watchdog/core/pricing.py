@@ -43,8 +43,11 @@ class Cost:
     """True when the trainer is stopped and started again."""
 
     def describe(self) -> str:
-        """``live (no step lost)`` or ``relaunch: 312 s (start-up 240 s + 3 steps trained again)``."""
+        """``live (no step lost)``, ``in process: 7 s (3 steps trained again)`` or
+        ``relaunch: 312 s (start-up 240 s + 3 steps trained again)``."""
         if not self.relaunch:
+            if self.steps_lost:
+                return f"in process: {self.seconds:.0f} s ({self.steps_lost} steps trained again)"
             return "live (no step lost)"
         again = f" + {self.steps_lost} steps trained again" if self.steps_lost else ", no step lost"
         return f"relaunch: {self.seconds:.0f} s (start-up{again})"
@@ -68,6 +71,11 @@ class CostModel:
         """A relaunch resuming from a checkpoint ``steps_since_checkpoint`` steps back."""
         lost = max(0, int(steps_since_checkpoint))
         return Cost(self.startup_s + lost * self.step_time_s, lost, True)
+
+    def restore(self, steps_since_checkpoint: int) -> Cost:
+        """A checkpoint restored in the running trainer (no start-up): the steps since it trained again."""
+        lost = max(0, int(steps_since_checkpoint))
+        return Cost(lost * self.step_time_s, lost, False)
 
 
 @dataclass(frozen=True)

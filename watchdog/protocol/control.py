@@ -453,11 +453,17 @@ class StepBoundary:
             elif cmd.kind == "pause" and not paused:
                 pause = pause or cmd
             # "resume" while running and "pause" while paused: nothing to do, but confirmed.
+        if rollback is not None and stop is None:
+            # Restored before it is confirmed: an ``applied`` rollback is one that happened. Marked executed
+            # first, so a trainer that dies halfway never restores it again: its version stays unconfirmed,
+            # and the watchdog rolls back by restart. Confirmed at the step it went back to.
+            self.applier.mark_executed([rollback.id])
+            self.target.rollback(rollback.args)
+            to = rollback.args.get("to_step")
+            step = to if isinstance(to, int) and not isinstance(to, bool) else step
         self.applier.mark_applied(replace(changes, commands=confirmed), step, applied)
         if stop is not None:
             self.target.stop(f"command {stop.id}")
-        if rollback is not None:
-            self.target.rollback(rollback.args)
         if pause is not None:
             self._pause(step, str(pause.args.get("reason", "")))
 
