@@ -111,7 +111,8 @@ def test_an_approved_rollback_waits_for_a_person_then_goes_to_the_checkpoint_it_
         assert waiting["outcome"].startswith("waits for approval: roll back to step 4")
         (entry,) = waiting["journal"]
         assert entry["status"] == "awaiting" and entry["payload"]["chosen_step"] == 4
-        assert "lr=" in entry["result"]["why"] and entry["result"]["priced"].startswith("relaunch")
+        # The embedded trainer restores in process: priced as that, not as a relaunch (issue 50).
+        assert "lr=" in entry["result"]["why"] and entry["result"]["priced"].startswith("in process")
         code, out = _answer("approve", state)
         assert code == 0 and "approved by" in out and "roll back to step 4" in out, out
         _wait(lambda: "rollback" in _events(run), 60, "the rollback event", proc)
@@ -151,7 +152,7 @@ def test_a_denied_rollback_leaves_the_run_training_and_alerted(tmp_path: Path, w
     assert ("firing", "approve") in modes and ("resolved", "approve") in modes and ("firing", "denied") in modes
     asked = next(p["body"]["alerts"][0] for p in received if p["body"]["alerts"][0]["labels"].get("mode") == "approve")
     assert "watchdog approve run" in asked["annotations"]["description"]
-    assert "Cost: relaunch" in asked["annotations"]["description"]
+    assert "Cost: in process" in asked["annotations"]["description"]
 
 
 @pytest.mark.slow
@@ -169,7 +170,7 @@ def test_an_unanswered_rollback_is_denied_at_its_deadline_and_says_so(tmp_path: 
     (row,) = summary["decisions"]
     assert (row["step"], row["rule"], row["status"]) == (6, "lr_spiked", "denied")
     assert row["actions"][0].startswith("roll back to step 4")
-    assert summary["totals"]["actions"] == {"rollback": 1} and summary["totals"]["relaunches"] == 1
+    assert summary["totals"]["actions"] == {"rollback": 1} and summary["totals"]["relaunches"] == 0
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 
 import pytest
 
-from ppo_watchdog.core.pricing import CostModel
+from ppo_watchdog.core.pricing import CostModel, cost_text
 from ppo_watchdog.protocol import rundir
 from ppo_watchdog.protocol.control import Command, Control, ControlApplier, StepBoundary, write_control
 from ppo_watchdog.trainer.verl_glue import apply
@@ -89,3 +89,6 @@ def test_a_restore_in_process_is_priced_as_the_steps_trained_again_with_no_start
     assert (cost.seconds, cost.steps_lost, cost.relaunch) == (12.0, 4, False)
     assert cost.describe() == "in process: 12 s (4 steps trained again)"
     assert CostModel(startup_s=240.0, step_time_s=3.0).relaunch(4).describe().startswith("relaunch: 252 s")
+    assert CostModel().restore(0).describe() == "in process: 0 s (no step lost)"  # not "live": it restores
+    entry = {"payload": {"cost": cost.to_json()}, "result": {"first_step_s": 6.2}, "status": "done"}
+    assert cost_text([entry]) == "in process 6 s measured, 4 steps again"

@@ -892,6 +892,8 @@ def would_have_done(decisions: list[dict[str, Any]]) -> tuple[list[dict[str, Any
                 relaunches += 1
                 seconds += float(cost.get("seconds") or 0.0)
                 steps += int(cost.get("steps_lost") or 0)
+            elif isinstance(cost, dict) and cost.get("in_process"):
+                steps += int(cost.get("steps_lost") or 0)  # (a restore in process: its steps, no relaunch)
         rows.append({"decision": d["id"], "run": d["run_id"], "step": d["step"], "rule": d["rule"],
                      "status": d["status"], "actions": said, "cost": cost_text(d["journal"]),
                      "outcome": d["outcome"]})

@@ -41,19 +41,23 @@ class Cost:
     """Steps trained since the checkpoint the relaunch resumes from (trained again)."""
     relaunch: bool
     """True when the trainer is stopped and started again."""
+    in_process: bool = False
+    """True for a checkpoint restored in the running trainer (no start-up, the steps since it trained again)."""
 
     def describe(self) -> str:
         """``live (no step lost)``, ``in process: 7 s (3 steps trained again)`` or
         ``relaunch: 312 s (start-up 240 s + 3 steps trained again)``."""
+        if self.in_process:
+            again = f" ({self.steps_lost} steps trained again)" if self.steps_lost else " (no step lost)"
+            return f"in process: {self.seconds:.0f} s{again}"
         if not self.relaunch:
-            if self.steps_lost:
-                return f"in process: {self.seconds:.0f} s ({self.steps_lost} steps trained again)"
             return "live (no step lost)"
         again = f" + {self.steps_lost} steps trained again" if self.steps_lost else ", no step lost"
         return f"relaunch: {self.seconds:.0f} s (start-up{again})"
 
     def to_json(self) -> dict[str, Any]:
-        return {"seconds": round(self.seconds, 3), "steps_lost": self.steps_lost, "relaunch": self.relaunch}
+        return {"seconds": round(self.seconds, 3), "steps_lost": self.steps_lost, "relaunch": self.relaunch,
+                **({"in_process": True} if self.in_process else {})}
 
 
 @dataclass(frozen=True)
@@ -75,7 +79,7 @@ class CostModel:
     def restore(self, steps_since_checkpoint: int) -> Cost:
         """A checkpoint restored in the running trainer (no start-up): the steps since it trained again."""
         lost = max(0, int(steps_since_checkpoint))
-        return Cost(lost * self.step_time_s, lost, False)
+        return Cost(lost * self.step_time_s, lost, False, in_process=True)
 
 
 @dataclass(frozen=True)
@@ -162,14 +166,22 @@ def duration_text(seconds: float) -> str:
 def cost_text(journal: Sequence[Mapping[str, Any]]) -> str:
     """What a decision's journal entries cost, in a few words (``watchdog history``, the report).
 
-    A live change is ``live``; a relaunch its price (measured start-up when known) and how it
-    went: at once, after waiting for a checkpoint, merged into another, or dropped.
+    A live change is ``live``; a restore in process its price (measured decision to first new step when
+    known); a relaunch its price (measured start-up when known) and how it went: at once, after waiting
+    for a checkpoint, merged into another, or dropped.
     """
     parts = []
     for j in journal:
         payload, result, status = j.get("payload") or {}, j.get("result") or {}, j.get("status", "")
         cost = payload.get("cost")
         if not isinstance(cost, Mapping):
+            continue
+        if cost.get("in_process"):
+            if result.get("handed_to") is None:  # (else by the restart it handed over to, priced there)
+                measured = result.get("first_step_s")
+                secs = f"{measured:.0f} s measured" if isinstance(measured, (int, float)) else f"~{cost['seconds']:.0f} s"
+                steps = cost.get("steps_lost")
+                parts.append(f"in process {secs}" + (f", {steps} steps again" if steps else ""))
             continue
         if not cost.get("relaunch"):
             parts.append("live")
