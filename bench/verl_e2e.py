@@ -587,9 +587,11 @@ def check_in_process_rollback(run: VerlRun, where: str = "") -> Row:
     before = [float(r["data"][diff_key]) for r in records[:nan_at] if diff_key in r["data"]]
     after = run.after(to, diff_key)[:1]
     aside = sorted(p.parent.name + "/" + p.name for p in (run.run_dir / rundir.CHECKPOINTS).glob("abandoned-*/global_step_*"))
-    ok = (done.startswith(f"rolled back in process to step {to}") and run.exit_code == 0 and len(rewinds) == 1
-          and steps[rewinds[0] - 1] == int(moved["from_step"]) and rerun == list(range(to + 1, steps[-1] + 1)) and bool(lr) and math.isclose(lr[0], wanted, rel_tol=1e-9) and bool(before)
-          and bool(after) and after[0] <= 10 * max(before) and bool(aside))
+    ok = (done.startswith(f"rolled back in process to step {to}") and run.exit_code == 0
+          and len(rewinds) == 1 and steps[rewinds[0] - 1] == int(moved["from_step"])
+          and rerun == list(range(to + 1, steps[-1] + 1))
+          and bool(lr) and math.isclose(lr[0], wanted, rel_tol=1e-9)
+          and bool(before) and bool(after) and after[0] <= 10 * max(before) and bool(aside))
     return Row(f"in-process rollback restores the known-good state{where}", ok,
                f"{done}; {seconds:.1f} s from the decision to the first new step, {lost} steps lost; steps {steps}; "
                f"actor/lr {lr} after it (set {wanted:g}); {diff_key} {after} after it, at most "
