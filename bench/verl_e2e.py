@@ -57,6 +57,7 @@ sys.path.insert(0, str(REPO / "bench"))
 
 from ppo_watchdog.protocol import rundir  # noqa: E402
 from ppo_watchdog.protocol.runinfo import RunInfo  # noqa: E402
+from ppo_watchdog.trainer.verl_glue.runner import ROLLBACK_MODES  # noqa: E402  (the pair's two runs)
 
 TEST_RULES = REPO / "tests" / "data" / "verl_e2e_rules.yaml"
 SMOKE_RULES = REPO / "bench" / "verl_gpu_smoke.yaml"
@@ -528,8 +529,6 @@ def world_size_2_checks(run: VerlRun) -> list[Row]:
 
 # -- a rollback in process beside the same rollback by relaunch -----------------------------------
 
-#: The glue's ``--rollback`` modes, the pair's two runs.
-ROLLBACK_MODES = ("in-process", "restart")
 #: The step whose actor loss is NaN in the rollback pair (of 8; a checkpoint every 2: nan_or_inf goes back to 2).
 ROLLBACK_NAN_STEP = 5
 #: What the first step after the rollback logs, compared between the two paths.

@@ -290,10 +290,8 @@ class WatchdogPPOTrainer(PPOTrainerSync):
         return None
 
     def _check_rollback(self, args: Mapping[str, Any]) -> str | None:
-        """Why the checkpoint a ``rollback`` command names cannot be restored at this boundary (None: it can)."""
-        why = self._restore_unsupported()
-        if why:
-            return why
+        """Why the checkpoint a ``rollback`` command names cannot be restored at this boundary (None: it can).
+        Asked only where the run restores in process at all (:meth:`_restore_unsupported`, once, at start-up)."""
         step = args.get("to_step")
         if not isinstance(step, int) or isinstance(step, bool) or step < 1:
             return f"no checkpoint step to restore ({step!r}; the initial weights are a restart's)"
