@@ -531,9 +531,14 @@ def world_size_2_checks(run: VerlRun) -> list[Row]:
 
 #: The step whose actor loss is NaN in the rollback pair (of 8; a checkpoint every 2: nan_or_inf goes back to 2).
 ROLLBACK_NAN_STEP = 5
-#: What the first step after the rollback logs, compared between the two paths.
+#: What the first step after the rollback logs, said in the row (every metric is compared: first_step_agreement).
 FIRST_STEP_KEYS = ("actor/lr", "actor/reward_kl_penalty_coeff", "critic/score/mean", "response_length/mean",
                    "actor/entropy", "actor/pg_loss", "critic/vf_loss")
+#: Parts of a metric's name that say it is not the step's number but the machine's: timings, throughput, memory.
+NOT_COMPARED = ("timing", "perf/", "time")
+#: The least difference counted as noise, as a share of the metric's largest value: verl computes in bf16, which
+#: keeps 8 bits of mantissa (0.4% a rounding), and a logged mean or max adds a few of those.
+BF16_SHARE = 0.01
 
 
 def run_rollback(root: Path, mode: str, gpus: int = 1) -> VerlRun:
@@ -546,6 +551,11 @@ def run_rollback(root: Path, mode: str, gpus: int = 1) -> VerlRun:
     env = overrides.verl_env(inject={"VERL_CPU_INJECT_DIR": str(run_dir / "injected"),
                                      "VERL_CPU_INJECT_NAN": str(ROLLBACK_NAN_STEP)})
     ov = [o for o in overrides.ppo_overrides(a, steps=8, save_freq=2, gpus=gpus) if not o.startswith("trainer.logger=")]
+    # verl's own switches for a reproducible run, so the two paths can be compared on every metric, not only on the
+    # set ones: each rollout sample drawn from its own seed (rollout.sampling_seed), the actor's and the critic's
+    # engines seeded before they build their models (the critic's value head is a fresh random layer).
+    ov += [f"{key}.full_determinism=true" for key in ("actor_rollout_ref.rollout", "actor_rollout_ref.actor.fsdp_config",
+                                                     "critic.fsdp")]
     argv = [sys.executable, "-m", "ppo_watchdog", "run", "--run-dir", str(run_dir), "--state-dir", str(state),
             "--rules", str(REPO / "rules" / "default.yaml"), "--startup-timeout", "400", "--on-escalate", "stop",
             "--no-report", "--", sys.executable, "-m", "ppo_watchdog.trainer.verl_glue", "--run-dir", str(run_dir),
@@ -598,6 +608,40 @@ def check_in_process_rollback(run: VerlRun, where: str = "") -> Row:
                {"first_step_s": round(seconds, 1), "steps_lost": lost})
 
 
+def _numbers(record: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in record["data"].items() if isinstance(v, (int, float)) and math.isfinite(v)
+            and not any(part in k for part in NOT_COMPARED)}
+
+
+def _timelines(run: VerlRun) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The run's records before its rollback's rewind, and after it."""
+    records = run.metrics()
+    cut = next((i for i in range(1, len(records)) if records[i]["step"] <= records[i - 1]["step"]), len(records))
+    return records[:cut], records[cut:]
+
+
+def first_step_agreement(inproc: VerlRun, relaunch: VerlRun) -> dict[str, tuple[float, float, float]]:
+    """Every metric of the first step after the rollback, in process and by relaunch, beside the two runs' own
+    floating-point noise: {key: (in process, relaunch, noise)}.
+
+    Under full determinism the two runs are one computation until the rollback (same seeds, same samples, same
+    batches); what separates them at a step before it is the order of floating-point sums, and grows a little
+    step by step. A metric's noise is the most the two runs differed in it at any step before the rollback, and
+    never less than :data:`BF16_SHARE` of the largest value it took in either run."""
+    (before_a, after_a), (before_b, after_b) = _timelines(inproc), _timelines(relaunch)
+    if not after_a or not after_b:
+        raise ValueError("a run has no step after its rollback")
+    first_a, first_b = _numbers(after_a[0]), _numbers(after_b[0])
+    same_steps = [(_numbers(a), _numbers(b)) for a, b in zip(before_a, before_b, strict=False) if a["step"] == b["step"]]
+    every = [_numbers(r) for r in (*before_a, *after_a, *before_b, *after_b)]
+    out: dict[str, tuple[float, float, float]] = {}
+    for key in sorted(set(first_a) & set(first_b)):
+        gaps = [abs(a[key] - b[key]) for a, b in same_steps if key in a and key in b]
+        scale = max(abs(r[key]) for r in every if key in r)
+        out[key] = (first_a[key], first_b[key], max([BF16_SHARE * scale, *gaps]))
+    return out
+
+
 def rollback_pair_checks(inproc: VerlRun, relaunch: VerlRun, label: str = "") -> list[Row]:
     """The in-process rollback's rows beside the same rollback by relaunch (same checkpoint, sets, skip and seed):
     verl logs the same lr and kl_coef and the same first-step metrics after each, and what each cost."""
@@ -609,6 +653,11 @@ def rollback_pair_checks(inproc: VerlRun, relaunch: VerlRun, label: str = "") ->
     shared = [k for k in FIRST_STEP_KEYS if math.isfinite(ip_first[k]) and math.isfinite(rs_first[k])]
     relative = {k: abs(ip_first[k] - rs_first[k]) / max(1e-12, abs(rs_first[k])) for k in shared}
     exact = [k for k in ("actor/lr", "actor/reward_kl_penalty_coeff") if k in shared]
+    agree = first_step_agreement(inproc, relaunch)
+    beyond = {k: v for k, v in agree.items() if abs(v[0] - v[1]) > v[2]}
+    # The metric that came closest to its noise (differences as a share of it; an exact match is 0).
+    worst = max(agree.items(), key=lambda kv: abs(kv[1][0] - kv[1][1]) / kv[1][2] if kv[1][2] else 0.0,
+                default=("none", (math.nan, math.nan, math.nan)))
     # Where verl's dataloader stood at each checkpoint saved after the rollback: the same batches, skip included.
     drawn = [(s, _drawn(inproc.run_dir / rundir.CHECKPOINTS / f"global_step_{s}"),
               _drawn(relaunch.run_dir / rundir.CHECKPOINTS / f"global_step_{s}"))
@@ -619,15 +668,20 @@ def rollback_pair_checks(inproc: VerlRun, relaunch: VerlRun, label: str = "") ->
         Row(f"the same rollback by relaunch{where}", rs.status == "done" and relaunch.exit_code == 0,
             f"{rs.result.get('outcome', '')}; {rs_s:.1f} s from the decision to the first new step, {rs_lost} steps "
             "lost", {"first_step_s": round(rs_s, 1), "steps_lost": rs_lost}),
-        Row(f"in process and by relaunch, the same rollback: lr, kl_coef and the batches verl trains on after it{where}",
+        Row(f"in process and by relaunch, the same rollback: lr, kl_coef, the batches and every metric of the first "
+            f"step after it{where}",
             ip_to == to and len(exact) == 2 and all(relative[k] <= 1e-9 for k in exact) and bool(drawn)
-            and all(a == b and a is not None for _, a, b in drawn),
+            and all(a == b and a is not None for _, a, b in drawn) and bool(agree) and not beyond,
             f"back to step {ip_to} in process, {to} by relaunch; batches drawn at each later checkpoint (step, in "
             f"process, relaunch) {drawn}; the first step after it: "
             + "; ".join(f"{k} {ip_first[k]:.6g} in process, {rs_first[k]:.6g} by relaunch" for k in shared)
-            + " (the sampled ones are draws: the rollout server's sampling RNG is not in verl's checkpoint, a "
-              "relaunch starts it afresh and in process it goes on)",
-            {"in_process": ip_first, "relaunch": rs_first, "relative_difference": relative, "batches_drawn": drawn}),
+            + f"; of its {len(agree)} metrics, {len(agree) - len(beyond)} differ by no more than the two runs did at "
+              f"any step before the rollback (full determinism: one computation until then) or {BF16_SHARE:.0%} of "
+              "their largest value, "
+            + (f"beyond it: {beyond}" if beyond else
+               f"the closest to it {worst[0]} {worst[1][0]:.6g} and {worst[1][1]:.6g} (noise {worst[1][2]:.3g})"),
+            {"in_process": ip_first, "relaunch": rs_first, "relative_difference": relative, "batches_drawn": drawn,
+             "metrics_compared": len(agree), "beyond_noise": beyond}),
         Row(f"in-process rollback against relaunch: seconds from the decision to the first new step{where}",
             ip_s < rs_s, f"{ip_s:.1f} s in process, {rs_s:.1f} s by relaunch ({rs_s / max(ip_s, 1e-9):.1f}x)",
             {"in_process_s": round(ip_s, 1), "relaunch_s": round(rs_s, 1), "ratio": round(rs_s / max(ip_s, 1e-9), 2)}),

@@ -125,3 +125,38 @@ def test_an_injected_lr_spike_multiplies_the_real_optimizers_lr_once_and_the_sch
     again = engine()
     plugin.spike_lr(again, 12)
     assert again.optimizer.param_groups[0]["lr"] == pytest.approx(3e-4)
+
+
+def test_under_full_determinism_the_hf_rollout_samples_each_request_by_its_place_not_its_turn(tmp_path: Path) -> None:
+    """verl's ``rollout.full_determinism`` names each request ``det-<its index in the batch>``: the hf server
+    then draws each one from its own seed, so the same step's samples come out the same in any arrival order and
+    after any other draws (what a rollback in process and a relaunch must share); two samples of one prompt
+    still differ, and without the option the server's one stream goes on as before."""
+    import asyncio
+
+    from ppo_watchdog.trainer.verl_cpu import assets
+    from ppo_watchdog.trainer.verl_cpu.rollout import HFServer, sampling_seed
+
+    assets.build_model(tmp_path / "model")
+    prompt = [int(t) for t in range(20, 28)]
+    params = {"temperature": 1.0, "top_p": 1.0, "max_tokens": 6, "logprobs": True}
+
+    def server(deterministic: bool) -> HFServer:
+        config = types.SimpleNamespace(seed=7, full_determinism=deterministic, prompt_length=16, response_length=8)
+        s = HFServer(config, types.SimpleNamespace(path=str(tmp_path / "model")), replica_rank=0)
+        asyncio.run(s.set_global_steps(4))
+        return s
+
+    def sample(s: HFServer, ids: list[str]) -> dict[str, list[int]]:
+        return {i: asyncio.run(s.generate(prompt, params, request_id=i)).token_ids for i in ids}
+
+    first = sample(server(True), ["det-0", "det-1", "det-2"])
+    other = server(True)
+    sample(other, ["det-9"])  # draws the server made before: another step's, validation's
+    again = sample(other, ["det-2", "det-0", "det-1"])
+    assert again == first
+    assert len({tuple(t) for t in first.values()}) == 3  # one prompt, three samples: three draws
+    assert sampling_seed(7, 5, "det-0") != sampling_seed(7, 4, "det-0")  # the next step draws anew
+    assert sampling_seed(7, 5, "0123abcd") is None  # verl's uuid request ids: no per-request seed
+    plain = server(False)
+    assert sample(plain, ["det-0"]) != sample(plain, ["det-0"])  # one stream, as without the option

@@ -8,7 +8,10 @@ pieces, registered as ``("hf", "async")`` by :mod:`ppo_watchdog.trainer.verl_cpu
 - :class:`HFServer`, a Ray actor holding an fp32 copy of the policy that answers verl's agent loop
   (``generate(prompt_ids, sampling_params, request_id) -> TokenOutput``: temperature, top_p, top_k,
   max_tokens, the eos cut, log-probs of the sampled tokens), ``load_weights`` and
-  ``set_global_steps``, with the memory calls (wake_up, sleep, kv cache, abort) as no-ops;
+  ``set_global_steps``, with the memory calls (wake_up, sleep, kv cache, abort) as no-ops; under verl's
+  ``rollout.full_determinism`` each sample's draw is seeded by its place in the batch and the step
+  (:func:`sampling_seed`), so a step samples the same answers for the same weights whatever the order
+  the requests arrive in, which replica serves them, or what the server sampled before;
 - :class:`HFReplica`, the ``RolloutReplica`` whose ``launch_servers`` starts one per replica;
 - :class:`HFServerAdapter`, the ``BaseRollout`` in verl's FSDP worker: its ``update_weights``
   consumes the engine's full-tensor generator and pushes the weights to the server, so every
@@ -22,6 +25,7 @@ import logging
 import os
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 from verl.workers.rollout.base import BaseRollout
@@ -37,6 +41,21 @@ def server_name(replica_rank: int) -> str:
     return f"hf_server_{replica_rank}_0"
 
 
+def sampling_seed(seed: int, step: int, request_id: str) -> int | None:
+    """The seed of one sample's draw under verl's ``rollout.full_determinism``, or None without it.
+
+    verl then names each request by its sample's index in the batch (``det-<priority>``,
+    agent_loop/single_turn_agent_loop.py); that index, the rollout seed and the step mix into one seed
+    (numpy's ``SeedSequence``), so no two samples of a step share a draw and the same sample of the same
+    step always gets the same one, whatever happened before it: a relaunch from a checkpoint and a
+    rollback inside the running trainer sample a restored step alike.
+    """
+    kind, _, index = request_id.partition("-")
+    if kind != "det" or not index.isdigit():
+        return None
+    return int(np.random.SeedSequence([seed, step, int(index)]).generate_state(1)[0])
+
+
 class HFServer:
     """One rollout replica: a Hugging Face causal LM sampling one request at a time."""
 
@@ -45,8 +64,11 @@ class HFServer:
 
         torch.set_num_threads(1)
         # verl's rollout seed (rollout.seed, vLLM's sampling seed): the same seed samples the same
-        # answers for the same weights (one request at a time, under the lock below).
-        torch.manual_seed(int(getattr(config, "seed", 42) or 0) + int(replica_rank))
+        # answers for the same weights (one request at a time, under the lock below); under
+        # full_determinism each request is seeded on its own (sampling_seed).
+        self.seed = int(getattr(config, "seed", 42) or 0)
+        self.full_determinism = bool(getattr(config, "full_determinism", False))
+        torch.manual_seed(self.seed + int(replica_rank))
         self.config = config
         self.replica_rank = replica_rank
         path = getattr(model_config, "local_path", None) or model_config.path
@@ -60,7 +82,10 @@ class HFServer:
         self.requests = 0  # counts generate calls, for the injected abort share
         self.lock = asyncio.Lock()
 
-    def _generate(self, prompt_ids: list[int], params: dict[str, Any]) -> tuple[list[int], list[float], str]:
+    def _generate(self, prompt_ids: list[int], params: dict[str, Any],
+                  seed: int | None = None) -> tuple[list[int], list[float], str]:
+        if seed is not None:
+            torch.manual_seed(seed)
         temperature = float(params.get("temperature", 1.0) or 0.0)
         room = self.max_len - len(prompt_ids)
         if room < 1:
@@ -104,8 +129,9 @@ class HFServer:
                                              plugin.ABORTED_LOGPROBS_FIELD: want_logprobs})
         params = dict(sampling_params)
         want_logprobs = bool(params.pop("logprobs", False)) or params.get("logprobs") == 0
+        seed = sampling_seed(self.seed, step, request_id) if self.full_determinism else None
         async with self.lock:
-            tokens, logps, _ = await asyncio.to_thread(self._generate, list(map(int, prompt_ids)), params)
+            tokens, logps, _ = await asyncio.to_thread(self._generate, list(map(int, prompt_ids)), params, seed)
         return TokenOutput(token_ids=tokens, log_probs=logps if want_logprobs else None, stop_reason="completed",
                            extra_fields={"global_steps": self.global_steps})
 
