@@ -55,6 +55,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from bench_rules import commit  # noqa: E402
+
 from ppo_watchdog.protocol import rundir  # noqa: E402
 from ppo_watchdog.protocol.runinfo import RunInfo  # noqa: E402
 from ppo_watchdog.trainer.verl_glue.runner import ROLLBACK_MODES  # noqa: E402  (the pair's two runs)
@@ -539,6 +541,8 @@ NOT_COMPARED = ("timing", "perf/", "time")
 #: The least difference counted as noise, as a share of the metric's largest value: verl computes in bf16, which
 #: keeps 8 bits of mantissa (0.4% a rounding), and a logged mean or max adds a few of those.
 BF16_SHARE = 0.01
+#: Two runs of one computation that differ in a metric by more than this share of it: the metric is noise.
+NOISE_SHARE = 0.1
 
 
 def run_rollback(root: Path, mode: str, gpus: int = 1) -> VerlRun:
@@ -627,7 +631,9 @@ def first_step_agreement(inproc: VerlRun, relaunch: VerlRun) -> dict[str, tuple[
     Under full determinism the two runs are one computation until the rollback (same seeds, same samples, same
     batches); what separates them at a step before it is the order of floating-point sums, and grows a little
     step by step. A metric's noise is the most the two runs differed in it at any step before the rollback, and
-    never less than :data:`BF16_SHARE` of the largest value it took in either run."""
+    never less than :data:`BF16_SHARE` of the largest value it took in either run. A metric in which the two runs
+    already differed by more than :data:`NOISE_SHARE` of its value measures noise itself (the rollout's log-probs
+    against the actor's, a mean that is zero by construction): its noise is the largest value it took before."""
     (before_a, after_a), (before_b, after_b) = _timelines(inproc), _timelines(relaunch)
     if not after_a or not after_b:
         raise ValueError("a run has no step after its rollback")
@@ -636,9 +642,12 @@ def first_step_agreement(inproc: VerlRun, relaunch: VerlRun) -> dict[str, tuple[
     every = [_numbers(r) for r in (*before_a, *after_a, *before_b, *after_b)]
     out: dict[str, tuple[float, float, float]] = {}
     for key in sorted(set(first_a) & set(first_b)):
-        gaps = [abs(a[key] - b[key]) for a, b in same_steps if key in a and key in b]
+        both = [(a[key], b[key]) for a, b in same_steps if key in a and key in b]
+        gaps = [abs(x - y) for x, y in both]
         scale = max(abs(r[key]) for r in every if key in r)
-        out[key] = (first_a[key], first_b[key], max([BF16_SHARE * scale, *gaps]))
+        noise_itself = any(abs(x - y) > NOISE_SHARE * max(abs(x), abs(y)) for x, y in both)
+        level = max((max(abs(x), abs(y)) for x, y in both), default=0.0) if noise_itself else 0.0
+        out[key] = (first_a[key], first_b[key], max([BF16_SHARE * scale, level, *gaps]))
     return out
 
 
@@ -676,8 +685,8 @@ def rollback_pair_checks(inproc: VerlRun, relaunch: VerlRun, label: str = "") ->
             f"process, relaunch) {drawn}; the first step after it: "
             + "; ".join(f"{k} {ip_first[k]:.6g} in process, {rs_first[k]:.6g} by relaunch" for k in shared)
             + f"; of its {len(agree)} metrics, {len(agree) - len(beyond)} differ by no more than the two runs did at "
-              f"any step before the rollback (full determinism: one computation until then) or {BF16_SHARE:.0%} of "
-              "their largest value, "
+              f"any step before the rollback (full determinism: one computation until then), {BF16_SHARE:.0%} of "
+              "their largest value, or (a metric that is float noise itself) its level before, "
             + (f"beyond it: {beyond}" if beyond else
                f"the closest to it {worst[0]} {worst[1][0]:.6g} and {worst[1][1]:.6g} (noise {worst[1][2]:.3g})"),
             {"in_process": ip_first, "relaunch": rs_first, "relative_difference": relative, "batches_drawn": drawn,
@@ -1038,12 +1047,12 @@ def async_save_checks(run: VerlRun) -> list[Row]:
 def write_results(rows: list[Row], command: str, device: str, out: Path, notes: list[str]) -> None:
     """bench/results/verl_e2e.json (``checks``) and .md."""
     doc = {"command": command, "device": device, "host": f"{platform.node()} ({os.cpu_count()} CPUs)",
-           "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "verl": _verl_version(),
+           "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(), "verl": _verl_version(),
            "checks": [r.to_json() for r in rows], "notes": notes}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     lines = [f"# The watchdog over real verl, end to end ({device})", "", f"Command: `{command}`  ",
-             f"Measured {doc['when']} on {doc['host']}, verl {doc['verl']}.", "",
+             f"Measured {doc['when']} at commit {doc['commit']} on {doc['host']}, verl {doc['verl']}.", "",
              "| check | pass | figures | detail |", "|---|---|---|---|"]
     for r in rows:
         figs = ", ".join(f"{k}={v}" for k, v in r.figures.items())

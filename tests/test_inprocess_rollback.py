@@ -92,3 +92,33 @@ def test_a_restore_in_process_is_priced_as_the_steps_trained_again_with_no_start
     assert CostModel().restore(0).describe() == "in process: 0 s (no step lost)"  # not "live": it restores
     entry = {"payload": {"cost": cost.to_json()}, "result": {"first_step_s": 6.2}, "status": "done"}
     assert cost_text([entry]) == "in process 6 s measured, 4 steps again"
+
+
+def test_the_first_step_after_a_rollback_is_judged_against_the_two_runs_own_noise_before_it() -> None:
+    """bench/verl_e2e's comparison of a rollback in process with the same rollback by relaunch: under full
+    determinism the two runs differ before the rollback only by float order; the first step after it agrees
+    when it differs by no more than that (or 1% of the metric's scale, or, for a metric that is noise itself,
+    its level before), and a step from another state does not."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    import verl_e2e
+
+    def run(vf: list[float], noise: list[float], first_vf: float) -> Any:
+        steps = [1, 2, 3, 4, 3]  # a rollback from 4 to the checkpoint of 2
+        values = [*vf, first_vf]
+        records = [{"step": s, "data": {"critic/vf_loss": v, "rollout_corr/kl": n, "timing_s/step": 9.0 * s}}
+                   for s, v, n in zip(steps, values, noise, strict=True)]
+        return SimpleNamespace(metrics=lambda: records)
+
+    vf = [0.50, 0.40, 0.30, 0.20]
+    inproc = run(vf, [1e-4, -2e-4, 3e-4, 1e-4, -2e-4], 0.30)
+    relaunch = run([v + 1e-3 for v in vf], [2e-4, -1e-4, 1e-4, 2e-4, 0.5e-4], 0.3008)
+    agree = verl_e2e.first_step_agreement(inproc, relaunch)
+    assert set(agree) == {"critic/vf_loss", "rollout_corr/kl"}  # timings are the machine's, not the step's
+    assert agree["critic/vf_loss"] == pytest.approx((0.30, 0.3008, 0.00501))  # 1% of 0.501 over the 0.001 gaps
+    assert agree["rollout_corr/kl"][2] == pytest.approx(3e-4)  # noise itself: its level before, over the 2e-4 gaps
+    assert all(abs(a - b) <= noise for a, b, noise in agree.values())
+    elsewhere = run([v + 1e-3 for v in vf], [2e-4, -1e-4, 1e-4, 2e-4, 0.5e-4], 0.2)  # the state of step 4
+    a, b, noise = verl_e2e.first_step_agreement(inproc, elsewhere)["critic/vf_loss"]
+    assert abs(a - b) > noise
