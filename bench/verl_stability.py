@@ -95,19 +95,26 @@ FAMILIES: dict[str, Family] = {
 #: Why a family ends below all-stable with the watchdog, from its runs' decisions and numbers (the results page says it).
 EXPLAINED: dict[str, str] = {
     "lr_high": (
-        "the rewinds go back to the start but the lr cuts do not go far enough in 20 steps. Seeds 1 and 2 were rewound to "
-        "the initial weights three times (kl_explosion at step 3, then kl_leap, early_entropy_blowup or "
-        "dead_after_learning within the relaunch's first 6 steps), cutting the lr 0.1 -> 0.05 -> 0.0125 -> 1e-3 (seed "
-        "1) and 0.1 -> 0.05 -> 6.25e-4 -> 5e-4 (seed 2): 5-10x the control's, where this model drifts down (as at "
-        "3e-4); seed 1 ended at 0.20 from "
-        "0.63, seed 2 at 0.26 from 0.47. Seed 3 took a fourth rewind and ended at 0.52 from 0.48. The cuts follow "
-        "each rule's stated schedule (x0.5 growing, x0.1 for a KL leap); a cut sized from the measured KL of the "
-        "first update is not built."),
-    "nan": (
-        "seed 3's NaN at step 10 was rolled back to the checkpoint of step 8, but that checkpoint's own validation "
-        "(verl's, at the resume) was already 0.33 from the start's 0.48: this seed's first 8 steps at the control's "
-        "lr, before any fault, had lost that much (its healthy run ended at 0.45 alone). The rollback restores what "
-        "the run had; it ended at 0.30 (alone, NaN and all, 0.37)."),
+        "every rewind goes to the initial weights (the trouble comes at steps 3-4, before the first checkpoint), and "
+        "the last relaunch lives at 6x the control's lr with its sampled score at the control's level, while the "
+        "greedy accuracy falls. Seeds 2 and 3: kl_explosion at step 3, then kl_leap, then dead_after_learning at step "
+        "10 of the relaunch, the lr 0.1 -> 0.05 -> 5e-3 -> 6.25e-4; the last 20 steps scored 0.17 and 0.27 a batch "
+        "(the healthy control 0.27) and ended at 0.25 from 0.47 and 0.37 from 0.48. Seed 1 took a fourth rewind to "
+        "7.8e-5 and ended at 0.65 from 0.63. No rule sees greedy accuracy: the runs validate only at their end."),
+    "no_kl_lr_high": (
+        "no KL anchor: the relaunches from the initial weights drift with nothing to pull them back. Seed 3's "
+        "relaunch at 5e-3 died at once (every batch but a few scored 0 for 20 steps): dead_run told a person at step "
+        "11 and nothing rolled it back, since the pack rolls a dead run back only after it has seen it learn on that "
+        "timeline; it ended at 0.00. Seeds 1 and 2 ended their last relaunch (1.6e-4 and 1.25e-3) with the sampled "
+        "score at the control's level (0.25 and 0.19 a batch) and the greedy accuracy at 0.47 from 0.63 and 0.21 "
+        "from 0.47. Seed 2's second rewind went to the start, not to the relaunch's checkpoint of step 8, by the "
+        "doubling backoff (a recurrence within the rule's progress). The committed runs of the code before the "
+        "backoff (22602cb) were 3/3 here, their rewinds to checkpoints inside the relaunches."),
+    "lr_spike": (
+        "seed 3 took the same decision as in every earlier run of this bench (kl_explosion at step 12, back to the "
+        "checkpoint of step 8, lr halved) and ended at 0.35 from 0.48, where earlier runs with that decision ended at "
+        "0.47; this seed's healthy run ended at 0.42 here (0.54 and 0.45 before): verl on CPU is not reproducible "
+        "run to run, and this seed sits at the tolerance's edge with or without the fault."),
 }
 
 
